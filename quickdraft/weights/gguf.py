@@ -1,0 +1,96 @@
+"""GGUF files (read with the `gguf` package) -> ModelConfig, model-named tensors, tokenizer metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+
+from quickdraft.config import SUPPORTED_ARCHS, ModelConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.weights.dequant import SUPPORTED_TYPES, dequantize
+from quickdraft.weights.names import gguf_to_model, unpermute_rotary
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/struct errors on anything not GGUF
+        raise QuickdraftError(f"{path} is not a readable GGUF file ({e}); check the path or re-download it") from e
+
+
+def metadata(reader: GGUFReader) -> dict:
+    """All key/value metadata as plain Python values."""
+    return {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture", "?")
+    if arch not in SUPPORTED_ARCHS:
+        raise QuickdraftError(
+            f"unsupported architecture {arch!r} in the GGUF file: quickdraft runs {', '.join(SUPPORTED_ARCHS)}"
+        )
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
+        raise QuickdraftError(
+            f"this {arch} model uses RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}), "
+            "which quickdraft does not implement yet"
+        )
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise QuickdraftError(f"the GGUF metadata lacks {arch}.{key}: the file is incomplete")
+        return value
+
+    n_heads = get("attention.head_count")
+    dim = get("embedding_length")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    return ModelConfig(
+        arch=arch,
+        vocab_size=vocab,
+        dim=dim,
+        n_layers=get("block_count"),
+        n_heads=n_heads,
+        n_kv_heads=get("attention.head_count_kv", n_heads),
+        head_dim=get("attention.key_length", dim // n_heads),
+        ffn_dim=get("feed_forward_length"),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_context=get("context_length", 4096),
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        tie_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def check_tensor_types(reader: GGUFReader) -> None:
+    """Fail before the long part of a load if any tensor is in a format we cannot read."""
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            names = ", ".join(x.name for x in SUPPORTED_TYPES)
+            raise QuickdraftError(
+                f"tensor {t.name} has type {t.tensor_type.name}, which quickdraft does not read "
+                f"(supported: {names}); use a file quantized to one of these, e.g. Q4_K_M or Q8_0"
+            )
+
+
+def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None) -> dict:
+    """Dequantize every tensor the model uses into `dtype`, under the model's parameter names.
+
+    `progress(nbytes)` is called after each tensor with the bytes it covered.
+    """
+    state = {}
+    for t in reader.tensors:
+        name = gguf_to_model(t.name)
+        if name is not None:
+            shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+            w = dequantize(t.data, t.tensor_type, shape, dtype)
+            if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
+                w = unpermute_rotary(w, heads)
+            state[name] = w
+        if progress is not None:
+            progress(int(t.n_bytes))
+    return state

@@ -1,0 +1,131 @@
+"""From what a user types after -m (an alias, a .gguf file, a Hugging Face directory) to a model on a device."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.transformer import Transformer, rotary_tables
+from quickdraft.tokenizer import Tokenizer
+from quickdraft.ui import progress_bar
+from quickdraft.weights import gguf as gguf_io, hub, safetensors as st_io
+from quickdraft.weights.names import fuse_projections
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    load_seconds: float
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.tok_embeddings.weight.device
+
+
+def resolve(spec: str) -> Path:
+    """An alias (pulled on first use), a .gguf file or a Hugging Face directory -> a local path."""
+    if spec in hub.DEFAULT_MODELS:
+        return ensure_pulled(spec)
+    path = Path(spec).expanduser()
+    if path.is_file() or (path.is_dir() and (path / "config.json").exists()):
+        return path
+    if path.is_dir():
+        raise QuickdraftError(f"{path} is a directory without config.json: give a Hugging Face model directory")
+    raise QuickdraftError(
+        f"model {spec!r} not found: give an alias ({', '.join(hub.DEFAULT_MODELS)}), "
+        "a .gguf file or a Hugging Face model directory"
+    )
+
+
+def ensure_pulled(alias: str) -> Path:
+    """The local path of a default model, pulling it (with a progress bar) if it is not there yet."""
+    path = hub.model_path(alias)  # raises a clear error for an unknown alias
+    if not hub.is_pulled(alias):
+        with progress_bar(f"pulling {alias}", hub.DEFAULT_MODELS[alias].size) as update:
+            hub.pull(alias, progress=lambda done, total: update(done))
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QuickdraftError(f"--device {device}: PyTorch sees no CUDA device here; use --device cpu or auto")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise QuickdraftError(f"--device {device!r} is not a device name: use auto, cpu or cuda") from e
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype != "auto":
+        raise QuickdraftError(f"--dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
+    if device.type == "cuda":
+        return torch.bfloat16
+    # bf16 halves the bytes every token reads; use it where the CPU computes it natively.
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool | None = None) -> LoadedModel:
+    """Load weights, tokenizer and config, and place the model on its device."""
+    start = time.perf_counter()
+    path = resolve(spec)
+    device = resolve_device(engine.device)
+    dtype = resolve_dtype(engine.dtype, device)
+    if path.is_dir():
+        cfg = st_io.read_config(path)
+        tokenizer = Tokenizer.from_hf_dir(path)
+        with progress_bar(f"loading {path.name}", st_io.shard_bytes(path), progress) as update:
+            state = st_io.read_tensors(path, cfg, dtype, _accumulate(update))
+    else:
+        reader = gguf_io.open_gguf(path)
+        meta = gguf_io.metadata(reader)
+        cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
+        gguf_io.check_tensor_types(reader)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        total = sum(int(t.n_bytes) for t in reader.tensors)
+        with progress_bar(f"loading {path.name}", total, progress) as update:
+            state = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update))
+    context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
+    model = build_model(cfg, state, device, context)
+    return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start)
+
+
+def build_model(cfg: ModelConfig, state: dict, device: torch.device, max_context: int) -> Transformer:
+    """A Transformer holding `state` (model-named tensors) on `device`, with rotary tables for max_context."""
+    state = fuse_projections(state, cfg.n_layers)
+    with torch.device("meta"):
+        model = Transformer(cfg, max_context)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise QuickdraftError(
+            f"the checkpoint does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    model.rope_cos, model.rope_sin = rotary_tables(cfg, max_context)
+    model = model.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _accumulate(update):
+    done = 0
+
+    def advance(n):
+        nonlocal done
+        done += n
+        update(done)
+
+    return advance

@@ -1,0 +1,56 @@
+"""Hugging Face model directories: config.json + *.safetensors (sharded too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from quickdraft.config import ModelConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.weights.names import hf_to_model
+
+
+def read_config(path: Path) -> ModelConfig:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise QuickdraftError(f"{path} has no config.json: give a Hugging Face model directory or a .gguf file")
+    return ModelConfig.from_hf_dict(json.loads(cfg_path.read_text(encoding="utf-8")))
+
+
+def shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QuickdraftError(f"{path} has no *.safetensors files: quickdraft reads safetensors weights only")
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise QuickdraftError(f"{path} lacks the shards {', '.join(missing)} named by its index; re-download them")
+    return files
+
+
+def shard_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in shard_files(path))
+
+
+def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None) -> dict:
+    state = {}
+    for file in shard_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = hf_to_model(key)
+                if name is None:
+                    continue
+                t = f.get_tensor(key)
+                state[name] = t.to(dtype)
+                if progress is not None:
+                    progress(t.numel() * t.element_size())
+    if cfg.tie_embeddings:
+        state.pop("output.weight", None)
+    return state

@@ -113,14 +113,6 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The converter's permutation (Hugging Face -> llama-arch GGUF); the inverse of unpermute_rotary."""
-    rows = w.shape[0]
-    head = rows // n_heads
-    rest = w.shape[1:]
-    return w.reshape(n_heads, 2, head // 2, *rest).transpose(1, 2).reshape(rows, *rest)
-
-
 def fuse_projections(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
     """Concatenate q/k/v (weights and biases) and gate/up row-wise, layer by layer, in place."""
     for i in range(n_layers):

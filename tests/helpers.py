@@ -1,0 +1,117 @@
+"""Builders for tiny random models: Hugging Face directories and GGUF files written with the gguf writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFWriter
+
+
+
+def tiny_hf_config(arch: str, vocab: int = 320):
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        return transformers.LlamaConfig(rope_theta=10000.0, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(rope_theta=1000000.0, **common)
+    if arch == "qwen3":  # head_dim 32 != hidden/heads = 16: the explicit head size must be honoured
+        return transformers.Qwen3Config(rope_theta=1000000.0, head_dim=32, **common)
+    raise ValueError(arch)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, tie: bool = False):
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(arch)
+    cfg.tie_word_embeddings = tie
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make every parameter matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def byte_level_vocab(size: int) -> list[str]:
+    """GPT-2's byte-to-unicode alphabet, padded with filler tokens to `size`."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    tokens = [chr(c) for c in cs]
+    return tokens + [f"<extra_{i}>" for i in range(size - len(tokens))]
+
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows for llama-arch files, as written there."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_hf(model, path: Path, arch: str | None = None) -> Path:
+    """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama)."""
+    cfg = model.config
+    arch = arch or cfg.model_type
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(byte_level_vocab(cfg.vocab_size))
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_token_merges([])
+    for name, t in model.state_dict().items():
+        t = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        else:
+            parts = name.split(".")
+            layer, rest = parts[2], ".".join(parts[3:])
+            gname = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+            if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
+                t = converter_permute(t, heads)
+        w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

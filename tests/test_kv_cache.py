@@ -1,0 +1,44 @@
+"""Rollback is a pointer move, and rewriting after a rollback equals never having gone further."""
+
+import torch
+
+from quickdraft.config import EngineConfig
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.weights.loader import load_model
+from tests.helpers import tiny_hf_model
+
+
+def tiny(tmp_path):
+    hf = tiny_hf_model("qwen2")
+    hf.save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    return load_model(str(tmp_path), EngineConfig(device="cpu", dtype="float32", max_context=64), progress=False)
+
+
+def test_rollback_then_rewrite_equals_straight_decoding(tmp_path):
+    lm = tiny(tmp_path)
+    straight = KVCache.for_model(lm.model)
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():  # the same chunks with and without the detour, so row counts match
+        lm.model(tokens[:, :5], straight)
+        want = lm.model(tokens[:, 5:], straight)
+        spec = KVCache.for_model(lm.model)
+        lm.model(tokens[:, :5], spec)
+        lm.model(torch.tensor([[7, 7, 7]]), spec)  # a rejected continuation
+        spec.rollback(5)
+        assert spec.length == 5
+        got = lm.model(tokens[:, 5:], spec)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    n = straight.length
+    assert spec.length == n
+    torch.testing.assert_close(spec.k[:, :, :, :n], straight.k[:, :, :, :n], rtol=0, atol=0)
+    torch.testing.assert_close(spec.v[:, :, :, :n], straight.v[:, :, :, :n], rtol=0, atol=0)
+
+
+def test_cache_is_preallocated_and_written_in_place():
+    cache = KVCache(2, 1, 4, 16)
+    k_storage = cache.k.data_ptr()
+    keys, _ = cache.write(0, torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
+    assert keys.shape == (1, 1, 3, 4) and cache.k.data_ptr() == k_storage

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from quickdraft import sampling
+from quickdraft.config import SamplingParams
+from quickdraft.errors import QuickdraftError
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+
+
+def test_greedy_is_one_hot_argmax():
+    probs = sampling.process(LOGITS, SamplingParams(temperature=0))
+    assert probs.tolist() == [[1.0, 0, 0, 0, 0, 0]]
+    assert sampling.next_token(LOGITS, SamplingParams(), None, None).item() == 0
+
+
+def test_temperature_scales_logits():
+    probs = sampling.process(LOGITS, SamplingParams(temperature=2.0))
+    torch.testing.assert_close(probs, (LOGITS / 2).softmax(-1))
+
+
+def test_top_k_keeps_k_most_likely():
+    probs = sampling.process(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(probs[0, :2], LOGITS[0, :2].softmax(-1))
+    assert probs[0, 2:].sum() == 0
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    full = LOGITS.softmax(-1)[0]  # ~[0.574, 0.211, 0.128, 0.078, 0.029, 0.004]
+    probs = sampling.process(LOGITS, SamplingParams(temperature=1.0, top_p=0.8))[0]
+    kept = (probs > 0).tolist()
+    assert kept == [True, True, True, False, False, False]  # 0.574 + 0.211 = 0.785 < 0.8: a third is needed
+    torch.testing.assert_close(probs[:3], full[:3] / full[:3].sum())
+
+
+def test_top_p_always_keeps_the_top_token():
+    probs = sampling.process(LOGITS, SamplingParams(temperature=1.0, top_p=0.01))[0]
+    assert probs.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_min_p_drops_tokens_below_fraction_of_top():
+    probs = sampling.process(LOGITS, SamplingParams(temperature=1.0, min_p=0.3))[0]
+    assert (probs > 0).tolist() == [True, True, False, False, False, False]  # 0.211 / 0.574 = 0.37
+
+
+def test_repetition_penalty_like_llama_cpp():
+    history = torch.tensor([0, 4, 4])
+    out = sampling.apply_repetition_penalty(LOGITS, history, 2.0)
+    assert out.tolist() == [[1.0, 1.0, 0.5, 0.0, -2.0, -3.0]]
+    # greedy with a strong penalty moves off the repeated argmax
+    assert sampling.next_token(LOGITS, SamplingParams(repetition_penalty=4.0), history, None).item() == 1
+
+
+def test_seeded_sampling_is_reproducible_and_follows_probs():
+    params = SamplingParams(temperature=1.0)
+    logits = LOGITS.expand(20000, -1)
+    draws = [sampling.next_token(logits, params, None, sampling.make_generator(7, torch.device("cpu")))
+             for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])
+    freq = torch.bincount(draws[0], minlength=6).float() / len(draws[0])
+    torch.testing.assert_close(freq, LOGITS.softmax(-1)[0], atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1),
+                                 dict(top_k=-1), dict(max_tokens=-5), dict(repetition_penalty=0)])
+def test_bad_params_are_clear_errors(bad):
+    with pytest.raises(QuickdraftError):
+        SamplingParams(**bad)

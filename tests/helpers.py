@@ -71,8 +71,11 @@ def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf_from_hf(model, path: Path, arch: str | None = None) -> Path:
-    """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama)."""
+def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors=()) -> Path:
+    """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama).
+
+    extra_tensors: (name, raw array, gguf type) triples added as they are.
+    """
     cfg = model.config
     arch = arch or cfg.model_type
     w = GGUFWriter(str(path), arch)
@@ -110,6 +113,8 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None) -> Path:
                 heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
                 t = converter_permute(t, heads)
         w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
+    for name, raw, qtype in extra_tensors:
+        w.add_tensor(name, raw, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

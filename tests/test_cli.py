@@ -1,0 +1,97 @@
+"""The command line on tiny models: output shapes, and bad input as one clear line with a non-zero exit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from tests.helpers import tiny_hf_model, write_gguf_from_hf
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "quickdraft", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_gguf_from_hf(tiny_hf_model("llama"), tmp_path_factory.mktemp("cli") / "tiny.gguf")
+
+
+def test_generate_json(tiny_gguf):
+    r = run("generate", "-m", str(tiny_gguf), "-p", "hello world", "-n", "5", "--json", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) == 5 and out["prompt_tokens"] == len("hello world")
+    assert out["finish_reason"] == "length"
+    assert set(out["timings"]) >= {"ttft_s", "prefill_tok_s", "decode_tok_s", "n_decoded"}
+    assert out["timings"]["n_decoded"] == 4
+
+
+def test_generate_streams_text_then_timings(tiny_gguf):
+    r = run("generate", "-m", str(tiny_gguf), "-p", "hi", "-n", "3", "--temp", "0.8", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert "TTFT" in r.stderr and "decode" in r.stderr and "prefill" in r.stderr
+    again = run("generate", "-m", str(tiny_gguf), "-p", "hi", "-n", "3", "--temp", "0.8", "--seed", "1")
+    assert again.stdout == r.stdout  # seeded sampling is reproducible
+
+
+def test_missing_model_file():
+    assert_one_line_error(run("generate", "-m", "/nonexistent/model.gguf", "-p", "x"), "not found")
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a model")
+    assert_one_line_error(run("generate", "-m", str(bad), "-p", "x"), "not a readable GGUF")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf", arch="gpt99")
+    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "unsupported architecture 'gpt99'")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    raw = np.zeros((4, GGML_QUANT_SIZES[T.Q2_K][1]), dtype=np.uint8)
+    path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf",
+                              extra_tensors=[("blk.0.extra.weight", raw, T.Q2_K)])
+    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "Q2_K")
+
+
+def test_prompt_longer_than_context(tiny_gguf):
+    r = run("generate", "-m", str(tiny_gguf), "-p", "x" * 100, "--ctx", "32", "-n", "4")
+    assert_one_line_error(r, "exceeds the context of 32", "--ctx")
+
+
+def test_unknown_alias_and_bad_device(tiny_gguf):
+    assert_one_line_error(run("pull", "no-such-model"), "unknown model alias")
+    assert_one_line_error(run("generate", "-m", str(tiny_gguf), "-p", "x", "--device", "tpu"), "--device")
+
+
+def test_debug_shows_the_traceback():
+    r = run("generate", "-m", "/nonexistent/model.gguf", "-p", "x", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_perplexity_json(tiny_gguf, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("abcdefgh " * 20)
+    r = run("perplexity", "-m", str(tiny_gguf), "-f", str(text), "--ctx", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens"] == 2 * (64 - 32 - 1) and out["ppl"] > 1
+    short = run("perplexity", "-m", str(tiny_gguf), "-f", str(text), "--ctx", "4096")
+    assert_one_line_error(short, "fewer than --ctx")

@@ -65,12 +65,3 @@ def test_end_of_generation_tokens(tokenizers_pair):
     assert im_end in ours.eos_ids
     assert all(ours.token_text(i).startswith("<") for i in ours.eos_ids)
 
-
-def test_untrustworthy_metadata_ids_are_ignored(real_model_path):
-    """The default target's file names '"' (id 1, a normal token) as BOS and EOS: trusting it would end
-    every answer at its first quotation mark, so only control tokens are taken as BOS/EOS."""
-    meta = gguf_io.metadata(gguf_io.open_gguf(real_model_path("qwen2.5-coder-1.5b")))
-    assert meta["tokenizer.ggml.eos_token_id"] == 1
-    ours = Tokenizer.from_gguf_metadata(meta)
-    assert 1 not in ours.eos_ids and ours.bos_id is None and not ours.add_bos
-    assert ours.backend.token_to_id("<|im_end|>") in ours.eos_ids

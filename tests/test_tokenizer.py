@@ -1,0 +1,51 @@
+"""Tokenizer assembly from GGUF metadata on a synthetic vocabulary."""
+
+import pytest
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.tokenizer import CONTROL, NORMAL, Tokenizer
+from tests.helpers import byte_level_vocab
+
+
+def metadata(**overrides):
+    tokens = byte_level_vocab(256) + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [NORMAL] * 256 + [CONTROL] * 3,
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 258,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    meta.update(overrides)
+    return meta
+
+
+def test_bos_and_end_of_generation_tokens():
+    tok = Tokenizer.from_gguf_metadata(metadata())
+    assert tok.bos_id == 256 and tok.add_bos
+    assert tok.eos_ids == {256, 258}  # <|endoftext|> ends generation too
+    ids = tok.encode("hi")
+    assert ids[0] == 256 and tok.decode(ids[1:]) == "hi"
+    assert tok.encode("<|im_start|>hi", add_bos=False)[0] == 257  # special text becomes its id
+
+
+def test_metadata_ids_that_name_normal_tokens_are_ignored(caplog):
+    """Trusting an EOS that names a normal token (here '"') would end every answer at its first quote."""
+    tok = Tokenizer.from_gguf_metadata(metadata(**{"tokenizer.ggml.eos_token_id": 1,
+                                                   "tokenizer.ggml.bos_token_id": 1}))
+    assert 1 not in tok.eos_ids and tok.eos_ids == {256, 258}
+    assert tok.bos_id is None and not tok.add_bos
+    assert "not a control token" in caplog.text
+
+
+def test_unsupported_tokenizer_type():
+    with pytest.raises(QuickdraftError, match="unsupported tokenizer type 'llama'"):
+        Tokenizer.from_gguf_metadata(metadata(**{"tokenizer.ggml.model": "llama"}))
+
+
+def test_missing_chat_template_is_a_clear_error():
+    with pytest.raises(QuickdraftError, match="no chat template"):
+        Tokenizer.from_gguf_metadata(metadata()).apply_chat_template([{"role": "user", "content": "x"}])

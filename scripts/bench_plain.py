@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Foundation figures: load time and peak memory for the default pair, plain decode tok/s of each.
+
+Usage: .venv/bin/python scripts/bench_plain.py [--dtype auto] [--runs 3] [-n 64] [--device auto]
+Decode tok/s is measured from the first token on (prefill excluded), median of --runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from quickdraft.cli import DEMO_PROMPT
+from quickdraft.config import EngineConfig, SamplingParams
+from quickdraft.engine import Engine
+from quickdraft.weights import hub
+from quickdraft.weights.loader import load_model
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def decode_runs(lm, n: int, runs: int) -> list[float]:
+    engine = Engine(lm, 1024)
+    prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}]))
+    params = SamplingParams(max_tokens=n, stop_at_eos=False)
+    speeds = []
+    for i in range(runs + 1):
+        final = list(engine.generate(prompt, params))[-1]
+        if i > 0:  # the first run warms up
+            speeds.append(final.timings.decode_tok_s)
+    return speeds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("-n", type=int, default=64)
+    args = ap.parse_args()
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_context=1024)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype={args.dtype}", file=sys.stderr)
+    rows = []
+    loaded = []
+    for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
+        start = time.perf_counter()
+        lm = load_model(alias, cfg, progress=False)
+        rows.append([alias, f"{time.perf_counter() - start:.1f}", str(lm.model.tok_embeddings.weight.dtype)])
+        loaded.append(lm)
+    pair_peak = peak_rss_gib()
+    for row, lm in zip(rows, loaded):
+        speeds = decode_runs(lm, args.n, args.runs)
+        row += [f"{statistics.median(speeds):.2f}", f"{min(speeds):.2f}-{max(speeds):.2f}"]
+    header = ["model", "load s", "dtype", "decode tok/s (median)", "range"]
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print(f"peak RSS with the pair loaded: {pair_peak:.2f} GiB; GGUF files: "
+          f"{sum(hub.DEFAULT_MODELS[a].size for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT)) / 2**30:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -31,6 +31,33 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
 
 
+def _spec_args(parser: argparse.ArgumentParser) -> None:
+    s = parser.add_argument_group("speculative decoding (output is identical to the target's alone)")
+    s.add_argument("--draft", default="none", metavar="{MODEL,ngram,none}",
+                   help="draft model (alias, .gguf or HF directory), 'ngram' (prompt lookup, no model) or "
+                        "'none' (default: %(default)s)")
+    s.add_argument("--ngram", action="store_true",
+                   help="with a draft model: use prompt lookup when it has a match, the draft model otherwise")
+    s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
+    s.add_argument("--draft-max", type=int, default=16,
+                   help="most tokens drafted per round; the policy picks k up to this (default: %(default)s)")
+    s.add_argument("--draft-min", type=int, default=0,
+                   help="fewest tokens drafted when speculating; 0 lets the policy turn speculation off "
+                        "when it does not pay (default: %(default)s)")
+    s.add_argument("--draft-p-min", type=float, default=0.5,
+                   help="stop a draft early when the draft model's top probability falls below this "
+                        "(default: %(default)s)")
+    s.add_argument("--fixed-k", action="store_true",
+                   help="always draft --draft-max tokens instead of choosing k by measurement")
+
+
+def spec_config(args):
+    from quickdraft.config import SpecConfig
+
+    return SpecConfig(draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min,
+                      adaptive=not args.fixed_k)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quickdraft",
@@ -59,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _spec_args(g)
     _common(g)
 
     p = sub.add_parser("perplexity", help="perplexity of a model on a text file (llama.cpp's method)",
@@ -112,18 +140,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _load(args, spec: str | None = None):
+def _engine_config(args):
     from quickdraft.config import EngineConfig
+
+    return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
+                        max_context=getattr(args, "ctx", None))
+
+
+def _load(args, spec: str | None = None):
     from quickdraft.weights.loader import load_model
 
-    engine = EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
-                          max_context=getattr(args, "ctx", None))
-    return load_model(spec or args.model, engine)
+    return load_model(spec or args.model, _engine_config(args))
+
+
+def make_engine(args, target):
+    """The engine for a loaded target, with the drafter the --draft flags ask for."""
+    from quickdraft.engine import Engine
+    from quickdraft.spec.build import build_drafter, drafter_name
+
+    spec = spec_config(args)
+    capacity = target.model.max_context
+    drafter = build_drafter(args.draft, target, _engine_config(args), spec, capacity,
+                            args.draft_device, args.ngram)
+    return Engine(target, capacity, drafter, spec, drafter_name(args.draft, args.ngram))
 
 
 def cmd_generate(args) -> int:
     from quickdraft.config import SamplingParams
-    from quickdraft.engine import Engine
 
     params = SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -136,8 +179,7 @@ def cmd_generate(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         text = lm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
     prompt = lm.tokenizer.encode(text)
-    engine = Engine(lm, args.ctx)
-    return _run_generation(engine, prompt, params, as_json=args.json)
+    return _run_generation(make_engine(args, lm), prompt, params, as_json=args.json)
 
 
 def _run_generation(engine, prompt, params, as_json: bool) -> int:
@@ -160,13 +202,15 @@ def _run_generation(engine, prompt, params, as_json: bool) -> int:
             "prompt_tokens": len(prompt),
             "finish_reason": final.finish_reason,
             "timings": t.to_dict(),
-            "spec": None,  # speculation figures: filled in once speculative decoding runs
+            "spec": final.spec.to_dict() if final.spec.drafter != "none" else None,
         }, ensure_ascii=False))
     else:
         print(file=sys.stdout)
         print(f"[{final.finish_reason}] TTFT {t.ttft_s:.2f} s | prefill {t.prefill_tok_s:.1f} tok/s "
               f"({t.prompt_n} tokens) | decode {t.decode_tok_s:.1f} tok/s ({t.n_decoded} tokens)",
               file=sys.stderr)
+        if final.spec.drafter != "none":
+            print(final.spec.summary(), file=sys.stderr)
     return 0
 
 

@@ -111,6 +111,25 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """How much to speculate. Flags mirror llama.cpp: --draft-max, --draft-min, --draft-p-min."""
+
+    draft_max: int = 16  # most tokens drafted in a round
+    draft_min: int = 0  # fewest when speculating; 0 lets the policy turn speculation off (plain decoding)
+    p_min: float = 0.5  # the draft model stops a round early when its top probability falls below this
+    adaptive: bool = True  # False: always draft draft_max tokens
+    probe_every: int = 16  # while plain decoding wins, try one round after this many plain steps
+
+    def __post_init__(self):
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise QuickdraftError("--draft-min and --draft-max must satisfy 0 <= draft-min <= draft-max")
+        if self.draft_max > 63:
+            raise QuickdraftError("--draft-max above 63 is never useful: rounds that long are rejected early")
+        if not 0 <= self.p_min < 1:
+            raise QuickdraftError("--draft-p-min must be in [0, 1)")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Where and how a model runs."""
 

@@ -1,4 +1,4 @@
-"""The generation loop: prefill, then one token per target step (speculative rounds come next)."""
+"""The generation loop: prefill, then rounds of draft -> verify -> accept -> rollback (or plain steps)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ from typing import Iterator
 import torch
 
 from quickdraft import sampling
-from quickdraft.config import SamplingParams
+from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.spec.accept import accept_greedy, accept_sampled
+from quickdraft.spec.base import Drafter, Proposal
+from quickdraft.spec.policy import AdaptivePolicy
+from quickdraft.spec.stats import SpecStats
 from quickdraft.weights.loader import LoadedModel
 
 
@@ -37,12 +41,13 @@ class Timings:
 
 @dataclass
 class Event:
-    """One step of a generation: a token and the text it completed, or (last) why it ended."""
+    """One generated token and the text it completed, or (last) why the generation ended."""
 
     token: int | None
     text: str = ""
     finish_reason: str | None = None  # "stop" (end-of-generation token) or "length"
     timings: Timings | None = None
+    spec: SpecStats | None = None
 
 
 @dataclass
@@ -63,15 +68,28 @@ class Detokenizer:
 
 
 class Engine:
-    """Generates from one target model with a preallocated KV cache."""
+    """Generates from a target model, speculatively when given a drafter.
 
-    def __init__(self, target: LoadedModel, context: int | None = None):
+    The target's cache always holds every token of the sequence but the last, which is the input of the
+    next target pass (a plain step feeds it alone; a round feeds it with the drafts).
+    """
+
+    def __init__(self, target: LoadedModel, context: int | None = None, drafter: Drafter | None = None,
+                 spec: SpecConfig = SpecConfig(), drafter_name: str = "none"):
         self.target = target
         self.cache = KVCache.for_model(target.model, context)
+        self.drafter = drafter
+        self.drafter_name = drafter_name if drafter is not None else "none"
+        self.spec = spec
+        self.policy = AdaptivePolicy(spec)  # its timings describe this machine: kept across generations
 
     @property
     def context(self) -> int:
         return self.cache.capacity
+
+    @property
+    def vocab(self) -> int:
+        return self.target.config.vocab_size
 
     def check_fits(self, prompt_n: int, max_tokens: int) -> None:
         if prompt_n == 0:
@@ -84,32 +102,114 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[Event]:
-        """Yield an Event per generated token, then a final Event with finish_reason and timings."""
+        """Yield an Event per generated token, then a final Event with finish_reason, timings and spec stats."""
         self.check_fits(len(prompt), params.max_tokens)
-        model, device = self.target.model, self.target.device
         eos = self.target.tokenizer.eos_ids if params.stop_at_eos else frozenset()
-        generator = sampling.make_generator(params.seed, device)
-        history = torch.tensor(prompt, dtype=torch.long, device=device)
+        generator = sampling.make_generator(params.seed, self.target.device)
         detok = Detokenizer(self.target.tokenizer)
         timings = Timings(prompt_n=len(prompt))
+        stats = SpecStats(drafter=self.drafter_name,
+                          draft_device=str(self.drafter.device) if self.drafter and self.drafter.device else None)
         start = time.perf_counter()
-        self.cache.reset()
-        logits = model(history[None], self.cache, last_only=True)[0]  # (1, V)
-        finish = "length"
-        for i in range(params.max_tokens):
-            token = int(sampling.next_token(logits, params, history, generator))
-            now = time.perf_counter()
-            if i == 0:
-                timings.prefill_s = timings.ttft_s = now - start
-                first = now
+        if self.drafter is not None:
+            self.drafter.reset()
+        seq = list(prompt)
+        new_tokens = self._prefill(seq, params, generator)
+        finish, first = "length", None
+        while new_tokens:
+            for token in new_tokens:
+                now = time.perf_counter()
+                if first is None:
+                    timings.prefill_s = timings.ttft_s = now - start
+                    first = now
+                else:
+                    timings.decode_s, timings.n_decoded = now - first, timings.n_decoded + 1
+                if token in eos:
+                    finish = "stop"
+                    break
+                seq.append(token)
+                yield Event(token, detok.push(token))
+                if len(seq) - len(prompt) == params.max_tokens:
+                    break
             else:
-                timings.decode_s, timings.n_decoded = now - first, i
-            if token in eos:
-                finish = "stop"
-                break
-            yield Event(token, detok.push(token))
-            if i + 1 == params.max_tokens:
-                break
-            history = torch.cat([history, history.new_tensor([token])])
-            logits = model(history[-1:][None], self.cache)[0]
-        yield Event(None, finish_reason=finish, timings=timings)
+                new_tokens = self._step(seq, params, generator, len(prompt), stats)
+                continue
+            break
+        if first is None:  # max_tokens == 0
+            timings.prefill_s = timings.ttft_s = time.perf_counter() - start
+        stats.policy = self.policy.snapshot() if self.drafter is not None else {}
+        yield Event(None, finish_reason=finish, timings=timings, spec=stats)
+
+    # ---- the pieces of the loop -------------------------------------------------------------
+
+    def _prefill(self, seq: list[int], params: SamplingParams, generator) -> list[int]:
+        if params.max_tokens == 0:
+            return []
+        self.cache.reset()
+        tokens = torch.tensor(seq, device=self.target.device)
+        logits = self.target.model(tokens[None], self.cache, last_only=True)[0]
+        return [int(sampling.next_token(logits, params, tokens, generator))]
+
+    def _step(self, seq, params, generator, prompt_n: int, stats: SpecStats) -> list[int]:
+        """One plain step or one speculative round; returns the tokens it adds to seq."""
+        budget = min(params.max_tokens - (len(seq) - prompt_n) - 1, self.context - len(seq))
+
+        def k_for(source: str) -> int:
+            return max(0, min(self.policy.k_for(source), budget))
+
+        proposal = Proposal([], "none")
+        draft_s = 0.0
+        if self.drafter is not None and budget > 0:
+            t0 = time.perf_counter()
+            proposal = self.drafter.propose(seq, k_for, params, generator)
+            draft_s = time.perf_counter() - t0
+        if not proposal.tokens:
+            t0 = time.perf_counter()
+            token = self._plain(seq, params, generator)
+            seconds = time.perf_counter() - t0
+            self.policy.record_plain(seconds + draft_s)
+            stats.record_plain(seconds + draft_s)
+            return [token]
+        t0 = time.perf_counter()
+        tokens, accepted = self._verify(seq, proposal, params, generator)
+        verify_s = time.perf_counter() - t0
+        k = len(proposal.tokens)
+        self.policy.record_round(proposal.source, k, accepted, draft_s, verify_s)
+        stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
+        return tokens
+
+    def _plain(self, seq, params, generator) -> int:
+        logits = self.target.model(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
+        return int(sampling.next_token(logits, params, self._history(seq, params), generator))
+
+    def _verify(self, seq, proposal: Proposal, params, generator) -> tuple[list[int], int]:
+        """Run the target over the last token and the drafts, accept, and roll the cache back to match."""
+        device = self.target.device
+        drafts = torch.tensor(proposal.tokens, device=device)
+        feed = torch.cat([torch.tensor(seq[-1:], device=device), drafts])
+        logits = self.target.model(feed[None], self.cache)[0]  # (k + 1, V)
+        k = len(proposal.tokens)
+        history = self._history(seq + proposal.tokens, params, extra=k)
+        if params.greedy:
+            rows = self._per_position(logits, history, k, lambda x, h: sampling.penalize(x, params, h))
+            tokens, accepted = accept_greedy(rows.argmax(-1), drafts)
+        else:
+            p_target = self._per_position(logits, history, k, lambda x, h: sampling.process(x, params, h))
+            q_draft = proposal.q_rows(self.vocab, device).to(device)
+            tokens, accepted = accept_sampled(p_target, q_draft, drafts, generator)
+        self.cache.rollback(len(seq) + accepted)  # keep the last token and the accepted drafts
+        return tokens, accepted
+
+    @staticmethod
+    def _per_position(logits, history, k, fn):
+        """Apply a processing step to each of the k + 1 positions with the history it would have had."""
+        if history is None:
+            return fn(logits, None)
+        return torch.cat([fn(logits[i:i + 1], history[: history.shape[0] - k + i]) for i in range(k + 1)])
+
+    def _history(self, seq, params, extra: int = 0) -> torch.Tensor | None:
+        """The tokens the repetition penalty looks at, plus `extra` more for rows that see fewer (None: off)."""
+        if params.repetition_penalty == 1.0:
+            return None
+        window = seq[-(params.repetition_window + extra):] if params.repetition_window > 0 else seq
+        return torch.tensor(window, device=self.target.device)

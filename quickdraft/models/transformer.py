@@ -14,6 +14,24 @@ from quickdraft.config import ModelConfig
 from quickdraft.runtime.kv_cache import KVCache
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with a single row computed as one row of two.
+
+    Kernels pick a different algorithm (a GEMV) for one row than for several, so the same row would get
+    slightly different results in a plain step (1 row) and in a verification (k + 1 rows); with oneDNN's
+    bf16 GEMM every row's result is otherwise independent of the row count. Padding keeps greedy
+    speculative output identical to plain greedy output, for the cost of one extra activation row.
+    """
+    if x.numel() != x.shape[-1]:
+        return F.linear(x, weight, bias)
+    return F.linear(x.reshape(1, -1).expand(2, -1), weight, bias)[:1].reshape(*x.shape[:-1], -1)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -43,14 +61,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+# Passes of up to this many tokens (decode steps, verification rounds) attend row by row, each row exactly
+# as a one-token step would: fused attention kernels give a row slightly different results when it is
+# computed beside others under a mask, which would make speculative output differ from plain output.
+ROWWISE_MAX = 64
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.wqkv = nn.Linear(cfg.dim, q_size + 2 * kv_size, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(q_size, cfg.dim, bias=False)
+        self.wqkv = Linear(cfg.dim, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.wo = Linear(q_size, cfg.dim, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -68,15 +92,23 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = cache.write(layer, k, v)  # (B, Hkv, start + S, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if S == 1 or S > ROWWISE_MAX:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        else:
+            start = keys.shape[2] - S
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, :start + i + 1],
+                                               values[:, :, :start + i + 1], enable_gqa=True)
+                for i in range(S)
+            ], dim=2)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
+        self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -103,7 +135,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rotary_tables(cfg, max_context or cfg.max_context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -124,7 +156,7 @@ class Transformer(nn.Module):
             raise ValueError(f"positions up to {end} exceed the context of {cache.capacity}")
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         mask = None
-        if S > 1:  # query i (at position start + i) sees keys 0 .. start + i
+        if S > ROWWISE_MAX:  # query i (at position start + i) sees keys 0 .. start + i
             mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
@@ -134,4 +166,4 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         x = self.norm(x)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(x, weight).float()
+        return linear(x, weight).float()

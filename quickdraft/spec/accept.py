@@ -1,0 +1,49 @@
+"""Exact acceptance of drafted tokens (Leviathan et al. 2023; Chen et al. 2023), as pure functions.
+
+Both take what the target computed for the k + 1 positions of a round and return the tokens the round
+emits (the accepted drafts, then one token from the target) and how many drafts were accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[list[int], int]:
+    """Temperature 0: keep the longest prefix of drafts on which the target's argmax agrees, plus the
+    target's own token at the first disagreement (or after the last draft).
+
+    target_argmax: (k + 1,) the target's choice at each position; draft_tokens: (k,).
+    """
+    k = draft_tokens.shape[0]
+    agree = (target_argmax[:k] == draft_tokens).int()
+    n = int(agree.cumprod(0).sum())
+    tokens = target_argmax[: n + 1].tolist()  # equal to the drafts on the accepted prefix
+    return tokens, n
+
+
+def accept_sampled(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens: torch.Tensor,
+                   generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Rejection sampling: the emitted tokens are distributed exactly as if sampled from p_target.
+
+    p_target: (k + 1, V) the target's processed distributions at each position;
+    q_draft: (k, V) the distributions the drafts were drawn from (one-hot for deterministic drafters);
+    draft_tokens: (k,). Draft i is accepted with probability min(1, p(x) / q(x)); at the first rejection
+    the token is drawn from normalise(max(0, p - q)); if every draft is accepted, one more token is drawn
+    from p_target[k].
+    """
+    k = draft_tokens.shape[0]
+    rows = torch.arange(k, device=p_target.device)
+    p_x, q_x = p_target[rows, draft_tokens], q_draft[rows, draft_tokens]
+    u = torch.rand(k, generator=generator, device=p_target.device)
+    accepted = (u * q_x < p_x).int()  # u < p/q without dividing; q_x > 0 since x was drawn from q
+    n = int(accepted.cumprod(0).sum())
+    if n < k:
+        residual = (p_target[n] - q_draft[n]).clamp_min(0)
+        mass = residual.sum()
+        # mass is 0 only if p <= q everywhere, i.e. p == q, where no rejection can happen; guard anyway.
+        dist = residual / mass if mass > 0 else p_target[n]
+    else:
+        dist = p_target[k]
+    last = torch.multinomial(dist, 1, generator=generator)
+    return draft_tokens[:n].tolist() + [int(last)], n

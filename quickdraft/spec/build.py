@@ -1,0 +1,31 @@
+"""From the --draft flags to a drafter."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from quickdraft.config import EngineConfig, SpecConfig
+from quickdraft.spec.combined import CombinedDrafter
+from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.spec.vocab import check_compatible
+from quickdraft.weights.loader import LoadedModel, load_model
+
+
+def build_drafter(draft: str, target: LoadedModel, engine: EngineConfig, spec: SpecConfig, capacity: int,
+                  draft_device: str | None = None, ngram: bool = False, progress: bool | None = None):
+    """draft: 'none', 'ngram', or a model (alias, .gguf, HF directory); ngram=True adds prompt lookup
+    in front of a draft model. The draft model runs on the target's device unless draft_device says."""
+    if draft == "none":
+        return None
+    if draft == "ngram":
+        return NgramDrafter()
+    device = draft_device or str(target.device)
+    draft_lm = load_model(draft, replace(engine, device=device, max_context=capacity), progress)
+    check_compatible(target.tokenizer, draft_lm.tokenizer, target.config.vocab_size, draft_lm.config.vocab_size)
+    drafter = DraftModelDrafter(draft_lm.model, target.config.vocab_size, capacity, spec.p_min)
+    return CombinedDrafter(NgramDrafter(), drafter) if ngram else drafter
+
+
+def drafter_name(draft: str, ngram: bool) -> str:
+    return f"ngram+{draft}" if ngram and draft not in ("none", "ngram") else draft

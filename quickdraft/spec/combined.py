@@ -1,0 +1,25 @@
+"""Prompt lookup when it has a match, the draft model otherwise."""
+
+from __future__ import annotations
+
+from quickdraft.spec.base import KFor, Proposal
+from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.spec.ngram import NgramDrafter
+
+
+class CombinedDrafter:
+    sources = ("ngram", "draft")
+
+    def __init__(self, ngram: NgramDrafter, draft: DraftModelDrafter):
+        self.ngram, self.draft = ngram, draft
+        self.device = draft.device
+
+    def reset(self) -> None:
+        self.ngram.reset()
+        self.draft.reset()
+
+    def propose(self, seq, k_for: KFor, params, generator) -> Proposal:
+        proposal = self.ngram.propose(seq, k_for, params, generator)
+        if proposal.tokens:
+            return proposal
+        return self.draft.propose(seq, k_for, params, generator)

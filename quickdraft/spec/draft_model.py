@@ -1,0 +1,78 @@
+"""A smaller model of the same family drafts tokens autoregressively, with its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft import sampling
+from quickdraft.config import SamplingParams
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.spec.base import KFor, Proposal
+
+
+class DraftModelDrafter:
+    sources = ("draft",)
+
+    def __init__(self, model, target_vocab: int, capacity: int, p_min: float = 0.0):
+        self.model = model
+        self.device = model.tok_embeddings.weight.device
+        self.target_vocab = target_vocab
+        self.p_min = p_min
+        self.cache = KVCache.for_model(model, capacity)
+        self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.tokens = []
+
+    def _sync(self, seq: list[int]) -> list[int]:
+        """Keep the longest cached prefix that still matches seq; return the tokens still to feed.
+
+        This is the one place that knows the draft's cache can run behind the sequence: after a fully
+        accepted round, the draft never fed its own last drafted token, so that token and the target's
+        extra one are both pending here.
+        """
+        n = min(len(self.tokens), len(seq))
+        while n and self.tokens[n - 1] != seq[n - 1]:
+            n -= 1
+        self.cache.rollback(n)
+        del self.tokens[n:]
+        return seq[n:]
+
+    def _logits(self, feed: list[int]) -> torch.Tensor:
+        """Run feed through the draft; logits of the last position over the target's vocabulary (V,)."""
+        logits = self.model(torch.tensor([feed], device=self.device), self.cache, last_only=True)[0, 0]
+        self.tokens += feed
+        V = self.target_vocab
+        if logits.shape[0] >= V:  # ids the target does not have are never proposed
+            return logits[:V]
+        return torch.cat([logits, logits.new_full((V - logits.shape[0],), float("-inf"))])
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        k = k_for("draft")
+        feed = self._sync(seq)
+        tokens, q_rows = [], []
+        recent = seq[-params.repetition_window:] if params.repetition_window > 0 else seq
+        for _ in range(k):
+            history = None
+            if params.repetition_penalty != 1.0:  # penalize() keeps the last repetition_window of it
+                history = torch.tensor(recent + tokens, device=self.device)
+            logits = self._logits(feed)[None]
+            if params.greedy:
+                logits = sampling.penalize(logits, params, history)
+                token = int(logits.argmax())
+                confident = self.p_min <= 0 or float(logits.softmax(-1).max()) >= self.p_min
+            else:
+                q = sampling.process(logits, params, history)
+                token = int(sampling.sample(q, generator))
+                q_rows.append(q[0])
+                confident = self.p_min <= 0 or float(q.max()) >= self.p_min
+            if not confident and tokens:  # stop early: the draft itself doubts this token
+                q_rows = q_rows[: len(tokens)]
+                break
+            tokens.append(token)
+            feed = [token]
+        q_draft = torch.stack(q_rows) if q_rows and not params.greedy else None
+        return Proposal(tokens, "draft", q_draft)

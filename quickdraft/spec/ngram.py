@@ -1,0 +1,43 @@
+"""Prompt lookup: propose what followed the most recent earlier occurrence of the sequence's suffix."""
+
+from __future__ import annotations
+
+from quickdraft.spec.base import KFor, Proposal
+
+
+class NgramDrafter:
+    """No model: an index from every n-gram (min_n <= n <= max_n) seen so far to where it last ended.
+
+    The longest suffix of the sequence that occurred earlier wins; its continuation is the proposal.
+    The index grows incrementally as the sequence does, so a round costs O(max_n) lookups.
+    """
+
+    sources = ("ngram",)
+    device = None
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+        self.reset()
+
+    def reset(self) -> None:
+        self.index: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # continuation starts < indexed are in the index
+
+    def _update(self, seq: list[int]) -> None:
+        """seq only grows within a generation (the engine calls reset() between generations)."""
+        # Register n-grams ending just before e for e < len(seq): each has a continuation seq[e:].
+        for e in range(max(self.indexed, self.min_n), len(seq)):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                self.index[tuple(seq[e - n:e])] = e
+        self.indexed = max(self.indexed, len(seq))
+
+    def propose(self, seq, k_for: KFor, params, generator) -> Proposal:
+        k = k_for("ngram")
+        if k <= 0 or len(seq) <= self.min_n:
+            return Proposal([], "ngram")
+        self._update(seq)
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            e = self.index.get(tuple(seq[-n:]))
+            if e is not None:
+                return Proposal(seq[e:e + k], "ngram")
+        return Proposal([], "ngram")

@@ -1,0 +1,119 @@
+"""How many tokens to draft now: the k that maximises expected tokens per second, by measurement.
+
+With t_plain one target step, t_verify(k) the target's pass over k + 1 tokens, t_draft the cost of one
+drafted token and a_i the probability that draft i is accepted given the ones before it were, a round of
+k drafts emits E[L](k) = 1 + sum_i prod_{j<=i} a_j tokens in t_verify(k) + k t_draft seconds; plain
+decoding emits 1 token in t_plain. The policy measures all of these as the engine runs and picks the
+best k, 0 (plain) included, probing now and then so that it can switch back.
+"""
+
+from __future__ import annotations
+
+from quickdraft.config import SpecConfig
+
+EMA = 0.25  # weight of a new timing
+DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
+PROBE_K = 4
+
+
+class AdaptivePolicy:
+    def __init__(self, cfg: SpecConfig):
+        self.cfg = cfg
+        self.t_plain: float | None = None
+        self.t_verify: dict[int, float] = {}  # k -> seconds to verify k drafts (k + 1 tokens)
+        self.t_draft: dict[str, float] = {}  # source -> seconds per drafted token
+        self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
+        self.accepted: dict[str, list[float]] = {}
+        self.plain_since_round = 0
+
+    # ---- measurements -----------------------------------------------------------------------
+
+    def record_plain(self, seconds: float) -> None:
+        self.t_plain = _ema(self.t_plain, seconds)
+        self.plain_since_round += 1
+
+    def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.plain_since_round = 0
+        self.t_verify[drafted] = _ema(self.t_verify.get(drafted), verify_s)
+        self.t_draft[source] = _ema(self.t_draft.get(source), draft_s / max(drafted, 1))
+        tried = self.tried.setdefault(source, [])
+        acc = self.accepted.setdefault(source, [])
+        for i in range(len(tried)):
+            tried[i] *= DECAY
+            acc[i] *= DECAY
+        while len(tried) < drafted:
+            tried.append(0.0)
+            acc.append(0.0)
+        for i in range(min(drafted, accepted + 1)):  # positions past the first rejection were not judged
+            tried[i] += 1
+            acc[i] += i < accepted
+
+    # ---- estimates --------------------------------------------------------------------------
+
+    def acceptance(self, source: str, k: int) -> list[float]:
+        """Estimated a_1..a_k: per position where measured, else the source's pooled rate."""
+        tried, acc = self.tried.get(source, []), self.accepted.get(source, [])
+        pooled = (sum(acc) + 1) / (sum(tried) + 2)
+        return [(acc[i] + pooled) / (tried[i] + 1) if i < len(tried) else pooled for i in range(k)]
+
+    def expected_length(self, source: str, k: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.acceptance(source, k):
+            run *= a
+            total += run
+        return total
+
+    def verify_seconds(self, k: int) -> float:
+        """Measured t_verify(k), else interpolated linearly between measured k (t_plain at k = 0)."""
+        if k in self.t_verify:
+            return self.t_verify[k]
+        points = sorted({0: self.t_plain, **self.t_verify}.items())
+        below = [p for p in points if p[0] < k]
+        above = [p for p in points if p[0] > k]
+        if below and above:
+            (k0, t0), (k1, t1) = below[-1], above[0]
+            return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        (k0, t0) = below[-1]
+        if len(below) >= 2:
+            (ka, ta) = below[-2]
+            slope = max((t0 - ta) / (k0 - ka), 0.0)
+        else:
+            slope = 0.1 * self.t_plain  # prior before two points exist: each extra token costs 10% of a step
+        return t0 + slope * (k - k0)
+
+    def tokens_per_second(self, source: str, k: int) -> float:
+        if k == 0:
+            return 1.0 / self.t_plain
+        cost = self.verify_seconds(k) + k * self.t_draft.get(source, 0.0)
+        return self.expected_length(source, k) / cost
+
+    # ---- the decision -----------------------------------------------------------------------
+
+    def k_for(self, source: str) -> int:
+        cfg = self.cfg
+        if not cfg.adaptive:
+            return cfg.draft_max
+        if self.t_plain is None:  # measure one plain step first (draft_min > 0 forbids plain steps)
+            return 0 if cfg.draft_min == 0 else cfg.draft_max
+        if source not in self.t_draft:
+            return max(cfg.draft_min, min(cfg.draft_max, PROBE_K))
+        candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
+        best = max(candidates, key=lambda k: self.tokens_per_second(source, k), default=0)
+        if cfg.draft_min == 0 and self.tokens_per_second(source, 0) >= self.tokens_per_second(source, best):
+            if self.plain_since_round < cfg.probe_every:
+                return 0
+        return best
+
+    def snapshot(self) -> dict:
+        """The measured model, for the statistics: r, v(k), per-position acceptance."""
+        t1 = self.t_plain or 0.0
+        return {
+            "t_plain_s": self.t_plain,
+            "v": {k: t / t1 for k, t in sorted(self.t_verify.items())} if t1 else {},
+            "r": {s: t / t1 for s, t in self.t_draft.items()} if t1 else {},
+            "acceptance": {s: self.acceptance(s, len(self.tried[s])) for s in self.tried},
+        }
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new

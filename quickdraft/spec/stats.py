@@ -1,0 +1,84 @@
+"""What speculation did in one generation, in the names llama.cpp's users read plus ours."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    drafter: str = "none"
+    draft_device: str | None = None
+    rounds: int = 0  # speculative rounds (a plain step is not a round)
+    plain_steps: int = 0
+    draft_n: int = 0  # tokens drafted
+    draft_n_accepted: int = 0
+    emitted_in_rounds: int = 0  # tokens emitted by rounds: accepted drafts + one from the target each
+    position_tried: list[int] = field(default_factory=list)  # per draft position i: rounds that drafted it
+    position_accepted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    plain_s: float = 0.0
+    k_history: list[int] = field(default_factory=list)  # k chosen each round or step (0: plain)
+    sources: Counter = field(default_factory=Counter)
+    policy: dict = field(default_factory=dict)  # the policy's measured model: r, v(k), acceptance
+
+    def record_round(self, source: str, drafted: int, accepted: int, emitted: int,
+                     draft_s: float, verify_s: float) -> None:
+        self.rounds += 1
+        self.sources[source] += 1
+        self.draft_n += drafted
+        self.draft_n_accepted += accepted
+        self.emitted_in_rounds += emitted
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        self.k_history.append(drafted)
+        while len(self.position_tried) < drafted:
+            self.position_tried.append(0)
+            self.position_accepted.append(0)
+        for i in range(drafted):
+            self.position_tried[i] += 1
+            self.position_accepted[i] += i < accepted
+
+    def record_plain(self, seconds: float) -> None:
+        self.plain_steps += 1
+        self.plain_s += seconds
+        self.k_history.append(0)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.draft_n_accepted / self.draft_n if self.draft_n else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per speculative round (accepted drafts + the target's own token)."""
+        return self.emitted_in_rounds / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "drafter": self.drafter,
+            "draft_device": self.draft_device,
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "rounds": self.rounds,
+            "plain_steps": self.plain_steps,
+            "accept_per_position": [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)],
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "plain_s": self.plain_s,
+            "k_history": self.k_history,
+            "rounds_by_source": dict(self.sources),
+            "policy": self.policy,
+        }
+
+    def summary(self) -> str:
+        if self.drafter == "none":
+            return "speculation off"
+        k_mean = sum(self.k_history) / len(self.k_history) if self.k_history else 0
+        return (f"spec[{self.drafter}]: {self.draft_n_accepted}/{self.draft_n} drafts accepted "
+                f"({100 * self.acceptance_rate:.0f}%), {self.mean_accepted_length:.2f} tokens/round over "
+                f"{self.rounds} rounds + {self.plain_steps} plain steps, mean k {k_mean:.1f}, "
+                f"draft {self.draft_s:.2f} s / verify {self.verify_s:.2f} s")

@@ -75,11 +75,13 @@ class Engine:
     """
 
     def __init__(self, target: LoadedModel, context: int | None = None, drafter: Drafter | None = None,
-                 spec: SpecConfig = SpecConfig(), drafter_name: str = "none"):
+                 spec: SpecConfig = SpecConfig(), drafter_name: str | None = None):
         self.target = target
         self.cache = KVCache.for_model(target.model, context)
         self.drafter = drafter
-        self.drafter_name = drafter_name if drafter is not None else "none"
+        if drafter is None:
+            drafter_name = "none"
+        self.drafter_name = drafter_name or "+".join(drafter.sources)
         self.spec = spec
         self.policy = AdaptivePolicy(spec)  # its timings describe this machine: kept across generations
 

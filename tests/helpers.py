@@ -10,10 +10,10 @@ from gguf import GGUFWriter
 
 
 
-def tiny_hf_config(arch: str, vocab: int = 320):
+def tiny_hf_config(arch: str, vocab: int = 320, layers: int = 2):
     import transformers
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     if arch == "llama":
@@ -25,11 +25,13 @@ def tiny_hf_config(arch: str, vocab: int = 320):
     raise ValueError(arch)
 
 
-def tiny_hf_model(arch: str, seed: int = 0, tie: bool = False):
+def tiny_hf_model(arch: str, seed: int = 0, tie: bool = False, vocab: int = 320, layers: int = 2,
+                  logit_scale: float = 1.0):
+    """A random model; logit_scale > 1 makes its next-token distributions peaked, like a trained model's."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = tiny_hf_config(arch)
+    cfg = tiny_hf_config(arch, vocab, layers)
     cfg.tie_word_embeddings = tie
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make every parameter matter
@@ -38,7 +40,18 @@ def tiny_hf_model(arch: str, seed: int = 0, tie: bool = False):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+        model.lm_head.weight.mul_(logit_scale)
     return model.eval()
+
+
+def save_hf_dir(model, path: Path) -> Path:
+    """save_pretrained plus a word-level tokenizer.json naming every id (t0, t1, ...)."""
+    from tokenizers import Tokenizer, models
+
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path / "tokenizer.json"))
+    return path
 
 
 def byte_level_vocab(size: int) -> list[str]:

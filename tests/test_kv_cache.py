@@ -5,15 +5,11 @@ import torch
 from quickdraft.config import EngineConfig
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.weights.loader import load_model
-from tests.helpers import tiny_hf_model
+from tests.helpers import save_hf_dir, tiny_hf_model
 
 
 def tiny(tmp_path):
-    hf = tiny_hf_model("qwen2")
-    hf.save_pretrained(tmp_path)
-    from tokenizers import Tokenizer, models
-
-    Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    save_hf_dir(tiny_hf_model("qwen2"), tmp_path)
     return load_model(str(tmp_path), EngineConfig(device="cpu", dtype="float32", max_context=64), progress=False)
 
 

@@ -6,7 +6,7 @@ import torch
 from quickdraft.config import EngineConfig
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.weights.loader import load_model
-from tests.helpers import tiny_hf_model, write_gguf_from_hf
+from tests.helpers import save_hf_dir, tiny_hf_model, write_gguf_from_hf
 
 pytest.importorskip("transformers")
 
@@ -43,16 +43,9 @@ def pair(request, tmp_path_factory):
     arch = request.param
     hf = tiny_hf_model(arch)
     d = tmp_path_factory.mktemp(arch)
-    hf.save_pretrained(d / "hf")
-    _save_tokenizer(d / "hf")
+    save_hf_dir(hf, d / "hf")
     gguf_path = write_gguf_from_hf(hf, d / "model.gguf")
     return hf, load_model(str(d / "hf"), FP32, progress=False), load_model(str(gguf_path), FP32, progress=False)
-
-
-def _save_tokenizer(path):
-    from tokenizers import Tokenizer, models
-
-    Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")).save(str(path / "tokenizer.json"))
 
 
 @pytest.mark.parametrize("source", ["safetensors", "gguf"])

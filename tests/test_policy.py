@@ -1,0 +1,62 @@
+"""The adaptive policy picks k from measured costs and acceptance, plain decoding included."""
+
+import pytest
+
+from quickdraft.config import SpecConfig
+from quickdraft.spec.policy import AdaptivePolicy
+
+
+def trained(acceptance: float, verify_slope: float, draft_cost: float, rounds: int = 60, k: int = 6):
+    """A policy fed rounds whose drafts are accepted independently with probability `acceptance`
+    (fractional counts), with t_plain = 1, t_verify(k) = 1 + slope * k and draft_cost per draft."""
+    policy = AdaptivePolicy(SpecConfig(draft_max=12))
+    policy.record_plain(1.0)
+    for kk in (1, k):
+        policy.record_round("draft", kk, 0, draft_cost * kk, 1 + verify_slope * kk)
+    tried = policy.tried.setdefault("draft", [0.0] * k)
+    acc = policy.accepted.setdefault("draft", [0.0] * k)
+    for i in range(k):
+        tried[i], acc[i] = rounds, rounds * acceptance
+    return policy
+
+
+def test_speculates_when_it_pays():
+    policy = trained(acceptance=0.9, verify_slope=0.02, draft_cost=0.05)
+    k = policy.k_for("draft")
+    assert k >= 4
+    assert policy.tokens_per_second("draft", k) > 2 * policy.tokens_per_second("draft", 0)
+
+
+def test_plain_decoding_when_verification_is_costly():
+    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
+    assert policy.k_for("draft") == 0
+
+
+def test_probes_after_a_run_of_plain_steps():
+    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
+    for _ in range(policy.cfg.probe_every):
+        assert policy.k_for("draft") == 0
+        policy.record_plain(1.0)
+    assert policy.k_for("draft") > 0
+
+
+def test_first_plain_step_then_probe_of_an_unseen_source():
+    policy = AdaptivePolicy(SpecConfig())
+    assert policy.k_for("ngram") == 0  # nothing measured yet: one plain step first
+    policy.record_plain(0.2)
+    assert policy.k_for("ngram") == 4
+
+
+def test_fixed_and_bounded_k():
+    assert AdaptivePolicy(SpecConfig(draft_max=5, adaptive=False)).k_for("draft") == 5
+    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
+    policy.cfg = SpecConfig(draft_min=2, draft_max=12)
+    assert policy.k_for("draft") >= 2  # draft_min > 0 forbids plain steps
+
+
+def test_verify_cost_interpolates_between_measurements():
+    policy = AdaptivePolicy(SpecConfig())
+    policy.record_plain(1.0)
+    policy.record_round("draft", 4, 2, 0.1, 1.4)
+    assert policy.verify_seconds(2) == pytest.approx(1.2)
+    assert policy.verify_seconds(8) == pytest.approx(1.8)  # extrapolated with the measured slope

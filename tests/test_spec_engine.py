@@ -1,0 +1,150 @@
+"""Speculative decoding through the engine, on tiny random models (bf16 on the CPU: batch-invariant kernels)."""
+
+import math
+
+import pytest
+import torch
+
+from quickdraft import sampling
+from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.engine import Engine
+from quickdraft.errors import QuickdraftError
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.spec.combined import CombinedDrafter
+from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.spec.vocab import check_compatible
+from quickdraft.weights.loader import load_model
+from tests.helpers import save_hf_dir, tiny_hf_model
+
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]  # repeats: n-gram matches
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), d / "t")), BF16, False)
+    # a draft that agrees with the target often but not always: the target's weights plus noise
+    draft_hf = tiny_hf_model("qwen2", seed=0, logit_scale=20)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in draft_hf.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    draft = load_model(str(save_hf_dir(draft_hf, d / "d")), BF16, False)
+    return target, draft
+
+
+def drafter(kind, target, draft, p_min=0.0):
+    model = DraftModelDrafter((target if kind == "self" else draft).model, target.config.vocab_size, 256, p_min)
+    return {"draft": model, "self": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
+
+
+def run(engine, params, prompt=PROMPT):
+    events = list(engine.generate(prompt, params))
+    return [e.token for e in events if e.token is not None], events[-1]
+
+
+SPECS = {"fixed-1": SpecConfig(draft_max=1, adaptive=False), "fixed-3": SpecConfig(draft_max=3, adaptive=False),
+         "fixed-8": SpecConfig(draft_max=8, adaptive=False), "adaptive": SpecConfig(draft_max=8)}
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
+@pytest.mark.parametrize("spec", list(SPECS))
+def test_greedy_speculative_equals_plain(models, kind, spec):
+    target, draft = models
+    params = SamplingParams(max_tokens=48, stop_at_eos=False)
+    plain, _ = run(Engine(target, 256), params)
+    ours, final = run(Engine(target, 256, drafter(kind, target, draft), SPECS[spec], kind), params)
+    assert ours == plain
+    stats = final.spec
+    assert stats.rounds > 0 and stats.draft_n > 0
+    assert 0 < stats.draft_n_accepted < stats.draft_n or kind == "ngram"
+
+
+def test_greedy_with_repetition_penalty_equals_plain(models):
+    target, draft = models
+    params = SamplingParams(max_tokens=40, stop_at_eos=False, repetition_penalty=1.3, repetition_window=8)
+    plain, _ = run(Engine(target, 256), params)
+    ours, _ = run(Engine(target, 256, drafter("combined", target, draft), SPECS["fixed-3"]), params)
+    assert ours == plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_identical_to_target_accepts_everything(models, temperature):
+    target, draft = models
+    params = SamplingParams(max_tokens=41, stop_at_eos=False, temperature=temperature, seed=3)
+    _, final = run(Engine(target, 256, drafter("self", target, draft), SpecConfig(draft_max=4, adaptive=False)),
+                   params)
+    stats = final.spec
+    assert stats.draft_n == 32  # 40 tokens after the first: 8 rounds of 4 drafts + 1 target token
+    assert stats.draft_n_accepted == stats.draft_n
+    assert stats.rounds == 8 and stats.mean_accepted_length == 5.0
+
+
+def test_rollback_leaves_the_cache_as_plain_decoding_would(models):
+    """After rounds with accepts and rejections, the target cache equals that of plain decoding."""
+    target, draft = models
+    params = SamplingParams(max_tokens=30, stop_at_eos=False)
+    engine = Engine(target, 256, drafter("draft", target, draft), SpecConfig(draft_max=5, adaptive=False))
+    tokens, final = run(engine, params)
+    assert 0 < final.spec.draft_n_accepted < final.spec.draft_n  # both accepts and rejections happened
+    plain = KVCache.for_model(target.model, 256)
+    with torch.no_grad():
+        target.model(torch.tensor([PROMPT]), plain)
+        for t in tokens[:-1]:
+            target.model(torch.tensor([[t]]), plain)
+    n = plain.length
+    assert engine.cache.length >= n
+    assert torch.equal(engine.cache.k[:, :, :, :n], plain.k[:, :, :, :n])
+    assert torch.equal(engine.cache.v[:, :, :, :n], plain.v[:, :, :, :n])
+
+
+def test_sampled_output_follows_target_distribution(tmp_path):
+    """Engine level: the second token (the first a round emits) is distributed as the target says."""
+    V, draws = 8, 1500
+    target = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=1, vocab=V, logit_scale=8), tmp_path / "t")),
+                        BF16, False)
+    draft = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=2, vocab=V, logit_scale=8), tmp_path / "d")),
+                       BF16, False)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, stop_at_eos=False)
+    prompt = [1, 2, 3]
+    exact = torch.zeros(V)  # P(t2) = sum over t1 of P(t1) P(t2 | t1), processed as the engine does
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = sampling.process(target.model(torch.tensor([prompt]), cache, last_only=True)[0], params)[0]
+        for t1 in range(V):
+            if p1[t1] > 0:
+                cache.rollback(3)
+                p2 = sampling.process(target.model(torch.tensor([[t1]]), cache)[0], params)[0]
+                exact += p1[t1] * p2
+    engine = Engine(target, 16, DraftModelDrafter(draft.model, V, 16), SpecConfig(draft_max=1, adaptive=False))
+    counts = torch.zeros(V)
+    for seed in range(draws):
+        tokens, final = run(engine, SamplingParams(**{**params.__dict__, "seed": seed}), prompt)
+        counts[tokens[1]] += 1
+    assert final.spec.rounds >= 1 and final.spec.k_history[0] == 1
+    keep = exact > 0
+    assert counts[~keep].sum() == 0
+    expected = exact[keep] * draws
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-3, (counts / draws, exact)
+
+
+def test_vocabulary_compatibility(models, tmp_path):
+    target, draft = models
+    check_compatible(target.tokenizer, draft.tokenizer, 320, 384)  # padding rows only: fine
+    other = load_model(str(save_hf_dir(tiny_hf_model("qwen2", vocab=320), tmp_path)), BF16, False)
+    other.tokenizer.backend.add_tokens(["<extra>"])  # one token more than the target's vocabulary
+    with pytest.raises(QuickdraftError, match="differs from the target's at id 320"):
+        check_compatible(target.tokenizer, other.tokenizer, 320, 384)
+
+
+def test_draft_with_fewer_rows_never_proposes_missing_ids(models):
+    target, draft = models
+    small = DraftModelDrafter(draft.model, 400, 256)  # target vocabulary larger than the draft's rows
+    proposal = small.propose(PROMPT, lambda s: 4, SamplingParams(temperature=1.0, seed=0),
+                             sampling.make_generator(0, torch.device("cpu")))
+    assert proposal.q_draft.shape == (4, 400) and proposal.q_draft[:, 320:].sum() == 0

@@ -113,10 +113,10 @@ class Engine:
         stats = SpecStats(drafter=self.drafter_name,
                           draft_device=str(self.drafter.device) if self.drafter and self.drafter.device else None)
         start = time.perf_counter()
-        if self.drafter is not None:
-            self.drafter.reset()
         seq = list(prompt)
         new_tokens = self._prefill(seq, params, generator)
+        if self.drafter is not None:
+            self.drafter.begin(prompt)
         finish, first = "length", None
         while new_tokens:
             for token in new_tokens:

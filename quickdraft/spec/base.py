@@ -32,8 +32,8 @@ class Drafter(Protocol):
     sources: tuple[str, ...]  # the policy keeps statistics per source
     device: torch.device | None
 
-    def reset(self) -> None:
-        """Forget the previous generation."""
+    def begin(self, prompt: list[int]) -> None:
+        """Start a generation: forget the previous one and take in the prompt (a draft model prefills it)."""
 
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
                 generator: torch.Generator) -> Proposal:

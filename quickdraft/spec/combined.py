@@ -14,9 +14,9 @@ class CombinedDrafter:
         self.ngram, self.draft = ngram, draft
         self.device = draft.device
 
-    def reset(self) -> None:
-        self.ngram.reset()
-        self.draft.reset()
+    def begin(self, prompt: list[int]) -> None:
+        self.ngram.begin(prompt)
+        self.draft.begin(prompt)
 
     def propose(self, seq, k_for: KFor, params, generator) -> Proposal:
         proposal = self.ngram.propose(seq, k_for, params, generator)

@@ -21,9 +21,13 @@ class DraftModelDrafter:
         self.cache = KVCache.for_model(model, capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
 
-    def reset(self) -> None:
+    @torch.inference_mode()
+    def begin(self, prompt: list[int]) -> None:
+        """Prefill the prompt now, so that a round's draft time is the cost of drafting alone."""
         self.cache.reset()
         self.tokens = []
+        if prompt:
+            self._logits(prompt)
 
     def _sync(self, seq: list[int]) -> list[int]:
         """Keep the longest cached prefix that still matches seq; return the tokens still to feed.

@@ -17,14 +17,14 @@ class NgramDrafter:
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
-        self.reset()
+        self.begin([])
 
-    def reset(self) -> None:
+    def begin(self, prompt: list[int]) -> None:
         self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # continuation starts < indexed are in the index
 
     def _update(self, seq: list[int]) -> None:
-        """seq only grows within a generation (the engine calls reset() between generations)."""
+        """seq only grows within a generation (the engine calls begin() at the start of each)."""
         # Register n-grams ending just before e for e < len(seq): each has a continuation seq[e:].
         for e in range(max(self.indexed, self.min_n), len(seq)):
             for n in range(self.min_n, min(self.max_n, e) + 1):

@@ -25,17 +25,28 @@ class AdaptivePolicy:
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
         self.accepted: dict[str, list[float]] = {}
         self.plain_since_round = 0
+        self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
+
+    def _warm(self, key) -> bool:
+        """False the first time `key` is timed (that sample is dropped), True after."""
+        if key in self.warmed:
+            return True
+        self.warmed.add(key)
+        return False
 
     # ---- measurements -----------------------------------------------------------------------
 
     def record_plain(self, seconds: float) -> None:
-        self.t_plain = _ema(self.t_plain, seconds)
+        if self._warm("plain"):
+            self.t_plain = _ema(self.t_plain, seconds)
         self.plain_since_round += 1
 
     def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         self.plain_since_round = 0
-        self.t_verify[drafted] = _ema(self.t_verify.get(drafted), verify_s)
-        self.t_draft[source] = _ema(self.t_draft.get(source), draft_s / max(drafted, 1))
+        if self._warm(("verify", drafted)):
+            self.t_verify[drafted] = _ema(self.t_verify.get(drafted), verify_s)
+        if self._warm(("draft", source)):
+            self.t_draft[source] = _ema(self.t_draft.get(source), draft_s / max(drafted, 1))
         tried = self.tried.setdefault(source, [])
         acc = self.accepted.setdefault(source, [])
         for i in range(len(tried)):
@@ -93,9 +104,9 @@ class AdaptivePolicy:
         cfg = self.cfg
         if not cfg.adaptive:
             return cfg.draft_max
-        if self.t_plain is None:  # measure one plain step first (draft_min > 0 forbids plain steps)
+        if self.t_plain is None:  # measure plain steps first (draft_min > 0 forbids plain steps)
             return 0 if cfg.draft_min == 0 else cfg.draft_max
-        if source not in self.t_draft:
+        if source not in self.t_draft:  # not measured yet (or only its warm-up round): probe
             return max(cfg.draft_min, min(cfg.draft_max, PROBE_K))
         candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
         best = max(candidates, key=lambda k: self.tokens_per_second(source, k), default=0)

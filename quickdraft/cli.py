@@ -26,6 +26,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute and weight dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
                              "else float32)")
+    parser.add_argument("--weights", default="auto", choices=["auto", "int4"],
+                        help="runtime weight format: auto keeps --dtype; int4 is group-wise 4-bit weight-only "
+                             "(CPU, bf16 activations): about 3x faster plain decoding, slightly higher perplexity")
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
@@ -39,6 +42,9 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram", action="store_true",
                    help="with a draft model: use prompt lookup when it has a match, the draft model otherwise")
     s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
+    s.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "dtype"],
+                   help="the draft model's weight format: auto is int4 where the CPU int4 kernel applies "
+                        "(a draft decodes one token at a time, where int4 is ~3x faster), else the dtype")
     s.add_argument("--draft-max", type=int, default=16,
                    help="most tokens drafted per round; the policy picks k up to this (default: %(default)s)")
     s.add_argument("--draft-min", type=int, default=0,
@@ -144,7 +150,7 @@ def _engine_config(args):
     from quickdraft.config import EngineConfig
 
     return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
-                        max_context=getattr(args, "ctx", None))
+                        weights=getattr(args, "weights", "auto"), max_context=getattr(args, "ctx", None))
 
 
 def _load(args, spec: str | None = None):
@@ -161,7 +167,7 @@ def make_engine(args, target):
     spec = spec_config(args)
     capacity = target.model.max_context
     drafter = build_drafter(args.draft, target, _engine_config(args), spec, capacity,
-                            args.draft_device, args.ngram)
+                            args.draft_device, args.ngram, weights=args.draft_weights)
     return Engine(target, capacity, drafter, spec, drafter_name(args.draft, args.ngram))
 
 

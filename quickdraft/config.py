@@ -135,6 +135,7 @@ class EngineConfig:
 
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    weights: str = "auto"  # auto (the dtype's) | int4 (weight-only, CPU)
     max_context: int | None = None  # None: the model's own, capped at DEFAULT_MAX_CONTEXT
     threads: int | None = None
 

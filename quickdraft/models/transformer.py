@@ -165,5 +165,5 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return linear(x, weight).float()
+        logits = linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        return logits.float()

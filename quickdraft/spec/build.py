@@ -13,15 +13,23 @@ from quickdraft.weights.loader import LoadedModel, load_model
 
 
 def build_drafter(draft: str, target: LoadedModel, engine: EngineConfig, spec: SpecConfig, capacity: int,
-                  draft_device: str | None = None, ngram: bool = False, progress: bool | None = None):
+                  draft_device: str | None = None, ngram: bool = False, progress: bool | None = None,
+                  weights: str = "auto"):
     """draft: 'none', 'ngram', or a model (alias, .gguf, HF directory); ngram=True adds prompt lookup
-    in front of a draft model. The draft model runs on the target's device unless draft_device says."""
+    in front of a draft model. The draft model runs on the target's device unless draft_device says.
+    weights: 'auto' (int4 where the CPU kernel applies, else the dtype's), 'int4' or 'dtype'."""
     if draft == "none":
         return None
     if draft == "ngram":
         return NgramDrafter()
     device = draft_device or str(target.device)
-    draft_lm = load_model(draft, replace(engine, device=device, max_context=capacity), progress)
+    dtype = str(target.model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    if weights == "auto":
+        weights = "int4" if device == "cpu" and dtype == "bfloat16" else "auto"
+    elif weights == "dtype":
+        weights = "auto"
+    draft_lm = load_model(draft, replace(engine, device=device, dtype=dtype, weights=weights,
+                                         max_context=capacity), progress)
     check_compatible(target.tokenizer, draft_lm.tokenizer, target.config.vocab_size, draft_lm.config.vocab_size)
     drafter = DraftModelDrafter(draft_lm.model, target.config.vocab_size, capacity, spec.p_min)
     return CombinedDrafter(NgramDrafter(), drafter) if ngram else drafter

@@ -102,6 +102,11 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
             state = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update))
     context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
     model = build_model(cfg, state, device, context)
+    del state
+    if engine.weights == "int4":
+        _to_int4(model, device, dtype)
+    elif engine.weights != "auto":
+        raise QuickdraftError(f"--weights {engine.weights!r}: choose auto or int4")
     return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start)
 
 
@@ -118,6 +123,15 @@ def build_model(cfg: ModelConfig, state: dict, device: torch.device, max_context
     model.rope_cos, model.rope_sin = rotary_tables(cfg, max_context)
     model = model.to(device)
     return model.eval().requires_grad_(False)
+
+
+def _to_int4(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
+    from quickdraft.quant import int4
+
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        raise QuickdraftError("--weights int4 runs on the CPU with bfloat16 activations: add --device cpu "
+                              "--dtype bfloat16, or use --weights auto")
+    int4.convert(model)
 
 
 def _accumulate(update):

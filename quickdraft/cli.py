@@ -113,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--list", action="store_true", help="list the aliases and whether each is pulled")
     _common(pl)
 
-    d = sub.add_parser("demo", help="pull the default pair and generate with each",
+    d = sub.add_parser("demo", help="pull the default pair; answer plainly, then speculatively",
                        description="The main job until the server exists: pull the default target and draft, "
-                                   "load both, and stream a code answer from each with its speed.")
+                                   "stream a code answer from the target alone and then with the draft "
+                                   "speculating, with speeds, acceptance, and a check that the text is identical.")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     d.add_argument("-n", "--max-tokens", type=int, default=128)
     _common(d)
@@ -188,7 +189,8 @@ def cmd_generate(args) -> int:
     return _run_generation(make_engine(args, lm), prompt, params, as_json=args.json)
 
 
-def _run_generation(engine, prompt, params, as_json: bool) -> int:
+def _run_generation(engine, prompt, params, as_json: bool, collect: bool = False):
+    """Stream (or print as JSON) one generation; returns 0, or the tokens when collect is set."""
     tokens, pieces = [], []
     for event in engine.generate(prompt, params):
         if event.token is not None:
@@ -217,7 +219,7 @@ def _run_generation(engine, prompt, params, as_json: bool) -> int:
               file=sys.stderr)
         if final.spec.drafter != "none":
             print(final.spec.summary(), file=sys.stderr)
-    return 0
+    return tokens if collect else 0
 
 
 def cmd_perplexity(args) -> int:
@@ -260,19 +262,25 @@ def cmd_pull(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """Pull the pair, then answer one prompt plainly and speculatively: same text, and the speed-up."""
     from quickdraft.config import SamplingParams
-    from quickdraft.engine import Engine
     from quickdraft.weights import hub
 
     cmd_pull(argparse.Namespace(list=False, print_path=None, aliases=[]))
+    ns = build_parser().parse_args(["generate", "-m", hub.DEFAULT_TARGET, "--chat", "-p", DEMO_PROMPT,
+                                    "--device", args.device, "--ctx", "2048"])
+    target = _load(ns)
+    prompt = target.tokenizer.encode(target.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}]))
     params = SamplingParams(max_tokens=args.max_tokens)
-    for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
-        lm = _load(argparse.Namespace(device=args.device, dtype="auto", ctx=None), alias)
-        print(f"\n== {alias} ({lm.config.n_layers} layers, loaded in {lm.load_seconds:.1f} s on {lm.device}) ==",
-              file=sys.stderr)
-        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}])
-        _run_generation(Engine(lm, 2048), lm.tokenizer.encode(text), params, as_json=False)
-    return 0
+    outputs = {}
+    for draft in ("none", hub.DEFAULT_DRAFT):
+        ns.draft = draft
+        label = "plain decoding" if draft == "none" else f"speculative, draft {draft}"
+        print(f"\n== {hub.DEFAULT_TARGET}, {label} ==", file=sys.stderr)
+        outputs[draft] = _run_generation(make_engine(ns, target), prompt, params, as_json=False, collect=True)
+    same = outputs["none"] == outputs[hub.DEFAULT_DRAFT]
+    print(f"\nspeculative output identical to plain output: {'yes' if same else 'NO'}", file=sys.stderr)
+    return 0 if same else 1
 
 
 def _read_text(path: Path) -> str:

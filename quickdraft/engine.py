@@ -52,19 +52,25 @@ class Event:
 
 @dataclass
 class Detokenizer:
-    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences.
+
+    Only a short window is decoded each time (the tokens after the last emitted piece, plus the few
+    before them for context), so streaming stays O(1) per token however long the output grows.
+    """
 
     tokenizer: object
     ids: list[int] = field(default_factory=list)
-    emitted: int = 0  # characters of the decoded text already handed out
+    prefix: int = 0  # ids[prefix:read] were decoded last time, as context for the next piece
+    read: int = 0
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # the token ends mid-character: wait for the rest
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):  # mid-character: wait for the rest
             return ""
-        piece, self.emitted = text[self.emitted:], len(text)
-        return piece
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 class Engine:

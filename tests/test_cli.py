@@ -95,3 +95,26 @@ def test_perplexity_json(tiny_gguf, tmp_path):
     assert out["tokens"] == 2 * (64 - 32 - 1) and out["ppl"] > 1
     short = run("perplexity", "-m", str(tiny_gguf), "-f", str(text), "--ctx", "4096")
     assert_one_line_error(short, "fewer than --ctx")
+
+
+def test_generate_with_a_draft_reports_spec(tiny_gguf, tmp_path):
+    draft = write_gguf_from_hf(tiny_hf_model("llama", seed=5), tmp_path / "draft.gguf")
+    args = ["generate", "-m", str(tiny_gguf), "-p", "hello hello hello", "-n", "12", "--json", "--ignore-eos",
+            "--dtype", "bfloat16"]
+    plain = json.loads(run(*args).stdout)
+    for draft_args in (["--draft", str(draft), "--draft-max", "3", "--fixed-k"], ["--draft", "ngram"],
+                       ["--draft", str(draft), "--ngram"]):
+        r = run(*args, *draft_args)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["tokens"] == plain["tokens"]
+        spec = out["spec"]
+        assert {"draft_n", "draft_n_accepted", "acceptance_rate", "mean_accepted_length",
+                "accept_per_position", "k_history", "draft_device", "draft_s", "verify_s"} <= set(spec)
+    assert plain["spec"] is None
+
+
+def test_incompatible_draft_is_refused(tiny_gguf, tmp_path):
+    other = write_gguf_from_hf(tiny_hf_model("llama", vocab=330), tmp_path / "other.gguf")
+    r = run("generate", "-m", str(tiny_gguf), "-p", "x", "--draft", str(other))
+    assert_one_line_error(r, "vocabulary differs from the target's at id 320")

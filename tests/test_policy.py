@@ -25,7 +25,7 @@ def test_speculates_when_it_pays():
     policy = trained(acceptance=0.9, verify_slope=0.02, draft_cost=0.05)
     k = policy.k_for("draft")
     assert k >= 4
-    assert policy.tokens_per_second("draft", k) > 2 * policy.tokens_per_second("draft", 0)
+    assert policy.predicted_rate("draft", k) > 2 * policy.predicted_rate("draft", 0)
 
 
 def test_plain_decoding_when_verification_is_costly():

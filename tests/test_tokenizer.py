@@ -49,3 +49,16 @@ def test_unsupported_tokenizer_type():
 def test_missing_chat_template_is_a_clear_error():
     with pytest.raises(QuickdraftError, match="no chat template"):
         Tokenizer.from_gguf_metadata(metadata()).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_detokenizer_streams_pieces_that_add_up():
+    from quickdraft.engine import Detokenizer
+
+    tok = Tokenizer.from_gguf_metadata(metadata())
+    text = "héllo wörld 😀 done"
+    ids = tok.encode(text, add_bos=False)
+    assert len(ids) > len(text)  # byte-level: multi-byte characters span several tokens
+    detok = Detokenizer(tok)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)

@@ -92,7 +92,7 @@ class AdaptivePolicy:
             slope = 0.1 * self.t_plain  # prior before two points exist: each extra token costs 10% of a step
         return t0 + slope * (k - k0)
 
-    def tokens_per_second(self, source: str, k: int) -> float:
+    def predicted_rate(self, source: str, k: int) -> float:
         if k == 0:
             return 1.0 / self.t_plain
         cost = self.verify_seconds(k) + k * self.t_draft.get(source, 0.0)
@@ -109,8 +109,8 @@ class AdaptivePolicy:
         if source not in self.t_draft:  # not measured yet (or only its warm-up round): probe
             return max(cfg.draft_min, min(cfg.draft_max, PROBE_K))
         candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
-        best = max(candidates, key=lambda k: self.tokens_per_second(source, k), default=0)
-        if cfg.draft_min == 0 and self.tokens_per_second(source, 0) >= self.tokens_per_second(source, best):
+        best = max(candidates, key=lambda k: self.predicted_rate(source, k), default=0)
+        if cfg.draft_min == 0 and self.predicted_rate(source, 0) >= self.predicted_rate(source, best):
             if self.plain_since_round < cfg.probe_every:
                 return 0
         return best

@@ -15,6 +15,7 @@ class Proposal:
     tokens: list[int]
     source: str  # which drafter proposed them ("draft", "ngram")
     q_draft: torch.Tensor | None = None  # (len(tokens), V) processed distributions; None: deterministic
+    catch_up_s: float = 0.0  # time spent feeding tokens the drafter had not seen (not drafting proper)
 
     def q_rows(self, vocab: int, device) -> torch.Tensor:
         """The distributions the tokens were drawn from; one-hot rows for a deterministic proposal."""

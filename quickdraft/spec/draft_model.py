@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from quickdraft import sampling
@@ -57,6 +59,13 @@ class DraftModelDrafter:
                 generator: torch.Generator) -> Proposal:
         k = k_for("draft")
         feed = self._sync(seq)
+        catch_up_s = 0.0
+        if len(feed) > 2:  # after plain steps: catch up first, so that timing a round times drafting
+            # (2 pending tokens is the normal case after a fully accepted round: fed with the draft step)
+            t0 = time.perf_counter()
+            self._logits(feed[:-1])
+            feed = feed[-1:]
+            catch_up_s = time.perf_counter() - t0
         tokens, q_rows = [], []
         recent = seq[-params.repetition_window:] if params.repetition_window > 0 else seq
         for _ in range(k):
@@ -79,4 +88,4 @@ class DraftModelDrafter:
             tokens.append(token)
             feed = [token]
         q_draft = torch.stack(q_rows) if q_rows and not params.greedy else None
-        return Proposal(tokens, "draft", q_draft)
+        return Proposal(tokens, "draft", q_draft, catch_up_s)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Foundation figures: load time and peak memory for the default pair, plain decode tok/s of each.
 
-Usage: .venv/bin/python scripts/bench_plain.py [--dtype auto] [--runs 3] [-n 64] [--device auto]
+Usage: .venv/bin/python scripts/bench_plain.py [--dtype auto] [--weights auto|int4] [--runs 3] [-n 64] [--device auto]
 Decode tok/s is measured from the first token on (prefill excluded), median of --runs after one warm-up.
 """
 
@@ -42,11 +42,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--weights", default="auto", choices=["auto", "int4"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=64)
     args = ap.parse_args()
-    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_context=1024)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype={args.dtype}", file=sys.stderr)
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, weights=args.weights, max_context=1024)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype={args.dtype}, "
+          f"weights={args.weights}", file=sys.stderr)
     rows = []
     loaded = []
     for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):

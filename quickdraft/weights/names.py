@@ -13,6 +13,8 @@ import re
 
 import torch
 
+from quickdraft.errors import QuickdraftError
+
 # GGUF (llama.cpp) names
 _GGUF_LAYER = {
     "attn_norm.weight": "attention_norm.weight",
@@ -92,8 +94,6 @@ def hf_to_model(name: str) -> str | None:
 
 
 def _unknown(name: str):
-    from quickdraft.errors import QuickdraftError
-
     raise QuickdraftError(
         f"unexpected tensor {name!r} in the checkpoint: this model's architecture has parts "
         "quickdraft does not implement"

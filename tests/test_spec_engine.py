@@ -148,3 +148,19 @@ def test_draft_with_fewer_rows_never_proposes_missing_ids(models):
     proposal = small.propose(PROMPT, lambda s: 4, SamplingParams(temperature=1.0, seed=0),
                              sampling.make_generator(0, torch.device("cpu")))
     assert proposal.q_draft.shape == (4, 400) and proposal.q_draft[:, 320:].sum() == 0
+
+
+def test_draft_cache_keeps_only_the_common_prefix(models):
+    """Stale drafts that happen to equal later tokens of the sequence must not be kept (a real bug:
+    scanning back from the end kept them, and an all-equal cache left nothing to feed)."""
+    target, draft = models
+    d = DraftModelDrafter(draft.model, 320, 256)
+    d.begin([1, 2, 3])
+    with torch.no_grad():
+        d._logits([9, 5, 6])  # drafts the target rejected at the first position
+    assert d._sync([1, 2, 3, 4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert d.cache.length == 3 and d.tokens == [1, 2, 3]
+    with torch.no_grad():
+        d._logits([4, 5, 6, 7])
+    assert d._sync([1, 2, 3, 4, 5, 6, 7]) == [7]  # everything cached: the last token is fed again
+    assert d.cache.length == 6

@@ -22,27 +22,32 @@ class DraftModelDrafter:
         self.p_min = p_min
         self.cache = KVCache.for_model(model, capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
+        self.matched = 0  # length of the prefix of tokens known to equal the sequence
 
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
         """Prefill the prompt now, so that a round's draft time is the cost of drafting alone."""
         self.cache.reset()
         self.tokens = []
+        self.matched = 0
         if prompt:
             self._logits(prompt)
 
     def _sync(self, seq: list[int]) -> list[int]:
         """Keep the longest cached prefix that still matches seq; return the tokens still to feed.
 
-        This is the one place that knows the draft's cache can run behind the sequence: after a fully
-        accepted round, the draft never fed its own last drafted token, so that token and the target's
-        extra one are both pending here.
+        This is the one place that knows the draft's cache can run behind or beside the sequence: after a
+        fully accepted round the draft never fed its own last drafted token, so that token and the
+        target's extra one are both pending; after a rejection, its cache holds drafts the target did not
+        keep. At least one token is always left to feed: the next draft needs its logits.
         """
-        n = min(len(self.tokens), len(seq))
-        while n and self.tokens[n - 1] != seq[n - 1]:
-            n -= 1
+        n = self.matched  # tokens[:matched] == seq[:matched] held at the last sync; seq only grows
+        limit = min(len(self.tokens), len(seq) - 1)
+        while n < limit and self.tokens[n] == seq[n]:
+            n += 1
         self.cache.rollback(n)
         del self.tokens[n:]
+        self.matched = n
         return seq[n:]
 
     def _logits(self, feed: list[int]) -> torch.Tensor:

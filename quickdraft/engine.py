@@ -188,7 +188,7 @@ class Engine:
 
     def _plain(self, seq, params, generator) -> int:
         logits = self.target.model(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
-        return int(sampling.next_token(logits, params, self._history(seq, params), generator))
+        return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device), generator))
 
     def _verify(self, seq, proposal: Proposal, params, generator) -> tuple[list[int], int]:
         """Run the target over the last token and the drafts, accept, and roll the cache back to match."""
@@ -197,7 +197,7 @@ class Engine:
         feed = torch.cat([torch.tensor(seq[-1:], device=device), drafts])
         logits = self.target.model(feed[None], self.cache)[0]  # (k + 1, V)
         k = len(proposal.tokens)
-        history = self._history(seq + proposal.tokens, params, extra=k)
+        history = sampling.history(seq, params, device, appended=proposal.tokens)
         if params.greedy:
             rows = self._per_position(logits, history, k, lambda x, h: sampling.penalize(x, params, h))
             tokens, accepted = accept_greedy(rows.argmax(-1), drafts)
@@ -214,10 +214,3 @@ class Engine:
         if history is None:
             return fn(logits, None)
         return torch.cat([fn(logits[i:i + 1], history[: history.shape[0] - k + i]) for i in range(k + 1)])
-
-    def _history(self, seq, params, extra: int = 0) -> torch.Tensor | None:
-        """The tokens the repetition penalty looks at, plus `extra` more for rows that see fewer (None: off)."""
-        if params.repetition_penalty == 1.0:
-            return None
-        window = seq[-(params.repetition_window + extra):] if params.repetition_window > 0 else seq
-        return torch.tensor(window, device=self.target.device)

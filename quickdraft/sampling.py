@@ -23,6 +23,18 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     return logits.scatter(-1, ids, seen)
 
 
+def history(seq: list[int], params: SamplingParams, device, appended: list[int] = ()) -> torch.Tensor | None:
+    """The tokens the repetition penalty looks at: the end of seq, then `appended` (None when it is off).
+
+    Enough of seq is kept that every prefix ending inside `appended` still has a full window.
+    """
+    if params.repetition_penalty == 1.0:
+        return None
+    w = params.repetition_window
+    window = (seq[-(w + len(appended)):] if w > 0 else seq) + list(appended)
+    return torch.tensor(window, dtype=torch.long, device=device)
+
+
 def penalize(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None) -> torch.Tensor:
     """The repetition penalty over the last `repetition_window` tokens of history (all if the window is 0)."""
     if history is None or params.repetition_penalty == 1.0:

@@ -72,11 +72,8 @@ class DraftModelDrafter:
             feed = feed[-1:]
             catch_up_s = time.perf_counter() - t0
         tokens, q_rows = [], []
-        recent = seq[-params.repetition_window:] if params.repetition_window > 0 else seq
         for _ in range(k):
-            history = None
-            if params.repetition_penalty != 1.0:  # penalize() keeps the last repetition_window of it
-                history = torch.tensor(recent + tokens, device=self.device)
+            history = sampling.history(seq, params, self.device, appended=tokens)
             logits = self._logits(feed)[None]
             if params.greedy:
                 logits = sampling.penalize(logits, params, history)
@@ -92,5 +89,5 @@ class DraftModelDrafter:
                 break
             tokens.append(token)
             feed = [token]
-        q_draft = torch.stack(q_rows) if q_rows and not params.greedy else None
+        q_draft = torch.stack(q_rows) if q_rows else None
         return Proposal(tokens, "draft", q_draft, catch_up_s)

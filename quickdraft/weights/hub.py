@@ -64,7 +64,7 @@ DEFAULT_MODELS = {
         ),
     )
 }
-DEFAULT_TARGET, DEFAULT_DRAFT, SMALL_MODEL = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"
+DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
 def cache_dir() -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -112,6 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--print-path", metavar="ALIAS", help="print the local path of ALIAS (pulling it if needed)")
     pl.add_argument("--list", action="store_true", help="list the aliases and whether each is pulled")
     _common(pl)
+
+    sv = sub.add_parser("serve", help="serve an OpenAI-compatible API (chat, completions, streaming)",
+                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                                    "/metrics over HTTP. With the default target the default draft speculates "
+                                    "with n-gram lookup in front (--draft auto); each response carries a "
+                                    "`timings` object with the acceptance figures.")
+    _model_args(sv)
+    _spec_args(sv)
+    sv.set_defaults(draft="auto")
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 exposes it)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    sv.add_argument("--api-key", default=os.environ.get("QUICKDRAFT_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health "
+                         "(default: $QUICKDRAFT_API_KEY, else none)")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
+    _common(sv)
 
     d = sub.add_parser("demo", help="pull the default pair; answer plainly, then speculatively",
                        description="The main job until the server exists: pull the default target and draft, "
@@ -283,6 +302,61 @@ def cmd_demo(args) -> int:
     return 0 if same else 1
 
 
+def cmd_serve(args) -> int:
+    from quickdraft.config import SamplingParams, SpecConfig
+    from quickdraft.server.app import ServerState, create_app
+    from quickdraft.server.metrics import Metrics
+    from quickdraft.server.worker import EngineWorker
+    from quickdraft.weights import hub
+
+    if args.max_queue < 1:
+        raise QuickdraftError("--max-queue must be at least 1")
+    if args.draft == "auto":  # the default target speculates with its default draft; other models do not
+        args.draft, args.ngram = (hub.DEFAULT_DRAFT, True) if args.model == hub.DEFAULT_TARGET else ("none", False)
+    sock = _listen(args.host, args.port)
+    target = _load(args)
+    engine = make_engine(args, target)
+    for _ in engine.generate(target.tokenizer.encode("Hello"), SamplingParams(max_tokens=4), SpecConfig(draft_max=0)):
+        pass  # warm-up: one-off kernel setup is paid here, not by the first request
+    model_id = args.model if args.model in hub.DEFAULT_MODELS else target.name
+    state = ServerState(EngineWorker(engine, args.max_queue, Metrics()), model_id,
+                        frozenset({args.model, target.name}), args.api_key)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}) at {url}/v1",
+          flush=True)
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+          """-d '{"messages": [{"role": "user", "content": "Write hello world in C"}], "max_tokens": 64}'""",
+          flush=True)
+    _run_uvicorn(create_app(state), sock, args.debug)
+    return 0
+
+
+def _listen(host: str, port: int):
+    """Bind before the long model load, so a taken port is a one-line error at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise QuickdraftError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port or --host") from None
+    sock.listen(128)
+    return sock
+
+
+def _run_uvicorn(app, sock, debug: bool) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="debug" if debug else "warning", access_log=debug,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -292,4 +366,5 @@ def _read_text(path: Path) -> str:
         raise QuickdraftError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo}
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo,
+            "serve": cmd_serve}

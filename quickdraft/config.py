@@ -87,7 +87,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off (llama.cpp's repeat_penalty over the last window)
-    repetition_window: int = 64
+    repetition_window: int = 64  # tokens the penalties look back over (0: the whole sequence)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token seen in the window
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the window
     seed: int | None = None
     max_tokens: int = 128
     stop_at_eos: bool = True
@@ -99,6 +101,8 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
             (0 <= self.min_p < 1, "min-p must be in [0, 1)"),
             (self.repetition_penalty > 0, "repetition penalty must be > 0 (1 turns it off)"),
+            (-2 <= self.presence_penalty <= 2, "presence penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency penalty must be in [-2, 2]"),
             (self.max_tokens >= 0, "the number of tokens to generate must be >= 0"),
         ]
         for ok, message in checks:
@@ -108,6 +112,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 @dataclass(frozen=True)

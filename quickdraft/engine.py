@@ -51,6 +51,14 @@ class Event:
 
 
 @dataclass
+class Halt:
+    """Ends a generation after its current token: set `reason` (any thread may) to the finish reason to
+    report, e.g. "stop" when a stop string matched or "cancelled" when the client went away."""
+
+    reason: str | None = None
+
+
+@dataclass
 class Detokenizer:
     """Turns a growing list of ids into text pieces, holding back incomplete UTF-8 sequences.
 
@@ -109,20 +117,28 @@ class Engine:
             )
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[Event]:
-        """Yield an Event per generated token, then a final Event with finish_reason, timings and spec stats."""
+    def generate(self, prompt: list[int], params: SamplingParams, spec: SpecConfig | None = None,
+                 halt: Halt | None = None) -> Iterator[Event]:
+        """Yield an Event per generated token, then a final Event with finish_reason, timings and spec stats.
+
+        spec overrides the engine's speculation settings for this generation (draft_max 0: none);
+        halt ends the generation early with halt.reason as its finish reason.
+        """
         self.check_fits(len(prompt), params.max_tokens)
+        spec = spec or self.spec
+        drafter = self.drafter if spec.draft_max > 0 else None
+        halt = halt or Halt()
         eos = self.target.tokenizer.eos_ids if params.stop_at_eos else frozenset()
         generator = sampling.make_generator(params.seed, self.target.device)
         detok = Detokenizer(self.target.tokenizer)
         timings = Timings(prompt_n=len(prompt))
-        stats = SpecStats(drafter=self.drafter_name,
-                          draft_device=str(self.drafter.device) if self.drafter and self.drafter.device else None)
+        stats = SpecStats(drafter=self.drafter_name if drafter else "none",
+                          draft_device=str(drafter.device) if drafter and drafter.device else None)
         start = time.perf_counter()
         seq = list(prompt)
         new_tokens = self._prefill(seq, params, generator)
-        if self.drafter is not None:
-            self.drafter.begin(prompt)
+        if drafter is not None:
+            drafter.begin(prompt)
         finish, first = "length", None
         while new_tokens:
             for token in new_tokens:
@@ -137,15 +153,18 @@ class Engine:
                     break
                 seq.append(token)
                 yield Event(token, detok.push(token))
+                if halt.reason is not None:
+                    finish = halt.reason
+                    break
                 if len(seq) - len(prompt) == params.max_tokens:
                     break
             else:
-                new_tokens = self._step(seq, params, generator, len(prompt), stats)
+                new_tokens = self._step(seq, params, generator, len(prompt), stats, drafter, spec)
                 continue
             break
         if first is None:  # max_tokens == 0
             timings.prefill_s = timings.ttft_s = time.perf_counter() - start
-        stats.policy = self.policy.snapshot() if self.drafter is not None else {}
+        stats.policy = self.policy.snapshot() if drafter is not None else {}
         yield Event(None, finish_reason=finish, timings=timings, spec=stats)
 
     # ---- the pieces of the loop -------------------------------------------------------------
@@ -158,18 +177,19 @@ class Engine:
         logits = self.target.model(tokens[None], self.cache, last_only=True)[0]
         return [int(sampling.next_token(logits, params, tokens, generator))]
 
-    def _step(self, seq, params, generator, prompt_n: int, stats: SpecStats) -> list[int]:
+    def _step(self, seq, params, generator, prompt_n: int, stats: SpecStats, drafter: Drafter | None,
+              spec: SpecConfig) -> list[int]:
         """One plain step or one speculative round; returns the tokens it adds to seq."""
         budget = min(params.max_tokens - (len(seq) - prompt_n) - 1, self.context - len(seq))
 
         def k_for(source: str) -> int:
-            return max(0, min(self.policy.k_for(source), budget))
+            return max(0, min(self.policy.k_for(source, spec), budget))
 
         proposal = Proposal([], "none")
         draft_s = 0.0
-        if self.drafter is not None and budget > 0:
+        if drafter is not None and budget > 0:
             t0 = time.perf_counter()
-            proposal = self.drafter.propose(seq, k_for, params, generator)
+            proposal = drafter.propose(seq, k_for, params, generator)
             draft_s = time.perf_counter() - t0
         if not proposal.tokens:
             t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 The same processing feeds every consumer of a distribution (plain sampling now; the draft's
 proposal and the target's verification in speculative decoding), which is what keeps speculative
-output exact. The chain, in order: repetition penalty, temperature, top-k, top-p, min-p.
+output exact. The chain, in order: penalties (repetition, presence, frequency), temperature, top-k, top-p, min-p.
 Temperature 0 is greedy: the processed distribution is one-hot on the argmax.
 """
 
@@ -23,12 +23,21 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     return logits.scatter(-1, ids, seen)
 
 
+def apply_presence_frequency(logits: torch.Tensor, history: torch.Tensor, presence: float,
+                             frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: logit -= frequency * count + presence * (count > 0), per token in history."""
+    if (presence == 0.0 and frequency == 0.0) or history.numel() == 0:
+        return logits
+    counts = torch.bincount(history, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
 def history(seq: list[int], params: SamplingParams, device, appended: list[int] = ()) -> torch.Tensor | None:
-    """The tokens the repetition penalty looks at: the end of seq, then `appended` (None when it is off).
+    """The tokens the penalties look at: the end of seq, then `appended` (None when they are off).
 
     Enough of seq is kept that every prefix ending inside `appended` still has a full window.
     """
-    if params.repetition_penalty == 1.0:
+    if not params.penalized:
         return None
     w = params.repetition_window
     window = (seq[-(w + len(appended)):] if w > 0 else seq) + list(appended)
@@ -36,11 +45,13 @@ def history(seq: list[int], params: SamplingParams, device, appended: list[int] 
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None) -> torch.Tensor:
-    """The repetition penalty over the last `repetition_window` tokens of history (all if the window is 0)."""
-    if history is None or params.repetition_penalty == 1.0:
+    """The penalties over the last `repetition_window` tokens of history (all if the window is 0), as
+    llama.cpp applies them: repetition first, then presence and frequency."""
+    if history is None or not params.penalized:
         return logits
     window = history[-params.repetition_window:] if params.repetition_window > 0 else history
-    return apply_repetition_penalty(logits, window, params.repetition_penalty)
+    logits = apply_repetition_penalty(logits, window, params.repetition_penalty)
+    return apply_presence_frequency(logits, window, params.presence_penalty, params.frequency_penalty)
 
 
 def process(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None = None) -> torch.Tensor:

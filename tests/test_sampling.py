@@ -51,6 +51,25 @@ def test_repetition_penalty_like_llama_cpp():
     assert sampling.next_token(LOGITS, SamplingParams(repetition_penalty=4.0), history, None).item() == 1
 
 
+def test_presence_and_frequency_penalties_like_openai():
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    history = torch.tensor([1, 1, 1, 3])  # token 1 three times, token 3 once
+    out = sampling.penalize(LOGITS, params, history)
+    expected = LOGITS.clone()
+    expected[0, 1] -= 0.5 + 3 * 0.25
+    expected[0, 3] -= 0.5 + 0.25
+    torch.testing.assert_close(out, expected)
+
+
+def test_penalties_look_only_at_the_window():
+    params = SamplingParams(frequency_penalty=1.0, repetition_window=2)
+    out = sampling.penalize(LOGITS, params, torch.tensor([0, 0, 0, 4, 5]))
+    expected = LOGITS.clone()
+    expected[0, 4] -= 1
+    expected[0, 5] -= 1
+    torch.testing.assert_close(out, expected)
+
+
 def test_seeded_sampling_is_reproducible_and_follows_probs():
     params = SamplingParams(temperature=1.0)
     logits = LOGITS.expand(20000, -1)

@@ -7,7 +7,7 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
-from quickdraft.engine import Engine
+from quickdraft.engine import Engine, Halt
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.spec.combined import CombinedDrafter
@@ -68,6 +68,48 @@ def test_greedy_with_repetition_penalty_equals_plain(models):
     plain, _ = run(Engine(target, 256), params)
     ours, _ = run(Engine(target, 256, drafter("combined", target, draft), SPECS["fixed-3"]), params)
     assert ours == plain
+
+
+def test_greedy_with_presence_and_frequency_penalties_equals_plain(models):
+    target, draft = models
+    params = SamplingParams(max_tokens=40, stop_at_eos=False, presence_penalty=1.5, frequency_penalty=0.5)
+    plain, _ = run(Engine(target, 256), params)
+    ours, final = run(Engine(target, 256, drafter("combined", target, draft), SPECS["fixed-3"]), params)
+    assert ours == plain and final.spec.rounds > 0
+
+
+def test_per_generation_spec_overrides_the_engine(models):
+    target, draft = models
+    params = SamplingParams(max_tokens=32, stop_at_eos=False)
+    engine = Engine(target, 256, drafter("draft", target, draft), SPECS["adaptive"], "draft")
+    plain, off = run_with(engine, params, SpecConfig(draft_max=0))
+    assert off.spec.drafter == "none" and off.spec.rounds == 0 and off.spec.plain_steps > 0
+    fixed, final = run_with(engine, params, SpecConfig(draft_max=2, adaptive=False))
+    assert fixed == plain
+    assert final.spec.rounds > 0 and set(final.spec.k_history) <= {1, 2}  # 1: the budget at the end
+
+
+def run_with(engine, params, spec):
+    events = list(engine.generate(PROMPT, params, spec))
+    return [e.token for e in events if e.token is not None], events[-1]
+
+
+def test_halt_ends_the_generation_with_its_reason(models):
+    target, draft = models
+    halt = Halt()
+    engine = Engine(target, 256, drafter("draft", target, draft), SPECS["fixed-8"], "draft")
+    tokens = []
+    for event in engine.generate(PROMPT, SamplingParams(max_tokens=40, stop_at_eos=False), halt=halt):
+        if event.token is None:
+            final = event
+            break
+        tokens.append(event.token)
+        if len(tokens) == 5:
+            halt.reason = "stop"  # even in the middle of an accepted run of drafts
+    assert len(tokens) == 5 and final.finish_reason == "stop"
+    again, _ = run(engine, SamplingParams(max_tokens=40, stop_at_eos=False))  # the engine is reusable
+    plain, _ = run(Engine(target, 256), SamplingParams(max_tokens=40, stop_at_eos=False))
+    assert again == plain and again[:5] == tokens
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

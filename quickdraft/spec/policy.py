@@ -100,8 +100,9 @@ class AdaptivePolicy:
 
     # ---- the decision -----------------------------------------------------------------------
 
-    def k_for(self, source: str) -> int:
-        cfg = self.cfg
+    def k_for(self, source: str, cfg: SpecConfig | None = None) -> int:
+        """The k to draft now from `source`; cfg (e.g. one request's settings) bounds it instead of self.cfg."""
+        cfg = cfg or self.cfg
         if not cfg.adaptive:
             return cfg.draft_max
         if self.t_plain is None:  # measure plain steps first (draft_min > 0 forbids plain steps)

@@ -1,0 +1,49 @@
+"""Prometheus metrics, named after vLLM's where one exists (spec_decode_num_draft_tokens, ...)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from quickdraft.engine import Timings
+from quickdraft.spec.stats import SpecStats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class Metrics:
+    """One registry per server (tests run several apps in one process)."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        p = "quickdraft_"
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
+        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Tokens drafted", registry=r)
+        self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Drafted tokens accepted",
+                                       registry=r)
+        self.drafts = Counter(p + "spec_decode_num_drafts", "Speculative rounds (draft -> verify)", registry=r)
+        self.finished = Counter(p + "request_success", "Requests finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter(p + "request_rejected", "Requests refused before generation, by HTTP status",
+                                ["status"], registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests generating now", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for the engine", registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request latency, queue included",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Time waiting for the engine",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (prefill included)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+
+    def record_generation(self, finish_reason: str, completion_n: int, timings: Timings, spec: SpecStats) -> None:
+        self.finished.labels(finish_reason).inc()
+        self.prompt_tokens.inc(timings.prompt_n)
+        self.generation_tokens.inc(completion_n)
+        self.draft_tokens.inc(spec.draft_n)
+        self.accepted_tokens.inc(spec.draft_n_accepted)
+        self.drafts.inc(spec.rounds)
+        if completion_n:
+            self.ttft.observe(timings.ttft_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

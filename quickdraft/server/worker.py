@@ -1,0 +1,146 @@
+"""One thread owns the engine; requests wait for it in a bounded queue and get their tokens back on their
+own asyncio queue. A request that is cancelled (client gone) frees the engine after its current token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.engine import Engine, Halt, Timings
+from quickdraft.server.metrics import Metrics
+from quickdraft.server.stops import StopMatcher
+from quickdraft.spec.stats import SpecStats
+
+log = logging.getLogger("quickdraft.server")
+
+
+@dataclass
+class Piece:
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str  # stop | length | cancelled
+    completion_n: int
+    timings: Timings
+    spec: SpecStats
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    spec: SpecConfig | None
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    halt: Halt = field(default_factory=Halt)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        if self.halt.reason is None:
+            self.halt.reason = "cancelled"
+
+    @property
+    def cancelled(self) -> bool:
+        return self.halt.reason == "cancelled"
+
+    def put(self, item) -> None:
+        """Hand an item to the request's coroutine (called from the engine thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            self.cancel()
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int):
+        self.retry_after_s = retry_after_s
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics):
+        self.engine = engine
+        self.metrics = metrics
+        self.pending: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.running: Job | None = None
+        self.mean_request_s = 5.0  # moving average, for Retry-After
+        self.thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.pending.put_nowait(job)
+        except queue.Full:
+            waiting = self.pending.qsize() + 1
+            raise QueueFull(max(1, round(waiting * self.mean_request_s))) from None
+        self.metrics.waiting.set(self.pending.qsize())
+
+    def stop(self) -> None:
+        """Cancel everything and end the thread (server shutdown)."""
+        while True:
+            try:
+                job = self.pending.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        if self.running is not None:
+            self.running.cancel()
+        self.pending.put(None)
+        self.thread.join(timeout=30)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self.pending.get()) is not None:
+            self.metrics.waiting.set(self.pending.qsize())
+            started = time.perf_counter()
+            self.metrics.queue_time.observe(started - job.submitted)
+            if job.cancelled:  # the client left while waiting
+                self.metrics.finished.labels("cancelled").inc()
+                continue
+            self.running = job
+            self.metrics.running.set(1)
+            try:
+                self._generate(job)
+            except Exception as e:  # a bug of ours: this request fails, the server goes on
+                log.exception("generation failed")
+                job.put(Failed(f"generation failed: {type(e).__name__}: {e}"))
+            finally:
+                self.running = None
+                self.metrics.running.set(0)
+                self.metrics.e2e.observe(time.perf_counter() - job.submitted)
+                self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * (time.perf_counter() - started)
+
+    def _generate(self, job: Job) -> None:
+        stops = StopMatcher(job.stops)
+        n = 0
+        for event in self.engine.generate(job.prompt, job.params, job.spec, job.halt):
+            if event.token is not None:
+                n += 1
+                text = stops.push(event.text)
+                if stops.matched and job.halt.reason is None:
+                    job.halt.reason = "stop"
+                if text:
+                    job.put(Piece(text))
+                continue
+            tail = stops.flush()
+            if tail:
+                job.put(Piece(tail))
+            self.metrics.record_generation(event.finish_reason, n, event.timings, event.spec)
+            job.put(Done(event.finish_reason, n, event.timings, event.spec))

@@ -84,7 +84,8 @@ def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors=()) -> Path:
+def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors=(),
+                       chat_template: str | None = None) -> Path:
     """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama).
 
     extra_tensors: (name, raw array, gguf type) triples added as they are.
@@ -108,6 +109,8 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
     w.add_token_list(byte_level_vocab(cfg.vocab_size))
     w.add_token_types([1] * cfg.vocab_size)
     w.add_token_merges([])
+    if chat_template:
+        w.add_chat_template(chat_template)
     for name, t in model.state_dict().items():
         t = t.detach().float().numpy()
         if name == "model.embed_tokens.weight":

@@ -175,7 +175,8 @@ class Engine:
         self.cache.reset()
         tokens = torch.tensor(seq, device=self.target.device)
         logits = self.target.model(tokens[None], self.cache, last_only=True)[0]
-        return [int(sampling.next_token(logits, params, tokens, generator))]
+        return [int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
+                                        generator, len(seq)))]
 
     def _step(self, seq, params, generator, prompt_n: int, stats: SpecStats, drafter: Drafter | None,
               spec: SpecConfig) -> list[int]:
@@ -208,7 +209,8 @@ class Engine:
 
     def _plain(self, seq, params, generator) -> int:
         logits = self.target.model(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
-        return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device), generator))
+        return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
+                                       generator, len(seq)))
 
     def _verify(self, seq, proposal: Proposal, params, generator) -> tuple[list[int], int]:
         """Run the target over the last token and the drafts, accept, and roll the cache back to match."""
@@ -221,6 +223,9 @@ class Engine:
         if params.greedy:
             rows = self._per_position(logits, history, k, lambda x, h: sampling.penalize(x, params, h))
             tokens, accepted = accept_greedy(rows.argmax(-1), drafts)
+        elif params.seed is not None:  # the target's own seeded choices: keep the drafts that match them
+            p_target = self._per_position(logits, history, k, lambda x, h: sampling.process(x, params, h))
+            tokens, accepted = accept_greedy(sampling.gumbel_choice(p_target, params.seed, len(seq)), drafts)
         else:
             p_target = self._per_position(logits, history, k, lambda x, h: sampling.process(x, params, h))
             q_draft = proposal.q_rows(self.vocab, device).to(device)

@@ -80,17 +80,40 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None,
-               generator: torch.Generator | None) -> torch.Tensor:
-    """Logits (N, V) -> tokens (N,) from the processed distribution (greedy: the argmax, no softmax)."""
+               generator: torch.Generator | None, position: int) -> torch.Tensor:
+    """Logits (1, V) -> token (1,) at sequence index `position`, from the processed distribution (greedy:
+    the argmax, no softmax; seeded: the Gumbel choice of that position; else a draw from generator)."""
     if params.greedy:
         return penalize(logits, params, history).argmax(-1)
-    return sample(process(logits, params, history), generator)
+    probs = process(logits, params, history)
+    if params.seed is not None:
+        return gumbel_choice(probs, params.seed, position)
+    return sample(probs, generator)
+
+
+def gumbel_choice(probs: torch.Tensor, seed: int, first_position: int) -> torch.Tensor:
+    """How a seeded generation samples: row i of probs (N, V) is the distribution at sequence index
+    first_position + i; the token is argmax(log p + g), g Gumbel noise that depends on (seed, index) only.
+
+    That is an exact draw from p (the Gumbel-max trick), and the noise of an index is the same whoever asks:
+    a plain step, a round of any k, or the draft sampling its guess. So the target's choice at each index
+    does not depend on how speculation went, and a seeded generation is reproducible, and identical with
+    speculation on or off, token for token.
+    """
+    rows = [probs[i].log() + _gumbel(seed, first_position + i, probs.shape[-1], probs.device)
+            for i in range(probs.shape[0])]
+    return torch.stack(rows).argmax(-1)
+
+
+def _gumbel(seed: int, position: int, vocab: int, device) -> torch.Tensor:
+    mixed = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) % 2**64  # decorrelate nearby seeds
+    u = torch.rand(vocab, generator=torch.Generator(device=device).manual_seed(mixed), device=device)
+    return -(-u.log()).log()  # u = 0 gives -inf: never chosen
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """The generator of an unseeded draw (seeded generations use gumbel_choice): seeded from torch's global
+    generator, itself random per process unless a caller fixed it with torch.manual_seed."""
     generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
     return generator

@@ -11,7 +11,7 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 def test_greedy_is_one_hot_argmax():
     probs = sampling.process(LOGITS, SamplingParams(temperature=0))
     assert probs.tolist() == [[1.0, 0, 0, 0, 0, 0]]
-    assert sampling.next_token(LOGITS, SamplingParams(), None, None).item() == 0
+    assert sampling.next_token(LOGITS, SamplingParams(), None, None, 0).item() == 0
 
 
 def test_temperature_scales_logits():
@@ -48,7 +48,7 @@ def test_repetition_penalty_like_llama_cpp():
     out = sampling.apply_repetition_penalty(LOGITS, history, 2.0)
     assert out.tolist() == [[1.0, 1.0, 0.5, 0.0, -2.0, -3.0]]
     # greedy with a strong penalty moves off the repeated argmax
-    assert sampling.next_token(LOGITS, SamplingParams(repetition_penalty=4.0), history, None).item() == 1
+    assert sampling.next_token(LOGITS, SamplingParams(repetition_penalty=4.0), history, None, 0).item() == 1
 
 
 def test_presence_and_frequency_penalties_like_openai():
@@ -70,14 +70,24 @@ def test_penalties_look_only_at_the_window():
     torch.testing.assert_close(out, expected)
 
 
-def test_seeded_sampling_is_reproducible_and_follows_probs():
+def test_unseeded_sampling_follows_probs():
     params = SamplingParams(temperature=1.0)
-    logits = LOGITS.expand(20000, -1)
-    draws = [sampling.next_token(logits, params, None, sampling.make_generator(7, torch.device("cpu")))
-             for _ in range(2)]
-    assert torch.equal(draws[0], draws[1])
+    probs = sampling.process(LOGITS.expand(20000, -1), params)
+    draws = [sampling.sample(probs, sampling.make_generator(7, torch.device("cpu"))) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])  # the same generator seed, the same draws
     freq = torch.bincount(draws[0], minlength=6).float() / len(draws[0])
     torch.testing.assert_close(freq, LOGITS.softmax(-1)[0], atol=0.015, rtol=0)
+
+
+def test_seeded_gumbel_choice_is_a_function_of_seed_and_position_and_follows_probs():
+    probs = sampling.process(LOGITS, SamplingParams(temperature=1.0))
+    draws = torch.cat([sampling.gumbel_choice(probs, seed=11, first_position=i) for i in range(20000)])
+    freq = torch.bincount(draws, minlength=6).float() / len(draws)
+    torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)
+    rows = sampling.gumbel_choice(probs.expand(50, -1), seed=11, first_position=0)  # many rows at once
+    assert torch.equal(rows, draws[:50])  # ... are the same choices as one row at a time
+    other_seed = torch.cat([sampling.gumbel_choice(probs, seed=12, first_position=i) for i in range(50)])
+    assert not torch.equal(other_seed, draws[:50])
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=1),

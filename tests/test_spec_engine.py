@@ -112,6 +112,18 @@ def test_halt_ends_the_generation_with_its_reason(models):
     assert again == plain and again[:5] == tokens
 
 
+@pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
+@pytest.mark.parametrize("spec", ["fixed-3", "adaptive"])
+def test_seeded_sampling_with_speculation_equals_plain_seeded_sampling(models, kind, spec):
+    target, draft = models
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=5, max_tokens=48, stop_at_eos=False,
+                            presence_penalty=0.3)
+    plain, _ = run(Engine(target, 256), params)
+    ours, final = run(Engine(target, 256, drafter(kind, target, draft), SPECS[spec], kind), params)
+    assert ours == plain
+    assert final.spec.rounds > 0 and (final.spec.draft_n_accepted > 0 or kind == "ngram")
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_identical_to_target_accepts_everything(models, temperature):
     target, draft = models
@@ -142,8 +154,10 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(models):
     assert torch.equal(engine.cache.v[:, :, :, :n], plain.v[:, :, :, :n])
 
 
-def test_sampled_output_follows_target_distribution(tmp_path):
-    """Engine level: the second token (the first a round emits) is distributed as the target says."""
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_output_follows_target_distribution(tmp_path, seeded):
+    """Engine level: the second token (the first a round emits) is distributed as the target says, with a
+    seed per generation (the Gumbel choices) and without (rejection sampling)."""
     V, draws = 8, 1500
     target = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=1, vocab=V, logit_scale=8), tmp_path / "t")),
                         BF16, False)
@@ -162,8 +176,9 @@ def test_sampled_output_follows_target_distribution(tmp_path):
                 exact += p1[t1] * p2
     engine = Engine(target, 16, DraftModelDrafter(draft.model, V, 16), SpecConfig(draft_max=1, adaptive=False))
     counts = torch.zeros(V)
+    torch.manual_seed(0)  # unseeded generations draw their generator's seed from torch's global one
     for seed in range(draws):
-        tokens, final = run(engine, SamplingParams(**{**params.__dict__, "seed": seed}), prompt)
+        tokens, final = run(engine, SamplingParams(**{**params.__dict__, "seed": seed if seeded else None}), prompt)
         counts[tokens[1]] += 1
     assert final.spec.rounds >= 1 and final.spec.k_history[0] == 1
     keep = exact > 0

@@ -11,7 +11,8 @@ import torch
 
 def accept_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[list[int], int]:
     """Temperature 0: keep the longest prefix of drafts on which the target's argmax agrees, plus the
-    target's own token at the first disagreement (or after the last draft).
+    target's own token at the first disagreement (or after the last draft). Seeded sampling uses it too,
+    with the target's Gumbel choices (sampling.gumbel_choice) in place of the argmax.
 
     target_argmax: (k + 1,) the target's choice at each position; draft_tokens: (k,).
     """

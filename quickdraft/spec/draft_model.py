@@ -81,7 +81,10 @@ class DraftModelDrafter:
                 confident = self.p_min <= 0 or float(logits.softmax(-1).max()) >= self.p_min
             else:
                 q = sampling.process(logits, params, history)
-                token = int(sampling.sample(q, generator))
+                if params.seed is not None:  # guess the target's seeded choice with the same noise
+                    token = int(sampling.gumbel_choice(q, params.seed, len(seq) + len(tokens))[0])
+                else:
+                    token = int(sampling.sample(q, generator))
                 q_rows.append(q[0])
                 confident = self.p_min <= 0 or float(q.max()) >= self.p_min
             if not confident and tokens:  # stop early: the draft itself doubts this token

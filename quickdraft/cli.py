@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(sv)
 
     d = sub.add_parser("demo", help="pull the default pair; answer plainly, then speculatively",
-                       description="The main job until the server exists: pull the default target and draft, "
+                       description="A one-shot check without a server: pull the default target and draft, "
                                    "stream a code answer from the target alone and then with the draft "
                                    "speculating, with speeds, acceptance, and a check that the text is identical.")
     d.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")

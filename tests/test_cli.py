@@ -118,3 +118,13 @@ def test_incompatible_draft_is_refused(tiny_gguf, tmp_path):
     other = write_gguf_from_hf(tiny_hf_model("llama", vocab=330), tmp_path / "other.gguf")
     r = run("generate", "-m", str(tiny_gguf), "-p", "x", "--draft", str(other))
     assert_one_line_error(r, "vocabulary differs from the target's at id 320")
+
+
+def test_serve_on_a_taken_port_is_one_line_before_any_load(tiny_gguf):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(run("serve", "-m", str(tiny_gguf), "--port", str(port)), "cannot listen", "--port")

@@ -214,7 +214,6 @@ def usage(prompt_n: int, completion_n: int) -> dict:
 def timings(t: Timings, spec: SpecStats, completion_n: int) -> dict:
     """llama.cpp's timings fields (prompt_*, predicted_*, draft_n, draft_n_accepted), then ours."""
     prompt_ms, predicted_ms = 1000 * t.prefill_s, 1000 * t.decode_s
-    k = spec.k_history
     return {
         "prompt_n": t.prompt_n,
         "prompt_ms": prompt_ms,
@@ -230,9 +229,9 @@ def timings(t: Timings, spec: SpecStats, completion_n: int) -> dict:
         "drafter": spec.drafter,
         "acceptance_rate": spec.acceptance_rate,
         "mean_accepted_length": spec.mean_accepted_length,
-        "accept_per_position": [a / n if n else 0.0 for a, n in zip(spec.position_accepted, spec.position_tried)],
+        "accept_per_position": spec.accept_per_position,
         "rounds": spec.rounds,
         "plain_steps": spec.plain_steps,
-        "k_mean": sum(k) / len(k) if k else 0.0,
-        "k_history": k,
+        "k_mean": spec.k_mean,
+        "k_history": spec.k_history,
     }

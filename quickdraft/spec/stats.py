@@ -55,6 +55,15 @@ class SpecStats:
         """Tokens per speculative round (accepted drafts + the target's own token)."""
         return self.emitted_in_rounds / self.rounds if self.rounds else 0.0
 
+    @property
+    def accept_per_position(self) -> list[float]:
+        """Of the rounds that drafted position i, the share that accepted it."""
+        return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
+
+    @property
+    def k_mean(self) -> float:
+        return sum(self.k_history) / len(self.k_history) if self.k_history else 0.0
+
     def to_dict(self) -> dict:
         return {
             "drafter": self.drafter,
@@ -65,7 +74,7 @@ class SpecStats:
             "mean_accepted_length": self.mean_accepted_length,
             "rounds": self.rounds,
             "plain_steps": self.plain_steps,
-            "accept_per_position": [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)],
+            "accept_per_position": self.accept_per_position,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "plain_s": self.plain_s,
@@ -77,8 +86,7 @@ class SpecStats:
     def summary(self) -> str:
         if self.drafter == "none":
             return "speculation off"
-        k_mean = sum(self.k_history) / len(self.k_history) if self.k_history else 0
         return (f"spec[{self.drafter}]: {self.draft_n_accepted}/{self.draft_n} drafts accepted "
                 f"({100 * self.acceptance_rate:.0f}%), {self.mean_accepted_length:.2f} tokens/round over "
-                f"{self.rounds} rounds + {self.plain_steps} plain steps, mean k {k_mean:.1f}, "
+                f"{self.rounds} rounds + {self.plain_steps} plain steps, mean k {self.k_mean:.1f}, "
                 f"draft {self.draft_s:.2f} s / verify {self.verify_s:.2f} s")

@@ -214,12 +214,12 @@ def _run_generation(engine, prompt, params, as_json: bool, collect: bool = False
     for event in engine.generate(prompt, params):
         if event.token is not None:
             tokens.append(event.token)
-            pieces.append(event.text)
-            if not as_json:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
         else:
             final = event
+        pieces.append(event.text)
+        if not as_json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
     t = final.timings
     if as_json:
         print(json.dumps({

@@ -41,7 +41,8 @@ class Timings:
 
 @dataclass
 class Event:
-    """One generated token and the text it completed, or (last) why the generation ended."""
+    """One generated token and the text it completed, or (last) why the generation ended, with any text
+    still held back (the tail of a character cut off by the end)."""
 
     token: int | None
     text: str = ""
@@ -79,6 +80,13 @@ class Detokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before):]
+
+    def flush(self) -> str:
+        """What is still held back when the generation ends (an incomplete character shows as U+FFFD)."""
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):] if len(text) > len(before) else ""
 
 
 class Engine:
@@ -165,7 +173,7 @@ class Engine:
         if first is None:  # max_tokens == 0
             timings.prefill_s = timings.ttft_s = time.perf_counter() - start
         stats.policy = self.policy.snapshot() if drafter is not None else {}
-        yield Event(None, finish_reason=finish, timings=timings, spec=stats)
+        yield Event(None, detok.flush(), finish_reason=finish, timings=timings, spec=stats)
 
     # ---- the pieces of the loop -------------------------------------------------------------
 

@@ -62,3 +62,14 @@ def test_detokenizer_streams_pieces_that_add_up():
     pieces = [detok.push(i) for i in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+    assert detok.flush() == ""
+
+
+def test_detokenizer_flushes_a_character_cut_off_by_the_end():
+    from quickdraft.engine import Detokenizer
+
+    tok = Tokenizer.from_gguf_metadata(metadata())
+    ids = tok.encode("ok 😀", add_bos=False)
+    detok = Detokenizer(tok)
+    shown = "".join(detok.push(i) for i in ids[:-1])  # the emoji's last byte never comes
+    assert shown == "ok " and detok.flush() == tok.decode(ids[:-1])[len("ok "):] != ""

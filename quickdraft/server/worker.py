@@ -131,13 +131,13 @@ class EngineWorker:
         stops = StopMatcher(job.stops)
         n = 0
         for event in self.engine.generate(job.prompt, job.params, job.spec, job.halt):
+            text = stops.push(event.text)
+            if stops.matched and job.halt.reason is None:
+                job.halt.reason = "stop"
+            if text:
+                job.put(Piece(text))
             if event.token is not None:
                 n += 1
-                text = stops.push(event.text)
-                if stops.matched and job.halt.reason is None:
-                    job.halt.reason = "stop"
-                if text:
-                    job.put(Piece(text))
                 continue
             tail = stops.flush()
             if tail:

@@ -231,11 +231,12 @@ class Engine:
         if params.greedy:
             rows = self._per_position(logits, history, k, lambda x, h: sampling.penalize(x, params, h))
             tokens, accepted = accept_greedy(rows.argmax(-1), drafts)
-        elif params.seed is not None:  # the target's own seeded choices: keep the drafts that match them
-            p_target = self._per_position(logits, history, k, lambda x, h: sampling.process(x, params, h))
+            self.cache.rollback(len(seq) + accepted)
+            return tokens, accepted
+        p_target = self._per_position(logits, history, k, lambda x, h: sampling.process(x, params, h))
+        if params.seed is not None:  # the target's own seeded choices: keep the drafts that match them
             tokens, accepted = accept_greedy(sampling.gumbel_choice(p_target, params.seed, len(seq)), drafts)
         else:
-            p_target = self._per_position(logits, history, k, lambda x, h: sampling.process(x, params, h))
             q_draft = proposal.q_rows(self.vocab, device).to(device)
             tokens, accepted = accept_sampled(p_target, q_draft, drafts, generator)
         self.cache.rollback(len(seq) + accepted)  # keep the last token and the accepted drafts

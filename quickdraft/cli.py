@@ -62,7 +62,22 @@ def spec_config(args):
     from quickdraft.config import SpecConfig
 
     return SpecConfig(draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min,
-                      adaptive=not args.fixed_k)
+                      adaptive=not args.fixed_k, constrain_draft=not getattr(args, "blind_draft", False))
+
+
+def grammar_spec(args):
+    """The constraint the generate flags ask for, or None."""
+    from quickdraft.grammar import GrammarSpec
+
+    if args.json_schema:
+        return GrammarSpec("json_schema", _read_text(args.json_schema))
+    if args.json_object:
+        return GrammarSpec("json_object")
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex)
+    if args.grammar:
+        return GrammarSpec("grammar", _read_text(args.grammar))
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    c = g.add_argument_group("structured output (the output matches; speculation stays on, masked too)")
+    shape = c.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, metavar="FILE",
+                       help="a JSON schema file: the output is one JSON value valid against it")
+    shape.add_argument("--json-object", action="store_true", help="the output is one JSON object, any keys")
+    shape.add_argument("--regex", metavar="R", help="the output matches this regular expression (Rust syntax)")
+    shape.add_argument("--grammar", type=Path, metavar="FILE",
+                       help="a grammar file, GBNF as llama.cpp writes it (root ::= ...) or Lark (start: ...)")
+    c.add_argument("--blind-draft", action="store_true",
+                   help="do not mask the draft's proposals, as llama.cpp does (for comparison: acceptance drops)")
     _spec_args(g)
     _common(g)
 
@@ -205,13 +230,15 @@ def cmd_generate(args) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         text = lm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": text}])
     prompt = lm.tokenizer.encode(text)
-    return _run_generation(make_engine(args, lm), prompt, params, as_json=args.json)
+    engine = make_engine(args, lm)
+    constraint = engine.constraint(grammar_spec(args))  # a bad schema or grammar fails here, before generating
+    return _run_generation(engine, prompt, params, as_json=args.json, constraint=constraint)
 
 
-def _run_generation(engine, prompt, params, as_json: bool, collect: bool = False):
+def _run_generation(engine, prompt, params, as_json: bool, collect: bool = False, constraint=None):
     """Stream (or print as JSON) one generation; returns 0, or the tokens when collect is set."""
     tokens, pieces = [], []
-    for event in engine.generate(prompt, params):
+    for event in engine.generate(prompt, params, constraint=constraint):
         if event.token is not None:
             tokens.append(event.token)
         else:
@@ -229,14 +256,14 @@ def _run_generation(engine, prompt, params, as_json: bool, collect: bool = False
             "prompt_tokens": len(prompt),
             "finish_reason": final.finish_reason,
             "timings": t.to_dict(),
-            "spec": final.spec.to_dict() if final.spec.drafter != "none" else None,
+            "spec": final.spec.to_dict() if final.spec.drafter != "none" or constraint else None,
         }, ensure_ascii=False))
     else:
         print(file=sys.stdout)
         print(f"[{final.finish_reason}] TTFT {t.ttft_s:.2f} s | prefill {t.prefill_tok_s:.1f} tok/s "
               f"({t.prompt_n} tokens) | decode {t.decode_tok_s:.1f} tok/s ({t.n_decoded} tokens)",
               file=sys.stderr)
-        if final.spec.drafter != "none":
+        if final.spec.drafter != "none" or constraint:
             print(final.spec.summary(), file=sys.stderr)
     return tokens if collect else 0
 
@@ -318,6 +345,10 @@ def cmd_serve(args) -> int:
     engine = make_engine(args, target)
     for _ in engine.generate(target.tokenizer.encode("Hello"), SamplingParams(max_tokens=4), SpecConfig(draft_max=0)):
         pass  # warm-up: one-off kernel setup is paid here, not by the first request
+    try:  # llguidance's view of the vocabulary (about 1 s for 150k tokens), built before the first request
+        engine.grammars.ll_tokenizer
+    except QuickdraftError as e:  # plain requests are unaffected; constrained ones get this message as a 400
+        print(f"warning: {e}", file=sys.stderr)
     model_id = args.model if args.model in hub.DEFAULT_MODELS else target.name
     state = ServerState(EngineWorker(engine, args.max_queue, Metrics()), model_id,
                         frozenset({args.model, target.name}), args.api_key)

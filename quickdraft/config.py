@@ -128,6 +128,7 @@ class SpecConfig:
     p_min: float = 0.5  # the draft model stops a round early when its top probability falls below this
     adaptive: bool = True  # False: always draft draft_max tokens
     probe_every: int = 16  # while plain decoding wins, try one round after this many plain steps
+    constrain_draft: bool = True  # under a grammar, mask the draft too (False: blind drafts, as llama.cpp)
 
     def __post_init__(self):
         if not 0 <= self.draft_min <= self.draft_max:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 import torch
 
-from quickdraft import sampling
+from quickdraft import grammar, sampling
 from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.grammar import Constraint, GrammarCompiler, GrammarSpec
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.spec.accept import accept_greedy, accept_sampled
 from quickdraft.spec.base import Drafter, Proposal
@@ -106,6 +108,8 @@ class Engine:
         self.drafter_name = drafter_name or "+".join(drafter.sources)
         self.spec = spec
         self.policy = AdaptivePolicy(spec)  # its timings describe this machine: kept across generations
+        self.grammars = GrammarCompiler(target.tokenizer, target.config.vocab_size)
+        self._masker: ThreadPoolExecutor | None = None  # computes verification masks during the target pass
 
     @property
     def context(self) -> int:
@@ -124,19 +128,26 @@ class Engine:
                 f"{self.context} tokens: shorten the prompt, lower -n, or raise --ctx"
             )
 
+    def constraint(self, spec: GrammarSpec | None) -> Constraint | None:
+        """A matcher for one generation (QuickdraftError, with the library's message, if spec is invalid)."""
+        return self.grammars.constraint(spec) if spec is not None else None
+
     @torch.inference_mode()
     def generate(self, prompt: list[int], params: SamplingParams, spec: SpecConfig | None = None,
-                 halt: Halt | None = None) -> Iterator[Event]:
+                 halt: Halt | None = None, constraint: Constraint | None = None) -> Iterator[Event]:
         """Yield an Event per generated token, then a final Event with finish_reason, timings and spec stats.
 
         spec overrides the engine's speculation settings for this generation (draft_max 0: none);
-        halt ends the generation early with halt.reason as its finish reason.
+        halt ends the generation early with halt.reason as its finish reason; constraint (from
+        self.constraint) restricts the output to a grammar: it ends with "stop" once the output is complete.
         """
         self.check_fits(len(prompt), params.max_tokens)
         spec = spec or self.spec
         drafter = self.drafter if spec.draft_max > 0 else None
         halt = halt or Halt()
         eos = self.target.tokenizer.eos_ids if params.stop_at_eos else frozenset()
+        if constraint is not None:  # the output ends where the grammar allows an end and the model takes it
+            eos = self.target.tokenizer.eos_ids | constraint.eos_ids
         generator = sampling.make_generator(params.seed, self.target.device)
         detok = Detokenizer(self.target.tokenizer)
         timings = Timings(prompt_n=len(prompt))
@@ -144,7 +155,7 @@ class Engine:
                           draft_device=str(drafter.device) if drafter and drafter.device else None)
         start = time.perf_counter()
         seq = list(prompt)
-        new_tokens = self._prefill(seq, params, generator)
+        new_tokens = self._prefill(seq, params, generator, constraint)
         if drafter is not None:
             drafter.begin(prompt)
         finish, first = "length", None
@@ -160,34 +171,48 @@ class Engine:
                     finish = "stop"
                     break
                 seq.append(token)
+                if constraint is not None:
+                    constraint.advance(token)
                 yield Event(token, detok.push(token))
                 if halt.reason is not None:
                     finish = halt.reason
                     break
+                if constraint is not None and constraint.stopped:
+                    finish = "stop"
+                    break
                 if len(seq) - len(prompt) == params.max_tokens:
                     break
             else:
-                new_tokens = self._step(seq, params, generator, len(prompt), stats, drafter, spec)
+                new_tokens = self._step(seq, params, generator, len(prompt), stats, drafter, spec, constraint)
                 continue
             break
         if first is None:  # max_tokens == 0
             timings.prefill_s = timings.ttft_s = time.perf_counter() - start
         stats.policy = self.policy.snapshot() if drafter is not None else {}
+        if constraint is not None:
+            stats.constraint = constraint.spec.kind
+            stats.mask_s, stats.masks_computed = constraint.seconds, constraint.masks_computed
         yield Event(None, detok.flush(), finish_reason=finish, timings=timings, spec=stats)
 
     # ---- the pieces of the loop -------------------------------------------------------------
 
-    def _prefill(self, seq: list[int], params: SamplingParams, generator) -> list[int]:
+    def _prefill(self, seq: list[int], params: SamplingParams, generator, constraint) -> list[int]:
         if params.max_tokens == 0:
             return []
         self.cache.reset()
         tokens = torch.tensor(seq, device=self.target.device)
         logits = self.target.model(tokens[None], self.cache, last_only=True)[0]
-        return [int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
-                                        generator, len(seq)))]
+        return [self._choose(logits, seq, params, generator, constraint)]
+
+    def _choose(self, logits, seq, params, generator, constraint) -> int:
+        """The target's token after seq from its logits (1, V), as a plain step chooses it."""
+        if constraint is not None:
+            logits = grammar.apply(logits, constraint.allowed(logits.device))
+        return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
+                                       generator, len(seq)))
 
     def _step(self, seq, params, generator, prompt_n: int, stats: SpecStats, drafter: Drafter | None,
-              spec: SpecConfig) -> list[int]:
+              spec: SpecConfig, constraint: Constraint | None) -> list[int]:
         """One plain step or one speculative round; returns the tokens it adds to seq."""
         budget = min(params.max_tokens - (len(seq) - prompt_n) - 1, self.context - len(seq))
 
@@ -198,34 +223,46 @@ class Engine:
         draft_s = 0.0
         if drafter is not None and budget > 0:
             t0 = time.perf_counter()
-            proposal = drafter.propose(seq, k_for, params, generator)
+            # spec.constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
+            proposal = drafter.propose(seq, k_for, params, generator,
+                                       constraint if spec.constrain_draft else None)
             draft_s = time.perf_counter() - t0
         if not proposal.tokens:
             t0 = time.perf_counter()
-            token = self._plain(seq, params, generator)
+            token = self._plain(seq, params, generator, constraint)
             seconds = time.perf_counter() - t0
             self.policy.record_plain(seconds + draft_s)
             stats.record_plain(seconds + draft_s)
             return [token]
         t0 = time.perf_counter()
-        tokens, accepted = self._verify(seq, proposal, params, generator)
+        tokens, accepted = self._verify(seq, proposal, params, generator, constraint)
         verify_s = time.perf_counter() - t0
         k = len(proposal.tokens)
         self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s)
         stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
         return tokens
 
-    def _plain(self, seq, params, generator) -> int:
+    def _plain(self, seq, params, generator, constraint) -> int:
         logits = self.target.model(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
-        return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
-                                       generator, len(seq)))
+        return self._choose(logits, seq, params, generator, constraint)
 
-    def _verify(self, seq, proposal: Proposal, params, generator) -> tuple[list[int], int]:
-        """Run the target over the last token and the drafts, accept, and roll the cache back to match."""
+    def _verify(self, seq, proposal: Proposal, params, generator, constraint) -> tuple[list[int], int]:
+        """Run the target over the last token and the drafts, accept, and roll the cache back to match.
+
+        Under a constraint every position is masked as a plain step there would be; the masks are computed
+        on another thread while the target runs (llguidance releases the GIL).
+        """
         device = self.target.device
+        masks = None
+        if constraint is not None:
+            if self._masker is None:
+                self._masker = ThreadPoolExecutor(1, thread_name_prefix="quickdraft-mask")
+            masks = self._masker.submit(constraint.lookahead_bitmasks, proposal.tokens)
         drafts = torch.tensor(proposal.tokens, device=device)
         feed = torch.cat([torch.tensor(seq[-1:], device=device), drafts])
         logits = self.target.model(feed[None], self.cache)[0]  # (k + 1, V)
+        if masks is not None:
+            logits = grammar.apply(logits, grammar.unpack(masks.result().to(device), logits.shape[-1]))
         k = len(proposal.tokens)
         history = sampling.history(seq, params, device, appended=proposal.tokens)
         if params.greedy:

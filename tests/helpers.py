@@ -85,10 +85,11 @@ def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors=(),
-                       chat_template: str | None = None) -> Path:
+                       chat_template: str | None = None, eos: bool = False) -> Path:
     """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama).
 
-    extra_tensors: (name, raw array, gguf type) triples added as they are.
+    extra_tensors: (name, raw array, gguf type) triples added as they are; eos: the last id becomes the
+    control token <|endoftext|>, the end-of-generation token.
     """
     cfg = model.config
     arch = arch or cfg.model_type
@@ -106,8 +107,12 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
         w.add_value_length(cfg.head_dim)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
-    w.add_token_list(byte_level_vocab(cfg.vocab_size))
-    w.add_token_types([1] * cfg.vocab_size)
+    tokens, types = byte_level_vocab(cfg.vocab_size), [1] * cfg.vocab_size
+    if eos:
+        tokens[-1], types[-1] = "<|endoftext|>", 3
+        w.add_eos_token_id(cfg.vocab_size - 1)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
     w.add_token_merges([])
     if chat_template:
         w.add_chat_template(chat_template)

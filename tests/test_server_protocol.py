@@ -2,6 +2,7 @@
 
 import pytest
 
+from quickdraft.grammar import GrammarSpec
 from quickdraft.server import protocol as p
 from quickdraft.server.stops import StopMatcher
 
@@ -72,13 +73,29 @@ def test_bad_chat_bodies_say_what_to_fix(body, fragment):
 
 @pytest.mark.parametrize("extra, param", [
     ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"),
 ])
 def test_unsupported_features_are_refused_not_ignored(extra, param):
     req = p.ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
     with pytest.raises(p.APIError) as e:
         req.refuse_unsupported()
     assert e.value.param == param and "not supported" in e.value.message
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({}, None), ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object")),
+    ({"response_format": {"type": "json_object", "schema": {"type": "array"}}}, GrammarSpec("json_schema", '{"type": "array"}')),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+     GrammarSpec("json_schema", '{"type": "integer"}')),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, GrammarSpec("json_schema", '{"type": "object"}')),
+    ({"grammar": 'root ::= "a"'}, GrammarSpec("grammar", 'root ::= "a"')),
+    ({"regex": "a+"}, GrammarSpec("regex", "a+")),
+])
+def test_structured_output_fields_become_one_constraint(extra, want):
+    req = p.ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
+    req.refuse_unsupported()
+    assert req.grammar_spec() == want
 
 
 def test_valid_chat_request_maps_developer_to_system_and_joins_text_parts():

@@ -5,6 +5,7 @@ thread are the ones users meet.
 """
 
 import json
+import re
 import string
 import threading
 
@@ -67,11 +68,64 @@ def test_valid_requests_work(server):
     ("/v1/chat/completions", {"messages": [], "max_tokens": 1}, 400, "at least 1 item"),
     ("/v1/chat/completions", b'\xc3\x28', 400, "not valid UTF-8"),
     ("/v1/nothing", {}, 404, "Not Found"),
+    ("/v1/completions", {"prompt": "x", "regex": "a("}, 400, "unclosed group"),
+    ("/v1/completions", {"prompt": "x", "grammar": "root ::= nothere"}, 400, "invalid grammar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format":
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}}, 400, "nosuch"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format":
+        {"type": "json_schema", "json_schema": "x"}}, 400, "must be an object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format":
+        {"type": "xml"}}, 400, "not supported"),
+    ("/v1/completions", {"prompt": "x", "regex": "a", "response_format": {"type": "json_object"}}, 400,
+     "at most one of"),
 ])
 def test_bad_requests_get_openai_style_errors(server, route, body, status, fragment):
     r = post(server, route, body)
     assert r.status_code == status, r.text
     assert fragment in r.json()["error"]["message"]
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "n"],
+          "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_over_http(server, stream):
+    """A random model, so every valid output is the mask's doing; the server ends it when it is complete."""
+    def text_of(route, body):
+        r = post(server, route, {**body, "stream": stream, "max_tokens": 32})
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice.get("text", (choice.get("message") or {}).get("content")), choice["finish_reason"]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        pieces = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+                  for c in chunks if c["choices"]]
+        return "".join(pieces), next(c["choices"][0]["finish_reason"] for c in chunks
+                                     if c["choices"] and c["choices"][0]["finish_reason"])
+    chat = {"messages": [{"role": "user", "content": "j"}]}
+    cases = {  # route, constraint fields, check of a complete output
+        "json_schema": ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "pick", "schema": SCHEMA, "strict": True}}},
+            lambda t: (v := json.loads(t))["color"] in ("red", "green") and 0 <= v["n"] <= 9),
+        "json_object": ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}},
+                        lambda t: isinstance(json.loads(t), dict)),
+        "regex": ("/v1/completions", {"prompt": "mail: ", "regex": "[a-c]{1,4}@x\\.org"},
+                  lambda t: re.fullmatch("[a-c]{1,4}@x\\.org", t)),
+        "grammar": ("/v1/completions", {"prompt": "list: ", "grammar": 'root ::= "[" [0-9] ("," [0-9])? "]"'},
+                    lambda t: re.fullmatch(r"\[[0-9](,[0-9])?\]", t)),
+    }
+    complete = dict.fromkeys(cases, 0)
+    for name, (route, body, check) in cases.items():
+        for seed in range(4):
+            text, finish = text_of(route, {**body, "seed": seed})
+            if finish == "stop":  # an output reported complete is always valid
+                assert check(text), (name, text)
+                complete[name] += 1
+            else:  # one that ran out of tokens (the random model likes blanks) says so
+                assert finish == "length", (name, finish)
+    assert all(complete[name] > 0 for name in ("json_schema", "regex", "grammar")), complete
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_loses_no_accepted_request(server):

@@ -181,6 +181,17 @@ def _spec(state: ServerState, req):
     return replace(base, draft_max=draft_max, draft_min=draft_min, adaptive=adaptive)
 
 
+async def _constraint(state: ServerState, req):
+    """The request's grammar compiled (off the event loop: a large schema takes a while), or None."""
+    spec = req.grammar_spec()
+    if spec is None:
+        return None
+    try:
+        return await asyncio.to_thread(state.engine.constraint, spec)
+    except QuickdraftError as e:
+        raise p.APIError(400, str(e), "response_format" if spec.kind.startswith("json") else spec.kind) from None
+
+
 async def _respond(state: ServerState, request: Request, req, prompt: list[int], chat: bool,
                    max_tokens: int | None):
     context, field = state.engine.context, "messages" if chat else "prompt"
@@ -195,7 +206,9 @@ async def _respond(state: ServerState, request: Request, req, prompt: list[int],
         raise p.APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                               f"context of {context} tokens: shorten the prompt or lower max_tokens",
                          "max_tokens", code="context_length_exceeded")
-    job = Job(prompt, _sampling(req, max_tokens), _spec(state, req), req.stop_strings(), asyncio.get_running_loop())
+    params, spec, stops = _sampling(req, max_tokens), _spec(state, req), req.stop_strings()
+    constraint = await _constraint(state, req)
+    job = Job(prompt, params, spec, stops, asyncio.get_running_loop(), constraint)
     try:
         state.worker.submit(job)
     except QueueFull as full:

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies (validated strictly) and the response objects built from events.
 
-Request fields follow OpenAI's names; ours are `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and a
-`speculative` object. Features we do not implement (n > 1, logprobs, tools, logit_bias, ...) are refused
+Request fields follow OpenAI's names (structured output by `response_format`); ours are `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, a `speculative` object, and `grammar` / `regex` constraints. Features we do not implement (n > 1, logprobs, tools, logit_bias, ...) are refused
 with a 400 that says so, never silently ignored.
 """
 
@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quickdraft.engine import Timings
+from quickdraft.grammar import GrammarSpec
 from quickdraft.spec.stats import SpecStats
 
 MAX_STOP_STRINGS = 16
@@ -72,7 +73,10 @@ class _Sampling(_Strict):
     logprobs: bool | int | None = None
     logit_bias: dict | None = None
     tools: list | None = None
-    response_format: dict | None = None
+    # structured output: at most one of these
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...} as OpenAI's
+    grammar: str | None = None  # GBNF (llama.cpp's) or Lark
+    regex: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -91,9 +95,42 @@ class _Sampling(_Strict):
             raise APIError(400, "logit_bias is not supported: drop the field", "logit_bias")
         if self.tools:
             raise APIError(400, "tool calls are not supported: drop the tools field", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "structured output (response_format other than text) is not supported yet",
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The constraint the request asks for (compiled later: an invalid one is a 400 with its message)."""
+        specs = []
+        if self.response_format is not None:
+            specs += _response_format(self.response_format)
+        if self.grammar is not None:
+            specs.append(GrammarSpec("grammar", self.grammar))
+        if self.regex is not None:
+            specs.append(GrammarSpec("regex", self.regex))
+        if len(specs) > 1:
+            raise APIError(400, "give at most one of response_format (json_object or json_schema), grammar "
+                                "and regex", "response_format")
+        return specs[0] if specs else None
+
+
+def _response_format(rf: dict) -> list[GrammarSpec]:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return []
+    if kind == "json_object":  # llama.cpp also takes a "schema" here
+        schema = rf.get("schema")
+        if schema is None:
+            return [GrammarSpec("json_object")]
+    elif kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, 'response_format.json_schema must be an object: {"name": "...", "schema": {...}}',
                            "response_format")
+        schema = spec.get("schema", {"type": "object"})
+    else:
+        raise APIError(400, f"response_format type {kind!r} is not supported: use text, json_object or "
+                            "json_schema", "response_format")
+    if not isinstance(schema, dict):
+        raise APIError(400, "the JSON schema in response_format must be a JSON object", "response_format")
+    return [GrammarSpec.json_schema(schema)]
 
 
 class CompletionRequest(_Sampling):
@@ -234,4 +271,7 @@ def timings(t: Timings, spec: SpecStats, completion_n: int) -> dict:
         "plain_steps": spec.plain_steps,
         "k_mean": spec.k_mean,
         "k_history": spec.k_history,
+        "constraint": spec.constraint,
+        "mask_ms": 1000 * spec.mask_s,
+        "mask_share": spec.mask_share,
     }

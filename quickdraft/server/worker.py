@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.engine import Engine, Halt, Timings
+from quickdraft.grammar import Constraint
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.stops import StopMatcher
 from quickdraft.spec.stats import SpecStats
@@ -45,6 +46,7 @@ class Job:
     spec: SpecConfig | None
     stops: list[str]
     loop: asyncio.AbstractEventLoop
+    constraint: Constraint | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     halt: Halt = field(default_factory=Halt)
     submitted: float = field(default_factory=time.perf_counter)
@@ -130,7 +132,7 @@ class EngineWorker:
     def _generate(self, job: Job) -> None:
         stops = StopMatcher(job.stops)
         n = 0
-        for event in self.engine.generate(job.prompt, job.params, job.spec, job.halt):
+        for event in self.engine.generate(job.prompt, job.params, job.spec, job.halt, job.constraint):
             text = stops.push(event.text)
             if stops.matched and job.halt.reason is None:
                 job.halt.reason = "stop"

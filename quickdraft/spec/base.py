@@ -37,5 +37,9 @@ class Drafter(Protocol):
         """Start a generation: forget the previous one and take in the prompt (a draft model prefills it)."""
 
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
-        """Propose up to k_for(source) tokens to follow seq (prompt + tokens generated so far)."""
+                generator: torch.Generator, constraint=None) -> Proposal:
+        """Propose up to k_for(source) tokens to follow seq (prompt + tokens generated so far).
+
+        constraint (a grammar.Constraint at the state after seq): propose only what it allows, and leave
+        its state as it was found.
+        """

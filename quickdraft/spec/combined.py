@@ -18,8 +18,8 @@ class CombinedDrafter:
         self.ngram.begin(prompt)
         self.draft.begin(prompt)
 
-    def propose(self, seq, k_for: KFor, params, generator) -> Proposal:
-        proposal = self.ngram.propose(seq, k_for, params, generator)
+    def propose(self, seq, k_for: KFor, params, generator, constraint=None) -> Proposal:
+        proposal = self.ngram.propose(seq, k_for, params, generator, constraint)
         if proposal.tokens:
             return proposal
-        return self.draft.propose(seq, k_for, params, generator)
+        return self.draft.propose(seq, k_for, params, generator, constraint)

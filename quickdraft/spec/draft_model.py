@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from quickdraft import sampling
+from quickdraft import grammar, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.spec.base import KFor, Proposal
@@ -61,7 +61,7 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, constraint=None) -> Proposal:
         k = k_for("draft")
         feed = self._sync(seq)
         catch_up_s = 0.0
@@ -72,9 +72,22 @@ class DraftModelDrafter:
             feed = feed[-1:]
             catch_up_s = time.perf_counter() - t0
         tokens, q_rows = [], []
+        try:
+            self._draft(seq, k, feed, params, generator, constraint, tokens, q_rows)
+        finally:
+            if constraint is not None:  # the drafts were looked ahead: the state is the sequence's again
+                constraint.pop(len(tokens))
+        q_draft = torch.stack(q_rows) if q_rows else None
+        return Proposal(tokens, "draft", q_draft, catch_up_s)
+
+    def _draft(self, seq, k, feed, params, generator, constraint, tokens: list[int], q_rows: list) -> None:
+        """Draft up to k tokens into tokens (and their distributions into q_rows), each masked by
+        constraint at the state it is drafted in (the constraint is advanced through them)."""
         for _ in range(k):
             history = sampling.history(seq, params, self.device, appended=tokens)
             logits = self._logits(feed)[None]
+            if constraint is not None:
+                logits = grammar.apply(logits, constraint.allowed(self.device))
             if params.greedy:
                 logits = sampling.penalize(logits, params, history)
                 token = int(logits.argmax())
@@ -88,9 +101,11 @@ class DraftModelDrafter:
                 q_rows.append(q[0])
                 confident = self.p_min <= 0 or float(q.max()) >= self.p_min
             if not confident and tokens:  # stop early: the draft itself doubts this token
-                q_rows = q_rows[: len(tokens)]
+                del q_rows[len(tokens):]
                 break
+            if constraint is not None:  # drawn from the masked distribution: the matcher takes it
+                constraint.advance(token)
             tokens.append(token)
+            if constraint is not None and constraint.stopped:  # the output is complete: nothing follows
+                break
             feed = [token]
-        q_draft = torch.stack(q_rows) if q_rows else None
-        return Proposal(tokens, "draft", q_draft, catch_up_s)

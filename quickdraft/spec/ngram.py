@@ -31,7 +31,7 @@ class NgramDrafter:
                 self.index[tuple(seq[e - n:e])] = e
         self.indexed = max(self.indexed, len(seq))
 
-    def propose(self, seq, k_for: KFor, params, generator) -> Proposal:
+    def propose(self, seq, k_for: KFor, params, generator, constraint=None) -> Proposal:
         k = k_for("ngram")
         if k <= 0 or len(seq) <= self.min_n:
             return Proposal([], "ngram")
@@ -39,5 +39,8 @@ class NgramDrafter:
         for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
             e = self.index.get(tuple(seq[-n:]))
             if e is not None:
-                return Proposal(seq[e:e + k], "ngram")
+                tokens = seq[e:e + k]
+                if constraint is not None:  # cut where the grammar would refuse: the target surely would
+                    tokens = tokens[:constraint.valid_prefix(tokens)]
+                return Proposal(tokens, "ngram")
         return Proposal([], "ngram")

@@ -23,6 +23,9 @@ class SpecStats:
     k_history: list[int] = field(default_factory=list)  # k chosen each round or step (0: plain)
     sources: Counter = field(default_factory=Counter)
     policy: dict = field(default_factory=dict)  # the policy's measured model: r, v(k), acceptance
+    constraint: str | None = None  # the kind of grammar the output followed, if any
+    mask_s: float = 0.0  # time computing grammar masks (verification's overlaps the target pass)
+    masks_computed: int = 0
 
     def record_round(self, source: str, drafted: int, accepted: int, emitted: int,
                      draft_s: float, verify_s: float) -> None:
@@ -61,6 +64,12 @@ class SpecStats:
         return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
 
     @property
+    def mask_share(self) -> float:
+        """Grammar mask time over the time of all rounds and plain steps."""
+        total = self.draft_s + self.verify_s + self.plain_s
+        return self.mask_s / total if total > 0 else 0.0
+
+    @property
     def k_mean(self) -> float:
         return sum(self.k_history) / len(self.k_history) if self.k_history else 0.0
 
@@ -81,12 +90,21 @@ class SpecStats:
             "k_history": self.k_history,
             "rounds_by_source": dict(self.sources),
             "policy": self.policy,
+            "constraint": self.constraint,
+            "mask_s": self.mask_s,
+            "masks_computed": self.masks_computed,
+            "mask_share": self.mask_share,
         }
 
     def summary(self) -> str:
         if self.drafter == "none":
-            return "speculation off"
-        return (f"spec[{self.drafter}]: {self.draft_n_accepted}/{self.draft_n} drafts accepted "
-                f"({100 * self.acceptance_rate:.0f}%), {self.mean_accepted_length:.2f} tokens/round over "
-                f"{self.rounds} rounds + {self.plain_steps} plain steps, mean k {self.k_mean:.1f}, "
-                f"draft {self.draft_s:.2f} s / verify {self.verify_s:.2f} s")
+            line = "speculation off"
+        else:
+            line = (f"spec[{self.drafter}]: {self.draft_n_accepted}/{self.draft_n} drafts accepted "
+                    f"({100 * self.acceptance_rate:.0f}%), {self.mean_accepted_length:.2f} tokens/round over "
+                    f"{self.rounds} rounds + {self.plain_steps} plain steps, mean k {self.k_mean:.1f}, "
+                    f"draft {self.draft_s:.2f} s / verify {self.verify_s:.2f} s")
+        if self.constraint:
+            line += (f"; {self.constraint} constraint: {self.masks_computed} masks in {self.mask_s * 1e3:.1f} ms "
+                     f"({100 * self.mask_share:.1f}% of decoding)")
+        return line

@@ -1,0 +1,196 @@
+"""Structured output on tiny random models with a byte-level vocabulary: a random model knows nothing of
+JSON, so every valid output is the mask's doing; speculation must change nothing under a constraint."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from quickdraft import grammar, sampling
+from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.engine import Engine
+from quickdraft.errors import QuickdraftError
+from quickdraft.grammar import GrammarSpec
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.spec.combined import CombinedDrafter
+from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.weights.loader import load_model
+from tests.helpers import tiny_hf_model, write_gguf_from_hf
+
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "n"],
+          "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+REGEX = r"[a-c]{2,5}@(x|yz)\.(com|org)"
+GBNF = 'root ::= "(" item (", " item)* ")"\nitem ::= [0-9] | "yes" | "no"\n'
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grammar")
+    hf = tiny_hf_model("llama", seed=3, logit_scale=4)
+    target = load_model(str(write_gguf_from_hf(hf, d / "t.gguf", eos=True)), BF16, False)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a draft that agrees with the target often but not always
+        for p in hf.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    draft = load_model(str(write_gguf_from_hf(hf, d / "d.gguf", eos=True)), BF16, False)
+    return target, draft
+
+
+def drafter(kind, target, draft):
+    model = DraftModelDrafter(draft.model, target.config.vocab_size, 256)
+    return {"draft": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
+
+
+def generate(engine, spec: GrammarSpec, params, prompt=None, **kw):
+    prompt = prompt or engine.target.tokenizer.encode("answer: ")
+    events = list(engine.generate(prompt, params, constraint=engine.constraint(spec), **kw))
+    tokens = [e.token for e in events if e.token is not None]
+    return tokens, "".join(e.text for e in events), events[-1]
+
+
+def valid_schema_output(text):
+    value = json.loads(text)
+    return (set(value) == {"color", "ok", "n"} and value["color"] in ("red", "green", "blue")
+            and isinstance(value["ok"], bool) and isinstance(value["n"], int) and 0 <= value["n"] <= 99)
+
+
+def test_invalid_constraints_name_the_library_message(models):
+    target, _ = models
+    engine = Engine(target, 256)
+    with pytest.raises(QuickdraftError, match="(?s)invalid regular expression: .*unclosed group"):
+        engine.constraint(GrammarSpec("regex", "ab("))
+    with pytest.raises(QuickdraftError, match="(?s)invalid JSON schema: .*nosuch"):
+        engine.constraint(GrammarSpec("json_schema", '{"type": "nosuch"}'))
+    with pytest.raises(QuickdraftError, match="not valid JSON"):
+        engine.constraint(GrammarSpec("json_schema", "{type: object}"))
+    with pytest.raises(QuickdraftError, match="(?s)invalid grammar: .*undefined"):
+        engine.constraint(GrammarSpec("grammar", "root ::= undefined-rule"))
+    with pytest.raises(QuickdraftError, match="unknown constraint kind"):
+        GrammarSpec("xml")
+
+
+def test_unpack_matches_the_bits():
+    words = torch.tensor([[0b101, -1], [0, -(1 << 31)]], dtype=torch.int32)
+    allowed = grammar.unpack(words, 40)
+    assert allowed.shape == (2, 40)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 2] + list(range(32, 40))
+    assert allowed[1].nonzero().flatten().tolist() == []  # bit 31 of word 1 is id 63, past the vocabulary
+
+
+@pytest.mark.parametrize("kind,spec,check", [
+    ("draft", GrammarSpec.json_schema(SCHEMA), valid_schema_output),
+    ("combined", GrammarSpec("json_object"), lambda t: isinstance(json.loads(t), dict)),
+    ("draft", GrammarSpec("regex", REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
+    ("combined", GrammarSpec("grammar", GBNF), lambda t: re.fullmatch(r"\(([0-9]|yes|no)(, ([0-9]|yes|no))*\)", t)),
+])
+def test_sampled_outputs_always_match_with_speculation(models, kind, spec, check):
+    target, draft = models
+    engine = Engine(target, 256, drafter(kind, target, draft), SpecConfig(draft_max=4, adaptive=False))
+    finished = 0
+    for seed in range(12):
+        params = SamplingParams(temperature=1.0, max_tokens=120, seed=seed if seed % 2 else None)
+        tokens, text, final = generate(engine, spec, params)
+        if final.finish_reason == "length":  # an unbounded grammar may run out of tokens: never "complete"
+            continue
+        finished += 1
+        assert final.finish_reason == "stop"
+        assert check(text), text
+        assert final.spec.constraint == spec.kind and final.spec.masks_computed > 0
+    assert finished >= 3
+    assert final.spec.rounds > 0  # speculation stayed on under the constraint
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
+@pytest.mark.parametrize("spec", [SpecConfig(draft_max=3, adaptive=False), SpecConfig(draft_max=8),
+                                  SpecConfig(draft_max=4, adaptive=False, constrain_draft=False)],
+                         ids=["fixed-3", "adaptive", "blind-draft"])
+def test_greedy_constrained_speculation_equals_plain(models, kind, spec):
+    target, draft = models
+    params = SamplingParams(max_tokens=60)
+    for constraint in (GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", REGEX)):
+        plain = generate(Engine(target, 256), constraint, params)
+        ours = generate(Engine(target, 256, drafter(kind, target, draft), spec), constraint, params)
+        assert ours[0] == plain[0] and ours[1] == plain[1]
+        assert ours[2].finish_reason == plain[2].finish_reason
+
+
+@pytest.mark.parametrize("constrain_draft", [True, False])
+def test_seeded_constrained_speculation_equals_plain(models, constrain_draft):
+    target, draft = models
+    spec = SpecConfig(draft_max=4, adaptive=False, constrain_draft=constrain_draft)
+    for seed in range(3):
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=seed)
+        plain = generate(Engine(target, 256), GrammarSpec.json_schema(SCHEMA), params)
+        ours = generate(Engine(target, 256, drafter("draft", target, draft), spec),
+                        GrammarSpec.json_schema(SCHEMA), params)
+        assert ours[0] == plain[0]
+
+
+def test_constrained_draft_accepts_more_than_a_blind_one(models):
+    """What the mask buys the draft: its guesses inside the grammar are the target's more often."""
+    target, draft = models
+    rates = {}
+    for constrain in (True, False):
+        engine = Engine(target, 256, drafter("draft", target, draft),
+                        SpecConfig(draft_max=4, adaptive=False, constrain_draft=constrain))
+        accepted = drafted = 0
+        for seed in range(4):
+            _, _, final = generate(engine, GrammarSpec.json_schema(SCHEMA),
+                                   SamplingParams(temperature=1.0, max_tokens=40, seed=seed))
+            accepted, drafted = accepted + final.spec.draft_n_accepted, drafted + final.spec.draft_n
+        rates[constrain] = accepted / drafted
+    assert rates[True] > rates[False], rates
+
+
+def test_unsatisfiable_within_max_tokens_ends_with_length(models):
+    target, draft = models
+    engine = Engine(target, 256, drafter("draft", target, draft), SpecConfig(draft_max=4, adaptive=False))
+    long_schema = {"type": "object", "required": ["a"], "additionalProperties": False,
+                   "properties": {"a": {"type": "string", "minLength": 40}}}
+    tokens, text, final = generate(engine, GrammarSpec.json_schema(long_schema), SamplingParams(max_tokens=20))
+    assert final.finish_reason == "length" and len(tokens) == 20
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+@pytest.mark.parametrize("constrain_draft", [True, False])
+def test_constrained_sampling_follows_the_constrained_target_distribution(models, constrain_draft):
+    """Rejection sampling under a mask: the second token (the first a round emits) is distributed as the
+    target's masked distribution says, with the draft masked too or blind to the grammar."""
+    target, draft = models
+    tok = target.tokenizer
+    params = SamplingParams(temperature=1.0, max_tokens=3)  # 3: room for a round after the first token
+    prompt = tok.encode("pick: ")
+    letters = [tok.encode(c)[0] for c in "abcd"]
+    allowed = torch.zeros(1, target.config.vocab_size, dtype=torch.bool)
+    allowed[0, letters] = True
+    V, draws = target.config.vocab_size, 600
+    exact = torch.zeros(V)
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = sampling.process(grammar.apply(target.model(torch.tensor([prompt]), cache, last_only=True)[0],
+                                            allowed), params)[0]
+        for t1 in letters:
+            cache.rollback(len(prompt))
+            p2 = sampling.process(grammar.apply(target.model(torch.tensor([[t1]]), cache)[0], allowed), params)[0]
+            exact += p1[t1] * p2
+    engine = Engine(target, 16, DraftModelDrafter(draft.model, V, 16),
+                    SpecConfig(draft_max=1, adaptive=False, constrain_draft=constrain_draft))
+    counts = torch.zeros(V)
+    torch.manual_seed(0)
+    for _ in range(draws):
+        tokens, _, final = generate(engine, GrammarSpec("regex", "[a-d][a-d]"), params, prompt)
+        counts[tokens[1]] += 1
+    assert final.spec.rounds == 1
+    keep = exact > 0
+    assert counts[~keep].sum() == 0
+    expected = exact[keep] * draws
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-3, (counts[keep] / draws, exact[keep])

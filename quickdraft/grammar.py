@@ -19,6 +19,7 @@ tokenizer.json text we already hold.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -58,6 +59,13 @@ class GrammarSpec:
 _JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE}
 
 
+def one_line(message: str) -> str:
+    """The library's message on one line: its source excerpts ("   1 | start: ...") and caret lines dropped."""
+    lines = [line.strip() for line in message.splitlines()]
+    kept = [line for line in lines if line and set(line) != {"^"} and not re.match(r"^\d+ \|", line)]
+    return " ".join(kept) or message.strip()
+
+
 def _llguidance():
     try:
         import llguidance
@@ -89,8 +97,8 @@ class GrammarCompiler:
                     raise QuickdraftError(f"structured output is not available for this tokenizer: {e}") from e
             return self._ll_tokenizer
 
-    def check(self, spec: GrammarSpec) -> str:
-        """The llguidance grammar for spec; a QuickdraftError with the library's message if it is invalid."""
+    def _grammar(self, spec: GrammarSpec) -> str:
+        """spec as llguidance's grammar text (checked when a matcher is built from it)."""
         llg = _llguidance()
         try:
             if spec.kind == "json_object":
@@ -108,18 +116,15 @@ class GrammarCompiler:
             else:
                 grammar = llg.grammar_from("grammar", spec.text)  # GBNF or Lark, told apart by the library
         except ValueError as e:
-            raise QuickdraftError(f"invalid {spec.describe()}: {e}") from e
-        error = llg.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise QuickdraftError(f"invalid {spec.describe()}: {error.strip()}")
+            raise QuickdraftError(f"invalid {spec.describe()}: {one_line(str(e))}") from e
         return grammar
 
     def constraint(self, spec: GrammarSpec) -> "Constraint":
-        """A fresh matcher for one generation."""
-        grammar = self.check(spec)
+        """A fresh matcher for one generation; a QuickdraftError with the library's message if spec is invalid."""
+        grammar = self._grammar(spec)
         matcher = _llguidance().LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise QuickdraftError(f"invalid {spec.describe()}: {matcher.get_error()}")
+            raise QuickdraftError(f"invalid {spec.describe()}: {one_line(matcher.get_error())}")
         # a tokenizer without an end-of-generation token gets one chosen by llguidance: it ends outputs too
         return Constraint(matcher, self.vocab_size, spec, frozenset(self.ll_tokenizer.eos_tokens))
 

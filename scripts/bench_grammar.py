@@ -6,8 +6,11 @@
    the extraction answers).
 2. A JSON-extraction prompt set (fields out of short texts into a schema), greedy, for: the constraint
    without speculation; speculation with the draft masked by the grammar (ours); speculation with a draft
-   blind to the grammar (llama.cpp's way, --blind-draft). Decode tok/s (median of --runs after a warm-up),
-   acceptance, tokens per round, the masks' share of decoding time, valid JSON, same output as plain.
+   blind to the grammar (llama.cpp's way, --blind-draft); each with the adaptive policy and at fixed k = 4
+   (where the policy's choices cannot differ). Decode tok/s (median of --runs after a warm-up, the
+   configurations interleaved), acceptance, tokens per round, the masks' share of decoding time, valid
+   JSON (jsonschema), same output as without speculation.
+3. Validity: --samples seeded samples at temperature 1 with speculation on, each checked with jsonschema.
 
 Usage: .venv/bin/python scripts/bench_grammar.py [--runs 3] [-n 96] [--json out.json]
 """
@@ -15,12 +18,15 @@ Usage: .venv/bin/python scripts/bench_grammar.py [--runs 3] [-n 96] [--json out.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import jsonschema
 import torch
 
 from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
@@ -50,8 +56,12 @@ TEXTS = {
     "teacher": "Tom Becker teaches mathematics at Riverside High School in Denver, where he started in 2015. "
                "He coaches the robotics club and writes tutorials on calculus and statistics.",
 }
-PROMPT = "Extract the person's details from this text as JSON with the fields name, company, role, city, " \
+# Two prompts name the schema's fields, two leave them to the model, whose own keys the schema then overrides
+# (where a draft blind to the grammar guesses the model's keys and is rejected).
+LISTED = "Extract the person's details from this text as JSON with the fields name, company, role, city, " \
          "year_joined and skills.\n\nText: {text}"
+BARE = "Extract the person's details from this text as JSON.\n\nText: {text}"
+PROMPTS = {"engineer": LISTED, "doctor": LISTED, "chef": BARE, "teacher": BARE}
 
 
 def library_comparison(tokenizer, vocab: int, answers: list[list[int]]) -> list[dict]:
@@ -74,7 +84,7 @@ def library_comparison(tokenizer, vocab: int, answers: list[list[int]]) -> list[
             t0 = time.perf_counter()
             m.unsafe_compute_mask_ptr(buf.data_ptr(), buf.numel() * 4)
             times.append(time.perf_counter() - t0)
-    rows.append(_lib_row("llguidance " + llg.__version__, setup, compile_s, times))
+    rows.append(_lib_row("llguidance " + importlib.metadata.version("llguidance"), setup, compile_s, times))
     try:
         import xgrammar as xgr
     except ImportError:
@@ -90,7 +100,7 @@ def library_comparison(tokenizer, vocab: int, answers: list[list[int]]) -> list[
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     for ids in answers:
         t0 = time.perf_counter()
-        matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False))
+        matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=True))
         matcher.fill_next_token_bitmask(bitmask)
         compile_s.append(time.perf_counter() - t0)
         for t in ids:
@@ -99,11 +109,36 @@ def library_comparison(tokenizer, vocab: int, answers: list[list[int]]) -> list[
             t0 = time.perf_counter()
             matcher.fill_next_token_bitmask(bitmask)
             times.append(time.perf_counter() - t0)
-    rows.append(_lib_row("xgrammar " + xgr.__version__, setup, compile_s, times))
+    rows.append(_lib_row("xgrammar " + importlib.metadata.version("xgrammar"), setup, compile_s, times))
     return rows
 
 
+def sample_validity(engine, prompts, grammar, args) -> dict:
+    """Seeded samples at temperature 1: each one that ends "stop" must be valid against the schema."""
+    complete = valid = length = drafted = accepted = 0
+    names = list(prompts)
+    for seed in range(args.samples):
+        prompt = prompts[names[seed % len(names)]]
+        events = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=args.n * 2, seed=seed),
+                                      constraint=engine.constraint(grammar)))
+        final, text = events[-1], "".join(e.text for e in events)
+        drafted, accepted = drafted + final.spec.draft_n, accepted + final.spec.draft_n_accepted
+        if final.finish_reason != "stop":
+            length += 1
+            continue
+        complete += 1
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+            valid += 1
+        except (json.JSONDecodeError, jsonschema.ValidationError) as e:
+            print(f"  INVALID (seed {seed}): {e}: {text!r}", file=sys.stderr)
+    return {"samples": args.samples, "complete": complete, "valid": valid, "length": length,
+            "acceptance": accepted / drafted if drafted else 0.0}
+
+
 def _lib_row(name, setup, compile_s, times):
+    if not times:
+        return {"library": f"{name}: refused the answers' tokens (no masks timed)"}
     times = sorted(times)
     return {"library": name, "setup_s": setup, "compile_ms": 1000 * statistics.median(compile_s),
             "mask_us_median": 1e6 * statistics.median(times), "mask_us_p99": 1e6 * times[int(0.99 * (len(times) - 1))],
@@ -114,52 +149,65 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=96, help="most tokens per answer (the schema ends them sooner)")
+    ap.add_argument("--samples", type=int, default=16,
+                    help="seeded samples at temperature 1 (speculation on) checked against the schema")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     cfg = EngineConfig(device="cpu", dtype="bfloat16", max_context=CTX)
     target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)
     tok = target.tokenizer
-    prompts = {k: tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT.format(text=v)}]))
+    prompts = {k: tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[k].format(text=v)}]))
                for k, v in TEXTS.items()}
     spec = SpecConfig(draft_max=16)
     drafter = build_drafter(hub.DEFAULT_DRAFT, target, cfg, spec, CTX, progress=False)
-    engines = {
-        "constrained, no speculation": (Engine(target, CTX), spec),
-        "constrained draft (ours)": (Engine(target, CTX, drafter, spec, "draft"), spec),
-        "blind draft (llama.cpp's)": (Engine(target, CTX, drafter, spec, "draft"),
-                                      SpecConfig(draft_max=16, constrain_draft=False)),
+    fixed = SpecConfig(draft_max=4, adaptive=False)
+    configs = {  # name: (engine, speculation settings); each engine keeps its own policy
+        "no speculation": (Engine(target, CTX), spec),
+        "masked draft, adaptive": (Engine(target, CTX, drafter, spec, "draft"), spec),
+        "blind draft, adaptive": (Engine(target, CTX, drafter, spec, "draft"), replace(spec, constrain_draft=False)),
+        "masked draft, k=4": (Engine(target, CTX, drafter, fixed, "draft"), fixed),
+        "blind draft, k=4": (Engine(target, CTX, drafter, fixed, "draft"), replace(fixed, constrain_draft=False)),
     }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; target bf16, draft int4; greedy, "
-          f"at most {args.n} tokens, median of {args.runs} runs after a warm-up", file=sys.stderr)
+          f"at most {args.n} tokens, median of {args.runs} runs after a warm-up, configurations interleaved",
+          file=sys.stderr)
     grammar = GrammarSpec.json_schema(SCHEMA)
+
+    def once(cname, prompt, n=args.n):
+        engine, engine_spec = configs[cname]
+        events = list(engine.generate(prompt, SamplingParams(max_tokens=n), engine_spec,
+                                      constraint=engine.constraint(grammar)))
+        return [e.token for e in events if e.token is not None], events[-1]
+
     results, answers = [], {}
     for pname, prompt in prompts.items():
-        for cname, (engine, engine_spec) in engines.items():
-            def once(n=args.n):
-                events = list(engine.generate(prompt, SamplingParams(max_tokens=n), engine_spec,
-                                              constraint=engine.constraint(grammar)))
-                return [e.token for e in events if e.token is not None], events[-1]
-            once(16)  # warm-up (kernels, policy timings)
-            speeds = []
-            for _ in range(args.runs):
-                tokens, last = once()
-                speeds.append(last.timings.decode_tok_s)
+        for cname in configs:
+            once(cname, prompt, 16)  # warm-up (kernels, policy timings)
+        runs = {cname: [] for cname in configs}
+        for _ in range(args.runs):  # interleaved, so that drift on a shared machine hits every config alike
+            for cname in configs:
+                runs[cname].append(once(cname, prompt))
+        for cname in configs:
+            speeds = [last.timings.decode_tok_s for _, last in runs[cname]]
+            tokens, last = runs[cname][-1]
             text = tok.decode(tokens)
             try:
-                json.loads(text)
+                jsonschema.validate(json.loads(text), SCHEMA)
                 valid = True
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, jsonschema.ValidationError):
                 valid = False
             answers.setdefault(pname, tokens)
             s = last.spec
             results.append({
                 "prompt": pname, "config": cname, "decode_tok_s": statistics.median(speeds), "runs": speeds,
                 "tokens": len(tokens), "finish_reason": last.finish_reason, "valid_json": valid,
-                "same_as_plain": tokens == answers[pname], "acceptance": s.acceptance_rate,
-                "tokens_per_round": s.mean_accepted_length, "mask_share": s.mask_share, "mask_ms": 1000 * s.mask_s,
-                "text": text,
+                "same_as_plain": tokens == answers[pname],
+                "acceptance": statistics.median(r[1].spec.acceptance_rate for r in runs[cname]),
+                "tokens_per_round": statistics.median(r[1].spec.mean_accepted_length for r in runs[cname]),
+                "mask_share": s.mask_share, "mask_ms": 1000 * s.mask_s, "text": text,
             })
-            print(f"  {pname:9} {cname:28} {statistics.median(speeds):6.2f} tok/s  {text[:70]!r}", file=sys.stderr)
+            print(f"  {pname:9} {cname:24} {statistics.median(speeds):6.2f} tok/s  {text[:60]!r}", file=sys.stderr)
+    validity = sample_validity(configs["masked draft, adaptive"][0], prompts, grammar, args)
     libs = library_comparison(tok, target.config.vocab_size, list(answers.values()))
     print(f"\n{'library':22} {'setup s':>8} {'compile ms':>10} {'mask us (median)':>16} {'p99':>8}")
     for r in libs:
@@ -168,20 +216,28 @@ def main() -> int:
                   f"{r['mask_us_p99']:8.1f}")
         else:
             print(r["library"])
-    print(f"\n{'prompt':9} {'config':28} {'tok/s':>6} {'x none':>6} {'accept':>6} {'tok/round':>9} {'mask %':>6} "
+    print(f"\n{'prompt':9} {'config':24} {'tok/s':>6} {'x none':>6} {'accept':>6} {'tok/round':>9} {'mask %':>6} "
           f"{'tokens':>6} valid same")
     for r in results:
-        base = next(x for x in results if x["prompt"] == r["prompt"] and x["config"].startswith("constrained,"))
-        print(f"{r['prompt']:9} {r['config']:28} {r['decode_tok_s']:6.2f} {r['decode_tok_s'] / base['decode_tok_s']:6.2f} "
+        base = next(x for x in results if x["prompt"] == r["prompt"] and x["config"] == "no speculation")
+        print(f"{r['prompt']:9} {r['config']:24} {r['decode_tok_s']:6.2f} {r['decode_tok_s'] / base['decode_tok_s']:6.2f} "
               f"{100 * r['acceptance']:5.0f}% {r['tokens_per_round']:9.2f} {100 * r['mask_share']:5.1f}% "
               f"{r['tokens']:6} {'yes' if r['valid_json'] else 'NO':5} {'yes' if r['same_as_plain'] else 'NO'}")
     print(f"\nmedians over prompts:")
-    for cname in engines:
+    for cname in configs:
         rows = [r for r in results if r["config"] == cname]
-        print(f"  {cname:28} {statistics.median(r['decode_tok_s'] for r in rows):6.2f} tok/s, acceptance "
+        ratios = [r["decode_tok_s"] / next(x["decode_tok_s"] for x in results
+                                           if x["prompt"] == r["prompt"] and x["config"] == "no speculation")
+                  for r in rows]
+        print(f"  {cname:24} {statistics.median(r['decode_tok_s'] for r in rows):6.2f} tok/s "
+              f"({statistics.median(ratios):.2f}x no speculation), acceptance "
               f"{100 * statistics.median(r['acceptance'] for r in rows):.0f}%")
+    print(f"\n{validity['samples']} seeded samples at temperature 1 with speculation (constrained draft, adaptive): "
+          f"{validity['complete']} complete, {validity['valid']} of them valid against the schema "
+          f"(jsonschema), {validity['length']} ran out of tokens; acceptance {100 * validity['acceptance']:.0f}%")
     if args.json:
-        args.json.write_text(json.dumps({"libraries": libs, "results": results}, indent=1, ensure_ascii=False))
+        args.json.write_text(json.dumps({"libraries": libs, "results": results, "validity": validity}, indent=1,
+                                        ensure_ascii=False))
     return 0
 
 

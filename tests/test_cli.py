@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -128,3 +129,19 @@ def test_serve_on_a_taken_port_is_one_line_before_any_load(tiny_gguf):
         taken.listen()
         port = taken.getsockname()[1]
         assert_one_line_error(run("serve", "-m", str(tiny_gguf), "--port", str(port)), "cannot listen", "--port")
+
+
+def test_generate_with_a_constraint(tmp_path):
+    gguf = write_gguf_from_hf(tiny_hf_model("llama", logit_scale=4), tmp_path / "eos.gguf", eos=True)
+    r = run("generate", "-m", str(gguf), "-p", "mail: ", "-n", "30", "--regex", "[a-c]{2,4}@x\\.org",
+            "--draft", str(gguf), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "stop" and re.fullmatch("[a-c]{2,4}@x\\.org", out["text"]), out["text"]
+    assert out["spec"]["constraint"] == "regex" and out["spec"]["masks_computed"] > 0
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "nosuch"}}}')
+    assert_one_line_error(run("generate", "-m", str(gguf), "-p", "x", "--json-schema", str(schema)),
+                          "invalid JSON schema", "nosuch")
+    assert_one_line_error(run("generate", "-m", str(gguf), "-p", "x", "--regex", "a("),
+                          "invalid regular expression", "unclosed group")

@@ -82,8 +82,10 @@ def test_greedy_output_matches_reference(model_and_reference):
     alias, path, reference = model_and_reference
     lm = load_model(str(path), EngineConfig(device="cpu", dtype="float32", max_context=512), progress=False)
     engine = Engine(lm)
-    for text in PROMPTS:
+    # the 1.5B in fp32 on two cores costs about 1 s a token on each side: two prompts (English, Chinese)
+    prompts, n = (PROMPTS, 32) if alias == "smollm2-135m" else (PROMPTS[:2], 24)
+    for text in prompts:
         prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
-        events = engine.generate(prompt, SamplingParams(max_tokens=32, stop_at_eos=False))
+        events = engine.generate(prompt, SamplingParams(max_tokens=n, stop_at_eos=False))
         ours = [e.token for e in events if e.token is not None]
-        assert ours == hf_greedy(reference, prompt, 32), lm.tokenizer.decode(ours)
+        assert ours == hf_greedy(reference, prompt, n), lm.tokenizer.decode(ours)

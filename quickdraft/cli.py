@@ -38,8 +38,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 def _spec_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculative decoding (output is identical to the target's alone)")
     s.add_argument("--draft", default="none", metavar="{MODEL,ngram,none}",
-                   help="draft model (alias, .gguf or HF directory), 'ngram' (prompt lookup, no model) or "
-                        "'none' (default: %(default)s)")
+                   help="draft model (alias, .gguf or HF directory), 'ngram' (prompt lookup, no model), 'none', "
+                        "or 'auto': the default draft with n-gram lookup for the default target, else none "
+                        "(default: %(default)s)")
     s.add_argument("--ngram", action="store_true",
                    help="with a draft model: use prompt lookup when it has a match, the draft model otherwise")
     s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
@@ -156,6 +157,40 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
     _common(sv)
+
+    v = sub.add_parser("verify", help="prove that speculation changes nothing for a target and a draft",
+                       description="Greedy identity over the bundled prompts (code, QA, summaries; English and "
+                                   "Chinese) at adaptive and fixed k, seeded identity, and a chi-square test of "
+                                   "sampled output against the target's exact distribution. Prints the evidence "
+                                   "and PASS or FAIL (exit code 1).")
+    _model_args(v)
+    _spec_args(v)
+    v.set_defaults(draft="auto")
+    v.add_argument("-n", "--max-tokens", type=int, default=48, help="greedy tokens per prompt (default: %(default)s)")
+    v.add_argument("--temp", type=float, default=0.8, help="temperature of the sampled checks (default: %(default)s)")
+    v.add_argument("--top-k", type=int, default=8,
+                   help="top-k of the sampled checks; keeps the exact distribution cheap (default: %(default)s)")
+    v.add_argument("--draws", type=int, default=300,
+                   help="samples for the distribution test; 0 skips it (default: %(default)s)")
+    v.add_argument("--prompts", default=None, metavar="NAMES",
+                   help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
+    v.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    _common(v)
+
+    dr = sub.add_parser("doctor", help="check placement, memory, tokenizers and that speculation really works",
+                        description="Checks and explains: every weight on the intended device, a draft on a "
+                                    "slower device, the memory budget (weights, KV cache for the context, "
+                                    "activations) against the device's, tokenizer compatibility, the draft "
+                                    "sampling with the target's settings, and a short run showing speculation "
+                                    "active with its predicted speed-up. Exit code 1 on an error.")
+    _model_args(dr)
+    _spec_args(dr)
+    dr.set_defaults(draft="auto")
+    dr.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                    help="check the budget against this much memory instead of the device's (plan for a smaller "
+                         "card or machine)")
+    dr.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    _common(dr)
 
     d = sub.add_parser("demo", help="pull the default pair; answer plainly, then speculatively",
                        description="A one-shot check without a server: pull the default target and draft, "
@@ -307,6 +342,113 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def _bundled() -> list[str]:
+    from quickdraft.prompts import PROMPTS
+
+    return list(PROMPTS)
+
+
+def _default_draft(args) -> None:
+    """--draft auto: the default draft (with n-gram lookup) for the default target, none otherwise."""
+    from quickdraft.weights import hub
+
+    if args.draft == "auto":
+        args.draft, args.ngram = (hub.DEFAULT_DRAFT, True) if args.model == hub.DEFAULT_TARGET else ("none", False)
+
+
+def cmd_verify(args) -> int:
+    from quickdraft import prompts as bundled
+    from quickdraft.ui import progress_bar
+    from quickdraft.verify import verify
+
+    _default_draft(args)
+    if args.draft == "none":
+        raise QuickdraftError("verify needs a draft: give --draft MODEL, --draft ngram, or --draft MODEL --ngram")
+    names = args.prompts.split(",") if args.prompts else _bundled()
+    unknown = [n for n in names if n not in bundled.PROMPTS]
+    if unknown:
+        raise QuickdraftError(f"unknown prompt {unknown[0]!r}: choose from {', '.join(bundled.PROMPTS)}")
+    target = _load(args)
+    engine = make_engine(args, target)
+    prompts = bundled.encoded(target.tokenizer, names)
+    total = 2 * len(prompts) + 2 + args.draws
+    with progress_bar("verifying", total, unit="items") as update:
+        done = [0]
+
+        def step(n):
+            done[0] += n
+            update(done[0])
+
+        report = verify(engine, prompts, args.max_tokens, args.temp, args.top_k, args.draws,
+                        bundled.encoded(target.tokenizer, ["qa-en"])["qa-en"], progress=step)
+    if args.json:
+        print(json.dumps({"target": target.name, "draft": engine.drafter_name, **report.to_dict()}))
+        return 0 if report.passed else 1
+    print(f"verify: target {target.name}, draft {engine.drafter_name}")
+    print(f"{'check':9} {'prompt':11} {'config':17} {'tokens':>6} {'accept':>6}  result")
+    for kind, checks in (("greedy", report.greedy), ("seeded", report.seeded)):
+        for c in checks:
+            result = "identical" if c.identical else f"DIFFERS at token {c.first_difference}"
+            print(f"{kind:9} {c.prompt:11} {c.config:17} {c.tokens:6} {100 * c.acceptance:5.0f}%  {result}")
+    d = report.distribution
+    if d is not None:
+        print(f"sampled distribution (temperature {d.temperature}, top-k {d.top_k}, {d.draws} draws of the first "
+              f"token a round emits): chi2 {d.chi2:.1f} on {d.dof} dof, p = {d.p_value:.3g} "
+              f"({'>=' if d.p_value >= 1e-3 else '<'} 0.001), {d.outside_support} draws outside the target's support")
+        for row in d.top:
+            print(f"  token {row['token']:>7} {target.tokenizer.token_text(row['token'])!r:14} expected "
+                  f"{row['expected']:.3f} observed {row['observed']:.3f}")
+    print("PASS: speculation changed nothing" if report.passed else "FAIL: speculation changed the output")
+    return 0 if report.passed else 1
+
+
+def cmd_doctor(args) -> int:
+    from quickdraft import doctor
+    from quickdraft.engine import Engine
+    from quickdraft.prompts import encoded
+    from quickdraft.spec.build import drafter_name, load_draft, model_drafter
+    from quickdraft.spec.ngram import NgramDrafter
+
+    _default_draft(args)
+    target = _load(args)
+    capacity = target.model.max_context
+    spec = spec_config(args)
+    draft = None
+    if args.draft not in ("none", "ngram"):
+        draft = load_draft(args.draft, target, _engine_config(args), capacity, args.draft_device,
+                           weights=args.draft_weights)
+    findings = [doctor.placement(target.model, target.device, "target")]
+    if draft is not None:
+        findings.append(doctor.placement(draft.model, draft.device, "draft"))
+    findings += [doctor.draft_device(target.device, draft.device if draft else None), doctor.tokenizers(target, draft)]
+    drafter = None
+    if args.draft == "ngram":
+        drafter = NgramDrafter()
+    elif draft is not None and findings[-1].level != "error":
+        drafter = model_drafter(draft, target, spec, capacity, args.ngram)
+    engine = Engine(target, capacity, drafter, spec, drafter_name(args.draft, args.ngram))
+    available = int(args.device_memory * 2**30) if args.device_memory else doctor.device_memory(target.device)
+    findings.append(doctor.memory(target, draft, engine, available))
+    if drafter is not None:
+        findings.append(doctor.sampler(drafter, target.config.vocab_size))
+        findings.append(doctor.speculation(engine, encoded(target.tokenizer, ["code-en"])["code-en"]))
+    else:
+        findings.append(doctor.Finding("speculation", "warn" if draft is None else "error",
+                                       "no usable draft: speculation is off" + ("" if draft is None else
+                                                                                 " (see the tokenizer check)")))
+    errors = sum(f.level == "error" for f in findings)
+    if args.json:
+        print(json.dumps({"target": target.name, "draft": engine.drafter_name, "ok": errors == 0,
+                          "findings": [f.to_dict() for f in findings]}))
+    else:
+        marks = {"ok": "ok   ", "warn": "WARN ", "error": "ERROR"}
+        for f in findings:
+            print(f"{marks[f.level]} {f.check:17} {f.message}")
+        warnings = sum(f.level == "warn" for f in findings)
+        print(f"{errors} error(s), {warnings} warning(s)")
+    return 1 if errors else 0
+
+
 def cmd_demo(args) -> int:
     """Pull the pair, then answer one prompt plainly and speculatively: same text, and the speed-up."""
     from quickdraft.config import SamplingParams
@@ -338,8 +480,7 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 1:
         raise QuickdraftError("--max-queue must be at least 1")
-    if args.draft == "auto":  # the default target speculates with its default draft; other models do not
-        args.draft, args.ngram = (hub.DEFAULT_DRAFT, True) if args.model == hub.DEFAULT_TARGET else ("none", False)
+    _default_draft(args)  # the default target speculates with its default draft; other models do not
     sock = _listen(args.host, args.port)
     target = _load(args)
     engine = make_engine(args, target)
@@ -398,4 +539,4 @@ def _read_text(path: Path) -> str:
 
 
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "verify": cmd_verify, "doctor": cmd_doctor}

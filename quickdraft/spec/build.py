@@ -22,17 +22,27 @@ def build_drafter(draft: str, target: LoadedModel, engine: EngineConfig, spec: S
         return None
     if draft == "ngram":
         return NgramDrafter()
+    draft_lm = load_draft(draft, target, engine, capacity, draft_device, progress, weights)
+    check_compatible(target.tokenizer, draft_lm.tokenizer, target.config.vocab_size, draft_lm.config.vocab_size)
+    return model_drafter(draft_lm, target, spec, capacity, ngram)
+
+
+def model_drafter(draft_lm: LoadedModel, target: LoadedModel, spec: SpecConfig, capacity: int, ngram: bool):
+    drafter = DraftModelDrafter(draft_lm.model, target.config.vocab_size, capacity, spec.p_min)
+    return CombinedDrafter(NgramDrafter(), drafter) if ngram else drafter
+
+
+def load_draft(draft: str, target: LoadedModel, engine: EngineConfig, capacity: int, draft_device: str | None = None,
+               progress: bool | None = None, weights: str = "auto") -> LoadedModel:
+    """The draft model, in the target's dtype, on draft_device or the target's device."""
     device = draft_device or str(target.device)
     dtype = str(target.model.tok_embeddings.weight.dtype).removeprefix("torch.")
     if weights == "auto":
         weights = "int4" if device == "cpu" and dtype == "bfloat16" else "auto"
     elif weights == "dtype":
         weights = "auto"
-    draft_lm = load_model(draft, replace(engine, device=device, dtype=dtype, weights=weights,
-                                         max_context=capacity), progress)
-    check_compatible(target.tokenizer, draft_lm.tokenizer, target.config.vocab_size, draft_lm.config.vocab_size)
-    drafter = DraftModelDrafter(draft_lm.model, target.config.vocab_size, capacity, spec.p_min)
-    return CombinedDrafter(NgramDrafter(), drafter) if ngram else drafter
+    return load_model(draft, replace(engine, device=device, dtype=dtype, weights=weights, max_context=capacity),
+                      progress)
 
 
 def drafter_name(draft: str, ngram: bool) -> str:

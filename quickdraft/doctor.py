@@ -1,0 +1,175 @@
+"""`quickdraft doctor`: checks what users otherwise find out the slow way, and says what to do.
+
+Each check is a function returning a Finding (ok, warn or error) with a one-line message naming the fix
+and the figures behind it, so that tests can create each fault and see it reported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.spec.vocab import check_compatible
+
+WARN_SHARE = 0.9  # of the device's memory
+
+
+@dataclass
+class Finding:
+    check: str
+    level: str  # ok | warn | error
+    message: str
+    figures: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _bytes(module: torch.nn.Module) -> Counter:
+    """Bytes of parameters and buffers per device."""
+    per_device = Counter()
+    for t in list(module.parameters()) + list(module.buffers()):
+        per_device[str(t.device)] += t.numel() * t.element_size()
+    return per_device
+
+
+def _same(a: str, b: torch.device) -> bool:
+    a = torch.device(a)
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def placement(model: torch.nn.Module, intended: torch.device, role: str) -> Finding:
+    """Every weight of `model` on `intended`; otherwise which bytes are elsewhere."""
+    per_device = _bytes(model)
+    total = sum(per_device.values())
+    off = {d: b for d, b in per_device.items() if not _same(d, intended)}
+    figures = {"intended": str(intended), "bytes_by_device": dict(per_device)}
+    if not off:
+        return Finding(f"{role} placement", "ok", f"all {total / 2**20:.0f} MiB of the {role}'s weights are on "
+                                                   f"{intended}", figures)
+    where = ", ".join(f"{b / 2**20:.1f} MiB on {d}" for d, b in off.items())
+    level = "warn" if intended.type == "cuda" and all(torch.device(d).type == "cpu" for d in off) else "error"
+    return Finding(f"{role} placement", level,
+                   f"{where} of the {role}'s weights are not on {intended}: every step would copy or wait for "
+                   f"them; load with --device {intended} and enough free memory", figures)
+
+
+def draft_device(target: torch.device, draft: torch.device | None) -> Finding:
+    if draft is None:
+        return Finding("draft device", "ok", "no draft model (n-gram lookup runs on the host)")
+    figures = {"target": str(target), "draft": str(draft)}
+    if target.type == "cuda" and draft.type != "cuda":
+        return Finding("draft device", "warn", f"the draft runs on {draft} while the target runs on {target}: "
+                       "a draft on a slower device costs more than it saves; drop --draft-device", figures)
+    if target != draft:
+        return Finding("draft device", "warn", f"the draft runs on {draft}, the target on {target}: each round "
+                       "moves tokens between devices; put both on one (--draft-device)", figures)
+    return Finding("draft device", "ok", f"draft and target both on {target}", figures)
+
+
+def device_memory(device: torch.device) -> int:
+    """Total memory of the device in bytes (the machine's RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_bytes(cache) -> int:
+    return cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()
+
+
+def memory(target, draft, engine, available: int) -> Finding:
+    """Weights of both models, both KV caches for the context, and the activations of a round, against
+    `available` bytes; warn above 90%, error above 100%."""
+    weights = sum(_bytes(target.model).values()) + (sum(_bytes(draft.model).values()) if draft else 0)
+    kv = kv_bytes(engine.cache)
+    drafter = getattr(engine.drafter, "draft", engine.drafter)
+    if drafter is not None and hasattr(drafter, "cache"):
+        kv += kv_bytes(drafter.cache)
+    cfg = target.config
+    k = engine.spec.draft_max + 1
+    # a prefill of the whole context (hidden states, the MLP's widest tensors) and a round's logits (float32)
+    activations = engine.context * (cfg.dim + 2 * cfg.ffn_dim) * 4 + 3 * k * cfg.vocab_size * 4
+    total = weights + kv + activations
+    share = total / available
+    figures = {"weights_bytes": weights, "kv_cache_bytes": kv, "activation_bytes": activations,
+               "total_bytes": total, "available_bytes": available, "share": share, "context": engine.context}
+    line = (f"weights {weights / 2**30:.2f} GiB + KV cache {kv / 2**30:.2f} GiB ({engine.context} tokens) + "
+            f"activations {activations / 2**30:.2f} GiB = {total / 2**30:.2f} GiB of {available / 2**30:.2f} GiB "
+            f"({100 * share:.0f}%)")
+    if share > 1:
+        return Finding("memory", "error", f"{line}: it does not fit; lower --ctx, use --weights int4, or a "
+                                          "smaller draft", figures)
+    if share > WARN_SHARE:
+        return Finding("memory", "warn", f"{line}: above {100 * WARN_SHARE:.0f}%, other programs may push it "
+                                         "out; lower --ctx or use --weights int4", figures)
+    return Finding("memory", "ok", line, figures)
+
+
+def tokenizers(target, draft) -> Finding:
+    if draft is None:
+        return Finding("tokenizer", "ok", "no draft model: n-gram lookup uses the target's own tokens")
+    try:
+        check_compatible(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
+    except QuickdraftError as e:
+        return Finding("tokenizer", "error", str(e))
+    return Finding("tokenizer", "ok", f"the draft's vocabulary matches the target's ({target.config.vocab_size} ids)")
+
+
+def sampler(drafter, vocab: int) -> Finding:
+    """The draft samples from the same processed distribution as the target: propose under top-k 3 and
+    temperature 0.7 and check that each drafted position has at most 3 candidates, summing to 1."""
+    model_drafter = getattr(drafter, "draft", drafter)
+    if model_drafter is None or not hasattr(model_drafter, "model"):
+        return Finding("sampler", "ok", "n-gram drafts are deterministic: verification treats them as one-hot")
+    params = SamplingParams(temperature=0.7, top_k=3, max_tokens=8)
+    seq = [1, 2, 3, 4]
+    model_drafter.begin(seq)
+    proposal = model_drafter.propose(seq, lambda source: 3, params, torch.Generator().manual_seed(0))
+    q = proposal.q_draft
+    candidates = (q > 0).sum(-1).tolist() if q is not None else []
+    ok = q is not None and max(candidates) <= 3 and torch.allclose(q.sum(-1), torch.ones(len(q)), atol=1e-4)
+    figures = {"candidates_per_position": candidates}
+    if ok:
+        return Finding("sampler", "ok", "the draft samples with the target's settings (top-k 3 gave at most 3 "
+                                        "candidates per drafted position)", figures)
+    return Finding("sampler", "error", "the draft ignores the sampling settings it was given: its proposals "
+                                       "would be rejected more often than they should", figures)
+
+
+def speculation(engine, prompt: list[int], n: int = 32) -> Finding:
+    """A short greedy run with speculation: acceptance above zero, and the policy's predicted speed-up."""
+    if engine.drafter is None:
+        return Finding("speculation", "warn", "no draft: speculation is off; give --draft")
+    spec = SpecConfig(draft_max=engine.spec.draft_max, adaptive=True, draft_min=1)
+    n = min(n, engine.context // 2)
+    prompt = prompt[-(engine.context - n):]  # a small --ctx still gets its check
+    params = SamplingParams(max_tokens=n, stop_at_eos=False)
+    for _ in engine.generate(prompt, SamplingParams(max_tokens=6), SpecConfig(draft_max=0)):
+        pass  # plain steps: the policy's measure of a target step, for the prediction
+    events = list(engine.generate(prompt, params, spec))
+    stats = events[-1].spec
+    policy = engine.policy
+    figures = {"acceptance_rate": stats.acceptance_rate, "tokens_per_round": stats.mean_accepted_length,
+               "rounds": stats.rounds, "policy": stats.policy}
+    if stats.rounds == 0 or stats.draft_n_accepted == 0:
+        return Finding("speculation", "error", f"speculation is not working: {stats.draft_n} drafted, "
+                                               f"{stats.draft_n_accepted} accepted; check that the draft belongs "
+                                               "to the target's family", figures)
+    predicted = None
+    measured = [s for s, _ in stats.sources.most_common() if s in policy.t_draft]
+    if policy.t_plain and measured:
+        source = measured[0]  # the source that drafted most rounds
+        best = max(range(1, engine.spec.draft_max + 1), key=lambda k: policy.predicted_rate(source, k))
+        predicted = policy.predicted_rate(source, best) * policy.t_plain
+        figures.update(predicted_speedup=predicted, best_k=best, source=source)
+    tail = f"; predicted speed-up {predicted:.2f}x ({figures['source']}, k = {figures['best_k']})" if predicted else ""
+    level = "warn" if predicted is not None and predicted < 1 else "ok"
+    advice = " (below 1x: the policy will decode plainly; try a smaller draft)" if level == "warn" else ""
+    return Finding("speculation", level, f"active: {100 * stats.acceptance_rate:.0f}% of drafts accepted, "
+                                         f"{stats.mean_accepted_length:.2f} tokens per round{tail}{advice}", figures)

@@ -1,0 +1,40 @@
+"""The bundled prompt set: code, question answering and summarisation, in English and Chinese.
+
+Fixed texts, so that figures from `verify` (and the benchmarks) on different machines or days compare.
+"""
+
+from __future__ import annotations
+
+_ARTICLE_EN = (
+    "The printing press, developed by Johannes Gutenberg around 1440, made copies of books cheap. Before it, "
+    "a single book could take a scribe months to copy by hand, and libraries held a few hundred volumes at "
+    "most. Within fifty years presses were working in more than two hundred European cities and had printed "
+    "millions of books. Reading spread from monasteries to merchants and craftsmen, scientists could compare "
+    "identical copies of the same tables and diagrams, and ideas crossed borders faster than ever before."
+)
+_ARTICLE_ZH = (
+    "高铁是指设计时速在二百五十公里以上的铁路客运系统。中国在二零零八年开通了第一条真正意义上的高速铁路，"
+    "即京津城际铁路。此后十多年里，高铁网络迅速扩展，连接了大部分省会城市。高铁缩短了城市之间的时间距离，"
+    "改变了人们的出行方式，也带动了沿线地区的经济发展，但建设成本高、部分线路客流不足等问题也引起了讨论。"
+)
+
+PROMPTS: dict[str, str] = {
+    "code-en": "Write a Python function that merges two sorted lists into one sorted list, with a docstring "
+               "and a short example.",
+    "code-zh": "用 Python 写一个函数，判断一个字符串是否是回文，并加上中文注释。",
+    "qa-en": "What causes the seasons on Earth? Answer in a short paragraph.",
+    "qa-zh": "为什么天空是蓝色的？请用一段话回答。",
+    "summary-en": "Summarize the following text in two sentences, reusing its wording:\n\n" + _ARTICLE_EN,
+    "summary-zh": "请用两句话概括下面这段文字：\n\n" + _ARTICLE_ZH,
+}
+
+
+def encoded(tokenizer, names: list[str] | None = None) -> dict[str, list[int]]:
+    """The prompts as chat turns for the model's template (raw text when it has none), encoded."""
+    out = {}
+    for name in names or list(PROMPTS):
+        text = PROMPTS[name]
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        out[name] = tokenizer.encode(text)
+    return out

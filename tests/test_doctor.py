@@ -1,0 +1,114 @@
+"""`quickdraft doctor` detects each fault it claims to: each test creates one and sees it reported."""
+
+import json
+
+import pytest
+import torch
+
+from quickdraft import doctor
+from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.engine import Engine
+from quickdraft.spec.base import Proposal
+from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.weights.loader import load_model
+from tests.helpers import save_hf_dir, tiny_hf_model, write_gguf_from_hf
+from tests.test_cli import run
+
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("doctor")
+    hf = tiny_hf_model("llama", seed=5, logit_scale=6)
+    return (write_gguf_from_hf(hf, d / "t.gguf"), write_gguf_from_hf(hf, d / "d.gguf"),
+            save_hf_dir(tiny_hf_model("llama", seed=6), d / "other"))  # word-level vocabulary: incompatible
+
+
+@pytest.fixture(scope="module")
+def models(paths):
+    return [load_model(str(p), BF16, False) for p in paths]
+
+
+def test_weights_off_the_intended_device_are_reported(models):
+    target = models[0]
+    assert doctor.placement(target.model, CPU, "target").level == "ok"
+    model = tiny_hf_model("llama")  # an nn.Module with one layer left elsewhere
+    model.model.layers[1].to("meta")
+    finding = doctor.placement(model, CPU, "target")
+    assert finding.level == "error" and "on meta" in finding.message
+    assert finding.figures["bytes_by_device"]["meta"] > 0
+
+
+def test_a_draft_on_another_device_is_reported():
+    assert doctor.draft_device(CPU, CPU).level == "ok"
+    finding = doctor.draft_device(CPU, torch.device("meta"))
+    assert finding.level == "warn" and "--draft-device" in finding.message
+    finding = doctor.draft_device(torch.device("cuda:0"), CPU)
+    assert finding.level == "warn" and "slower device" in finding.message
+
+
+def test_a_memory_budget_over_the_limit_is_reported(models):
+    target, draft, _ = models
+    engine = Engine(target, 128, DraftModelDrafter(draft.model, target.config.vocab_size, 128), SpecConfig())
+    fine = doctor.memory(target, draft, engine, 2**34)
+    need = fine.figures["total_bytes"]
+    assert fine.level == "ok" and fine.figures["kv_cache_bytes"] > 0 and fine.figures["weights_bytes"] > 0
+    assert doctor.memory(target, draft, engine, int(need / 0.95)).level == "warn"
+    over = doctor.memory(target, draft, engine, need // 2)
+    assert over.level == "error" and "does not fit" in over.message and "--ctx" in over.message
+
+
+def test_a_draft_with_another_tokenizer_is_reported(models):
+    target, draft, other = models
+    assert doctor.tokenizers(target, draft).level == "ok"
+    finding = doctor.tokenizers(target, other)
+    assert finding.level == "error" and "differs" in finding.message
+
+
+def test_a_draft_that_ignores_the_sampler_settings_is_reported(models, monkeypatch):
+    target, draft, _ = models
+    drafter = DraftModelDrafter(draft.model, target.config.vocab_size, 128)
+    assert doctor.sampler(drafter, target.config.vocab_size).level == "ok"
+    import quickdraft.spec.draft_model as dm
+
+    monkeypatch.setattr(dm.sampling, "process", lambda logits, params, history=None: logits.float().softmax(-1))
+    finding = doctor.sampler(drafter, target.config.vocab_size)
+    assert finding.level == "error" and max(finding.figures["candidates_per_position"]) > 3
+
+
+def test_speculation_that_never_lands_is_reported(models):
+    target, draft, _ = models
+    prompt = [5, 17, 250, 3]
+    good = Engine(target, 128, DraftModelDrafter(draft.model, target.config.vocab_size, 128), SpecConfig(draft_max=4))
+    finding = doctor.speculation(good, prompt)
+    assert finding.level == "ok" and finding.figures["acceptance_rate"] > 0.9  # the draft is the target
+
+    plain = [e.token for e in Engine(target, 128).generate(prompt, SamplingParams(max_tokens=40, stop_at_eos=False))]
+    never = next(t for t in range(target.config.vocab_size) if t not in plain)
+
+    class Wrong:  # drafts a token the target never chooses here
+        sources, device = ("draft",), None
+
+        def begin(self, prompt):
+            pass
+
+        def propose(self, seq, k_for, params, generator, constraint=None):
+            return Proposal([never] * max(k_for("draft"), 1), "draft")
+
+    finding = doctor.speculation(Engine(target, 128, Wrong(), SpecConfig(draft_max=4)), prompt)
+    assert finding.level == "error" and "not working" in finding.message
+
+
+def test_doctor_command(paths):
+    target, draft, other = paths
+    r = run("doctor", "-m", str(target), "--draft", str(draft), "--dtype", "bfloat16", "--ctx", "128", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and {f["check"] for f in out["findings"]} >= {
+        "target placement", "draft placement", "draft device", "tokenizer", "memory", "sampler", "speculation"}
+    small = run("doctor", "-m", str(target), "--draft", str(draft), "--ctx", "128", "--device-memory", "0.0001")
+    assert small.returncode == 1 and "ERROR memory" in small.stdout and "does not fit" in small.stdout
+    bad = run("doctor", "-m", str(target), "--draft", str(other), "--ctx", "128")
+    assert bad.returncode == 1 and "ERROR tokenizer" in bad.stdout

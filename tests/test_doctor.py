@@ -83,7 +83,8 @@ def test_speculation_that_never_lands_is_reported(models):
     prompt = [5, 17, 250, 3]
     good = Engine(target, 128, DraftModelDrafter(draft.model, target.config.vocab_size, 128), SpecConfig(draft_max=4))
     finding = doctor.speculation(good, prompt)
-    assert finding.level == "ok" and finding.figures["acceptance_rate"] > 0.9  # the draft is the target
+    assert finding.figures["acceptance_rate"] > 0.9  # the draft is the target...
+    assert finding.level != "error" and "predicted_speedup" in finding.figures  # ...but costs as much: maybe warn
 
     plain = [e.token for e in Engine(target, 128).generate(prompt, SamplingParams(max_tokens=40, stop_at_eos=False))]
     never = next(t for t in range(target.config.vocab_size) if t not in plain)

@@ -57,6 +57,8 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     s.add_argument("--fixed-k", action="store_true",
                    help="always draft --draft-max tokens instead of choosing k by measurement")
+    s.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                   help="take the draft, n-gram lookup and k from a profile written by `quickdraft tune`")
 
 
 def spec_config(args):
@@ -177,6 +179,50 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _common(v)
 
+    tu = sub.add_parser("tune", help="measure candidate drafts, predict the best draft and k, write a profile",
+                        description="For each candidate: r (a drafted token's cost in target steps), v(k) for "
+                                    "k = 1..--kmax, and acceptance per draft position on the bundled prompts; fits "
+                                    "the speed model E[L](k) / (v(k) + k r), predicts the best draft and k, checks "
+                                    "the prediction with a short run, says why the others lost, and writes a "
+                                    "profile that generate and serve take with --profile.")
+    _model_args(tu)
+    tu.add_argument("--draft", action="append", dest="drafts", metavar="CANDIDATE",
+                    help="a candidate: a draft model, 'ngram', or MODEL+ngram (repeat the flag; default: the default "
+                         "draft, ngram, and the default draft + ngram)")
+    tu.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "dtype"],
+                    help="the draft models' weight format (as for generate)")
+    tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
+    tu.add_argument("-n", "--max-tokens", type=int, default=64,
+                    help="tokens per prompt when measuring acceptance (default: %(default)s)")
+    tu.add_argument("--prompts", default=None, metavar="NAMES",
+                    help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
+    tu.add_argument("--profile", type=Path, default=Path("quickdraft-profile.json"),
+                    help="where to write the profile (default: %(default)s)")
+    tu.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
+    _common(tu)
+
+    b = sub.add_parser("bench", help="benchmark plain and speculative configurations side by side",
+                       description="The bundled prompts, a fixed number of greedy tokens, warm-up runs, then "
+                                   "--runs measured runs with the configurations interleaved. Decode tok/s from the "
+                                   "first token on and end-to-end tok/s, medians with min-max, acceptance, the "
+                                   "measured speed model's predicted speed-up beside the measured one. A table, "
+                                   "--json FILE and --plots DIR (PNG: tok/s against k, acceptance per position, "
+                                   "measured against predicted).")
+    _model_args(b)
+    _spec_args(b)
+    b.set_defaults(draft="auto")
+    b.add_argument("--configs", default=None,
+                   help="comma-separated: plain, SOURCE:k=N, SOURCE:adaptive with SOURCE draft, ngram or "
+                        "ngram+draft (default: plain and every draft configuration the --draft allows)")
+    b.add_argument("--prompts", default=None, metavar="NAMES",
+                   help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
+    b.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per run (default: %(default)s)")
+    b.add_argument("--runs", type=int, default=3, help="measured runs per configuration (default: %(default)s)")
+    b.add_argument("--warmup", type=int, default=1, help="warm-up runs (default: %(default)s)")
+    b.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
+    b.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
+    _common(b)
+
     dr = sub.add_parser("doctor", help="check placement, memory, tokenizers and that speculation really works",
                         description="Checks and explains: every weight on the intended device, a draft on a "
                                     "slower device, the memory budget (weights, KV cache for the context, "
@@ -239,6 +285,21 @@ def _load(args, spec: str | None = None):
     return load_model(spec or args.model, _engine_config(args))
 
 
+def apply_profile(args) -> None:
+    """--profile FILE: the draft, n-gram lookup and k that `quickdraft tune` chose."""
+    if not getattr(args, "profile", None):
+        return
+    from quickdraft.tune import read_profile
+
+    profile = read_profile(args.profile)
+    if profile["target"] != args.model:
+        print(f"warning: {args.profile} was tuned for {profile['target']}, not {args.model}", file=sys.stderr)
+    args.draft, args.ngram = profile["draft"], bool(profile.get("ngram"))
+    if profile["draft"] != "none":
+        args.draft_max, args.fixed_k = int(profile["draft_max"]), bool(profile.get("fixed_k", True))
+        args.draft_min = min(args.draft_min, args.draft_max)
+
+
 def make_engine(args, target):
     """The engine for a loaded target, with the drafter the --draft flags ask for."""
     from quickdraft.engine import Engine
@@ -260,6 +321,7 @@ def cmd_generate(args) -> int:
         seed=args.seed, max_tokens=args.max_tokens, stop_at_eos=not args.ignore_eos,
     )
     text = args.prompt if args.prompt is not None else _read_text(args.prompt_file)
+    apply_profile(args)
     lm = _load(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -361,13 +423,11 @@ def cmd_verify(args) -> int:
     from quickdraft.ui import progress_bar
     from quickdraft.verify import verify
 
+    apply_profile(args)
     _default_draft(args)
     if args.draft == "none":
         raise QuickdraftError("verify needs a draft: give --draft MODEL, --draft ngram, or --draft MODEL --ngram")
-    names = args.prompts.split(",") if args.prompts else _bundled()
-    unknown = [n for n in names if n not in bundled.PROMPTS]
-    if unknown:
-        raise QuickdraftError(f"unknown prompt {unknown[0]!r}: choose from {', '.join(bundled.PROMPTS)}")
+    names = _prompt_names(args)
     target = _load(args)
     engine = make_engine(args, target)
     prompts = bundled.encoded(target.tokenizer, names)
@@ -402,6 +462,130 @@ def cmd_verify(args) -> int:
     return 0 if report.passed else 1
 
 
+def _prompt_names(args) -> list[str]:
+    from quickdraft.prompts import PROMPTS
+
+    names = args.prompts.split(",") if args.prompts else list(PROMPTS)
+    unknown = [n for n in names if n not in PROMPTS]
+    if unknown:
+        raise QuickdraftError(f"unknown prompt {unknown[0]!r}: choose from {', '.join(PROMPTS)}")
+    return names
+
+
+def cmd_tune(args) -> int:
+    from quickdraft import bench, tune
+    from quickdraft.prompts import encoded
+    from quickdraft.spec.build import load_draft, model_drafter
+    from quickdraft.spec.ngram import NgramDrafter
+    from quickdraft.spec.vocab import check_compatible
+    from quickdraft.config import SpecConfig
+    from quickdraft.weights import hub
+
+    if not 1 <= args.kmax <= 63:
+        raise QuickdraftError("--kmax must be in 1..63")
+    names = _prompt_names(args)
+    candidates = args.drafts or [hub.DEFAULT_DRAFT, "ngram", hub.DEFAULT_DRAFT + "+ngram"]
+    target = _load(args)
+    capacity = target.model.max_context
+    prompts = encoded(target.tokenizer, names)
+    first = next(iter(prompts.values()))
+    print(f"tune: measuring the target's verification cost v(k), k = 1..{args.kmax}", file=sys.stderr)
+    t_plain, v = tune.verify_costs(target, first, args.kmax)
+    spec = SpecConfig(draft_max=args.kmax, p_min=0.0)
+    drafts, results, drafters = {}, [], {}
+    for name in candidates:
+        model = name.removesuffix("+ngram")
+        if model == "ngram":
+            drafter = NgramDrafter()
+        else:
+            if model not in drafts:
+                drafts[model] = load_draft(model, target, _engine_config(args), capacity, weights=args.draft_weights)
+                check_compatible(target.tokenizer, drafts[model].tokenizer, target.config.vocab_size,
+                                 drafts[model].config.vocab_size)
+            drafter = model_drafter(drafts[model], target, spec, capacity, name.endswith("+ngram"))
+        print(f"tune: measuring {name}", file=sys.stderr)
+        r = tune.draft_cost(drafter, first) / t_plain
+        a = tune.acceptance(target, drafter, prompts, args.kmax, args.max_tokens)
+        predicted = tune.predict(v, r, a)
+        best_k = max(predicted, key=predicted.get)
+        results.append(tune.Candidate(name, r, a, predicted, best_k, predicted[best_k]))
+        drafters[name] = drafter
+    winner = max(results, key=lambda c: c.best_speedup)
+    for c in results:
+        c.why_not = "" if c is winner else tune.explain(c, v, winner)
+    measured = None
+    if winner.best_speedup > 1:
+        check = bench.run(target, {"draft": drafters[winner.name]},
+                          [bench.BenchConfig("none"), bench.BenchConfig("draft", winner.best_k)],
+                          dict(list(prompts.items())[:2]), args.max_tokens, runs=1)
+        measured = next(s["speedup"] for s in check["summary"] if s["config"] != "plain")
+    else:
+        winner = tune.Candidate("none", 0.0, [], {}, 0, 1.0, "")
+    profile = tune.write_profile(args.profile, args.model, winner, measured, results, v)
+    if args.json:
+        print(json.dumps(profile))
+        return 0
+    print(f"target step {1000 * t_plain:.0f} ms; v(k): " + ", ".join(f"{k}: {x:.2f}" for k, x in v.items()))
+    print(f"{'candidate':34} {'r':>5} {'a1':>5} {'best k':>6} {'predicted':>9}")
+    for c in results:
+        print(f"{c.name:34} {c.r:5.2f} {100 * c.acceptance[0]:4.0f}% {c.best_k:6} {c.best_speedup:8.2f}x  {c.why_not}")
+    if winner.name == "none":
+        print("recommendation: no speculation; every candidate is predicted slower than plain decoding")
+    else:
+        print(f"recommendation: {winner.name} at k = {winner.best_k}: predicted {winner.best_speedup:.2f}x, "
+              f"measured {measured:.2f}x on a short run")
+    print(f"profile: {args.profile} (use it with: quickdraft generate --profile {args.profile} ...)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from quickdraft import bench
+    from quickdraft.prompts import encoded
+    from quickdraft.spec.build import load_draft, model_drafter
+    from quickdraft.spec.ngram import NgramDrafter
+    from quickdraft.spec.vocab import check_compatible
+    from quickdraft.ui import progress_bar
+
+    apply_profile(args)
+    _default_draft(args)
+    names = _prompt_names(args)
+    model_draft = args.draft not in ("none", "ngram")
+    if args.configs:
+        configs = bench.parse_configs(args.configs)
+    else:
+        configs = bench.parse_configs(bench.DEFAULT_CONFIGS if model_draft else
+                                      "plain,ngram:adaptive" if args.draft == "ngram" else "plain")
+    target = _load(args)
+    capacity = target.model.max_context
+    drafters = {"ngram": NgramDrafter()}
+    if model_draft:
+        draft = load_draft(args.draft, target, _engine_config(args), capacity, args.draft_device,
+                           weights=args.draft_weights)
+        check_compatible(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
+        spec = spec_config(args)
+        drafters["draft"] = model_drafter(draft, target, spec, capacity, False)
+        drafters["ngram+draft"] = model_drafter(draft, target, spec, capacity, True)
+    prompts = encoded(target.tokenizer, names)
+    with progress_bar("benchmarking", len(prompts) * len(configs) * args.runs, unit="items") as update:
+        done = [0]
+
+        def step(n):
+            done[0] += n
+            update(done[0])
+
+        result = bench.run(target, drafters, configs, prompts, args.max_tokens, args.runs, args.warmup,
+                           args.draft_max, step)
+    result.update(target=target.name, draft=args.draft)
+    print(bench.table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"results: {args.json}", file=sys.stderr)
+    if args.plots:
+        for path in bench.plots(result, args.plots):
+            print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from quickdraft import doctor
     from quickdraft.engine import Engine
@@ -409,6 +593,7 @@ def cmd_doctor(args) -> int:
     from quickdraft.spec.build import drafter_name, load_draft, model_drafter
     from quickdraft.spec.ngram import NgramDrafter
 
+    apply_profile(args)
     _default_draft(args)
     target = _load(args)
     capacity = target.model.max_context
@@ -480,6 +665,7 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 1:
         raise QuickdraftError("--max-queue must be at least 1")
+    apply_profile(args)
     _default_draft(args)  # the default target speculates with its default draft; other models do not
     sock = _listen(args.host, args.port)
     target = _load(args)
@@ -539,4 +725,4 @@ def _read_text(path: Path) -> str:
 
 
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo,
-            "serve": cmd_serve, "verify": cmd_verify, "doctor": cmd_doctor}
+            "serve": cmd_serve, "verify": cmd_verify, "doctor": cmd_doctor, "bench": cmd_bench, "tune": cmd_tune}

@@ -1,0 +1,234 @@
+"""`quickdraft bench`: an honest benchmark with a fixed method.
+
+The bundled prompts (quickdraft.prompts), a fixed number of generated tokens (greedy, end-of-generation
+ignored so every run decodes the same length), warm-up runs first, then several measured runs with the
+configurations interleaved (drift on a shared machine hits them all alike). Decode tok/s is measured from
+the first token on (steady state), end-to-end tok/s separately (prefill included); medians with min and
+max. Each configuration's figures include the speed model of DESIGN.md: v(k), r and acceptance per
+position as measured, and the speed-up they predict, beside the speed-up measured against plain decoding.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.engine import Engine
+from quickdraft.errors import QuickdraftError
+
+SOURCES = ("draft", "ngram", "ngram+draft")
+DEFAULT_CONFIGS = "plain,draft:k=2,draft:k=4,draft:k=8,draft:adaptive,ngram:adaptive,ngram+draft:adaptive"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    source: str  # none | draft | ngram | ngram+draft
+    k: int | None = None  # None: the adaptive policy (up to draft_max)
+
+    @property
+    def name(self) -> str:
+        if self.source == "none":
+            return "plain"
+        return f"{self.source} {'adaptive' if self.k is None else f'k={self.k}'}"
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """'plain,draft:k=4,ngram+draft:adaptive' -> configurations (QuickdraftError naming a bad item)."""
+    configs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item == "plain":
+            configs.append(BenchConfig("none"))
+            continue
+        source, _, how = item.partition(":")
+        if source not in SOURCES or not (how == "adaptive" or (how.startswith("k=") and how[2:].isdigit()
+                                                                and 1 <= int(how[2:]) <= 63)):
+            raise QuickdraftError(f"bad configuration {item!r}: use plain, or SOURCE:k=N (1..63) or SOURCE:adaptive "
+                                  f"with SOURCE one of {', '.join(SOURCES)}")
+        configs.append(BenchConfig(source, None if how == "adaptive" else int(how[2:])))
+    if not configs:
+        raise QuickdraftError("no configuration to benchmark: give --configs, e.g. plain,draft:adaptive")
+    return configs
+
+
+def _spec(config: BenchConfig, draft_max: int) -> SpecConfig:
+    if config.source == "none":
+        return SpecConfig(draft_max=0)
+    if config.k is None:
+        return SpecConfig(draft_max=draft_max)
+    return SpecConfig(draft_max=config.k, adaptive=False, p_min=0.0)
+
+
+def run(target, drafters: dict, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, runs: int,
+        warmup: int = 1, draft_max: int = 16, progress=None) -> dict:
+    """Every configuration on every prompt; drafters maps a source to its drafter."""
+    engines = {}
+    for c in configs:
+        drafter = drafters.get(c.source) if c.source != "none" else None
+        if c.source != "none" and drafter is None:
+            raise QuickdraftError(f"configuration {c.name!r} needs a draft: give --draft")
+        engines[c] = Engine(target, target.model.max_context, drafter, _spec(c, draft_max), c.source)
+    params = SamplingParams(max_tokens=n, stop_at_eos=False)
+    rows = []
+    for pname, prompt in prompts.items():
+        for c in configs:
+            for _ in range(warmup):
+                list(engines[c].generate(prompt, SamplingParams(max_tokens=min(n, 16), stop_at_eos=False)))
+        measured = {c: [] for c in configs}
+        for _ in range(runs):
+            for c in configs:
+                events = list(engines[c].generate(prompt, params))
+                measured[c].append(([e.token for e in events if e.token is not None], events[-1]))
+                if progress:
+                    progress(1)
+        plain_tokens = next((m[0][0] for c, m in measured.items() if c.source == "none"), None)
+        for c in configs:
+            rows.append(_row(pname, c, measured[c], plain_tokens, engines[c]))
+    _speedups(rows)
+    return {"n": n, "runs": runs, "warmup": warmup, "prompts": list(prompts), "configs": [c.name for c in configs],
+            "rows": rows, "summary": _summary(rows, configs)}
+
+
+def _row(prompt: str, c: BenchConfig, measured, plain_tokens, engine) -> dict:
+    decode = [final.timings.decode_tok_s for _, final in measured]
+    e2e = [(final.timings.n_decoded + 1) / (final.timings.ttft_s + final.timings.decode_s) for _, final in measured]
+    tokens, final = measured[-1]
+    s = final.spec
+    source = s.sources.most_common(1)[0][0] if s.sources else None
+    return {
+        "prompt": prompt, "config": c.name, "source": c.source, "k": c.k,
+        "decode_tok_s": statistics.median(decode), "decode_min": min(decode), "decode_max": max(decode),
+        "e2e_tok_s": statistics.median(e2e), "ttft_s": statistics.median(f.timings.ttft_s for _, f in measured),
+        "acceptance": statistics.median(f.spec.acceptance_rate for _, f in measured),
+        "tokens_per_round": statistics.median(f.spec.mean_accepted_length for _, f in measured),
+        "k_mean": statistics.median(f.spec.k_mean for _, f in measured),
+        "accept_per_position": s.accept_per_position,
+        "same_as_plain": None if plain_tokens is None else tokens == plain_tokens,
+        "model": _speed_model(engine.policy, source, c, s.k_mean),
+    }
+
+
+def _speed_model(policy, source: str | None, c: BenchConfig, k_mean: float) -> dict:
+    """What the policy measured (seconds, and acceptance per position) for this configuration's source."""
+    if source is None or source not in policy.t_draft:
+        return {}
+    k = c.k if c.k is not None else max(1, round(k_mean))
+    return {"source": source, "k": k, "t_verify_s": dict(policy.t_verify), "t_draft_s": policy.t_draft[source],
+            "expected_tokens_per_round": policy.expected_length(source, k),
+            "acceptance": policy.acceptance(source, k)}
+
+
+def _speedups(rows: list[dict]) -> None:
+    """Measured speed-up against plain on the same prompt, and the speed-up the measured model predicts:
+    E[L](k) t_plain / (t_verify(k) + k t_draft), t_plain from the plain configuration's median step."""
+    for r in rows:
+        plain = next((x for x in rows if x["prompt"] == r["prompt"] and x["source"] == "none"), None)
+        r["speedup"] = r["decode_tok_s"] / plain["decode_tok_s"] if plain else None
+        r["predicted_speedup"] = 1.0 if r["source"] == "none" else None
+        m = r["model"]
+        if plain and m:
+            t_plain = 1.0 / plain["decode_tok_s"]
+            t_verify = m["t_verify_s"].get(m["k"])
+            if t_verify is not None:
+                r["predicted_speedup"] = m["expected_tokens_per_round"] * t_plain / (t_verify + m["k"] * m["t_draft_s"])
+                r["v_k"] = t_verify / t_plain
+                r["r"] = m["t_draft_s"] / t_plain
+
+
+def _summary(rows: list[dict], configs: list[BenchConfig]) -> list[dict]:
+    out = []
+    for c in configs:
+        mine = [r for r in rows if r["config"] == c.name]
+        speedups = [r["speedup"] for r in mine if r["speedup"] is not None]
+        out.append({"config": c.name, "decode_tok_s": statistics.median(r["decode_tok_s"] for r in mine),
+                    "e2e_tok_s": statistics.median(r["e2e_tok_s"] for r in mine),
+                    "speedup": statistics.median(speedups) if speedups else None,
+                    "acceptance": statistics.median(r["acceptance"] for r in mine),
+                    "all_same_as_plain": all(r["same_as_plain"] is not False for r in mine)})
+    return out
+
+
+def table(result: dict) -> str:
+    lines = [f"{'prompt':11} {'config':22} {'decode tok/s':>12} {'(min-max)':>13} {'e2e':>6} {'x plain':>7} "
+             f"{'pred.':>6} {'accept':>6} {'tok/rnd':>7} {'k':>4}  same"]
+    for r in result["rows"]:
+        spread = f"{r['decode_min']:.1f}-{r['decode_max']:.1f}"
+        pred = f"{r['predicted_speedup']:.2f}" if r.get("predicted_speedup") else "-"
+        same = {None: "-", True: "yes", False: "NO"}[r["same_as_plain"]]
+        speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else "-"
+        lines.append(f"{r['prompt']:11} {r['config']:22} {r['decode_tok_s']:12.2f} {spread:>13} {r['e2e_tok_s']:6.2f} "
+                     f"{speedup:>7} {pred:>6} {100 * r['acceptance']:5.0f}% {r['tokens_per_round']:7.2f} "
+                     f"{r['k_mean']:4.1f}  {same}")
+    lines.append("")
+    lines.append(f"medians over prompts ({result['runs']} runs each, {result['n']} tokens, after "
+                 f"{result['warmup']} warm-up):")
+    for s in result["summary"]:
+        speedup = f"{s['speedup']:.2f}x plain" if s["speedup"] is not None else ""
+        lines.append(f"  {s['config']:22} {s['decode_tok_s']:7.2f} tok/s decode, {s['e2e_tok_s']:7.2f} end to end "
+                     f"{speedup:>12}  acceptance {100 * s['acceptance']:3.0f}%"
+                     + ("" if s["all_same_as_plain"] else "  OUTPUT DIFFERS FROM PLAIN"))
+    return "\n".join(lines)
+
+
+def plots(result: dict, directory: Path) -> list[Path]:
+    """tok/s against k per draft source, acceptance per draft position, measured against predicted speed-up."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rows, written = result["rows"], []
+
+    def save(fig, name):
+        path = directory / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for source in SOURCES:
+        ks = sorted({r["k"] for r in rows if r["source"] == source and r["k"] is not None})
+        if ks:
+            ax.plot(ks, [statistics.median(r["decode_tok_s"] for r in rows if r["source"] == source and r["k"] == k)
+                         for k in ks], marker="o", label=source)
+        adaptive = [r["decode_tok_s"] for r in rows if r["source"] == source and r["k"] is None]
+        if adaptive:
+            ax.axhline(statistics.median(adaptive), linestyle=":", label=f"{source} adaptive")
+    plain = [r["decode_tok_s"] for r in rows if r["source"] == "none"]
+    if plain:
+        ax.axhline(statistics.median(plain), color="black", linestyle="--", label="plain")
+    ax.set(xlabel="k (tokens drafted per round)", ylabel="decode tok/s (median over prompts)",
+           title="Speed against k")
+    ax.legend(fontsize=8)
+    save(fig, "tokps_vs_k.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for config in result["configs"]:
+        per_prompt = [r["accept_per_position"] for r in rows if r["config"] == config and r["accept_per_position"]]
+        if per_prompt:
+            width = max(len(p) for p in per_prompt)
+            ax.plot(range(1, width + 1), [statistics.mean(p[i] for p in per_prompt if i < len(p))
+                                          for i in range(width)], marker=".", label=config)
+    ax.set(xlabel="draft position", ylabel="acceptance (of rounds reaching it)", ylim=(0, 1.05),
+           title="Acceptance per draft position")
+    ax.legend(fontsize=8)
+    save(fig, "acceptance_by_position.png")
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    points = [(r["predicted_speedup"], r["speedup"], r["config"]) for r in rows
+              if r.get("predicted_speedup") and r["speedup"] is not None]
+    for config in result["configs"]:
+        xs = [p for p, _, c in points if c == config]
+        ys = [m for _, m, c in points if c == config]
+        if xs:
+            ax.scatter(xs, ys, label=config, s=18)
+    top = max([1.0] + [max(p, m) for p, m, _ in points]) * 1.1
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
+    ax.set(xlabel="predicted speed-up (measured v(k), r, acceptance)", ylabel="measured speed-up",
+           xlim=(0, top), ylim=(0, top), title="Measured against predicted")
+    ax.legend(fontsize=7)
+    save(fig, "predicted_vs_measured.png")
+    return written

@@ -1,0 +1,149 @@
+"""`quickdraft tune`: measure each candidate draft, fit the speed model, predict the best draft and k,
+check the prediction with a short run, and write a profile that `generate` and `serve` take.
+
+The speed model (DESIGN.md): with t_plain one target step, v(k) = t_verify(k) / t_plain the cost of
+verifying k drafts (k + 1 tokens), r = t_draft / t_plain the cost of one drafted token, and a_i the
+acceptance of draft position i given the ones before were accepted, a round emits
+E[L](k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens, so speculation runs at
+speed-up(k) = E[L](k) / (v(k) + k r) times plain decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.engine import Engine
+from quickdraft.errors import QuickdraftError
+from quickdraft.runtime.kv_cache import KVCache
+
+PROFILE_VERSION = 1
+
+
+@dataclass
+class Candidate:
+    name: str  # a draft model spec, "ngram", or "MODEL+ngram"
+    r: float  # drafted token cost / target step
+    acceptance: list[float]  # a_1..a_kmax, conditional per position
+    predicted: dict[int, float] = field(default_factory=dict)  # k -> speed-up
+    best_k: int = 0
+    best_speedup: float = 0.0
+    why_not: str = ""
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm-up: one-off kernel setup
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def verify_costs(target, prompt: list[int], kmax: int, reps: int = 3) -> tuple[float, dict[int, float]]:
+    """t_plain and v(k) for k = 1..kmax: target passes over k + 1 tokens after the prompt, cache rolled back."""
+    model, device = target.model, target.device
+    cache = KVCache.for_model(model, len(prompt) + kmax + 2)
+    model(torch.tensor([prompt], device=device), cache, last_only=True)
+    n = len(prompt)
+    feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)
+
+    def step(k):
+        def go():
+            cache.rollback(n)
+            model(feed[:, : k + 1], cache)
+        return go
+
+    t_plain = _time(step(0), reps)
+    return t_plain, {k: _time(step(k), reps) / t_plain for k in range(1, kmax + 1)}
+
+
+@torch.inference_mode()
+def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
+    """Seconds per drafted token of a draft model (0 for n-gram lookup)."""
+    model = getattr(getattr(drafter, "draft", drafter), "model", None)
+    if model is None:
+        return 0.0
+    device = model.tok_embeddings.weight.device
+    cache = KVCache.for_model(model, len(prompt) + 2)
+    model(torch.tensor([prompt], device=device), cache, last_only=True)
+    feed = torch.tensor([prompt[-1:]], device=device)
+
+    def go():
+        cache.rollback(len(prompt))
+        model(feed, cache, last_only=True)
+    return _time(go, reps)
+
+
+def acceptance(target, drafter, prompts: dict[str, list[int]], kmax: int, n: int) -> list[float]:
+    """Per-position acceptance of greedy drafts at fixed k = kmax over the prompts (pooled)."""
+    engine = Engine(target, target.model.max_context, drafter, SpecConfig(draft_max=kmax, adaptive=False, p_min=0.0))
+    tried, accepted = [0] * kmax, [0] * kmax
+    for prompt in prompts.values():
+        events = list(engine.generate(prompt, SamplingParams(max_tokens=n, stop_at_eos=False)))
+        stats = events[-1].spec
+        for i, (t, a) in enumerate(zip(stats.position_tried, stats.position_accepted)):
+            tried[i] += t
+            accepted[i] += a
+    # positions past the first rejection are not judged in that round: acceptance given the earlier ones
+    judged = [min(accepted[i - 1], tried[i]) if i > 0 else tried[0] for i in range(kmax)]
+    return [(accepted[i] + 0.5) / (judged[i] + 1) if judged[i] else 0.0 for i in range(kmax)]
+
+
+def predict(v: dict[int, float], r: float, a: list[float]) -> dict[int, float]:
+    out, expected, run = {}, 1.0, 1.0
+    for k in range(1, len(a) + 1):
+        run *= a[k - 1]
+        expected += run
+        out[k] = expected / (v[k] + k * r)
+    return out
+
+
+def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
+    """Why a candidate lost to the winner, in terms of the model's three factors."""
+    k = c.best_k
+    if c.best_speedup < 1:
+        reasons = []
+        if c.r > 0.3:
+            reasons.append(f"too slow a draft (a drafted token costs {c.r:.2f} target steps)")
+        if c.acceptance and c.acceptance[0] < 0.5:
+            reasons.append(f"too low an acceptance ({100 * c.acceptance[0]:.0f}% at position 1)")
+        if v.get(k, 1) > 1.5:
+            reasons.append(f"verification too costly (v({k}) = {v[k]:.2f})")
+        return "slower than plain decoding: " + ("; ".join(reasons) or "the gains do not cover the costs")
+    if c.r > winner.r * 1.5 and c.r > 0.1:
+        return f"its drafted tokens cost more ({c.r:.2f} vs {winner.r:.2f} target steps)"
+    if c.acceptance and winner.acceptance and c.acceptance[0] < winner.acceptance[0]:
+        return f"lower acceptance ({100 * c.acceptance[0]:.0f}% vs {100 * winner.acceptance[0]:.0f}% at position 1)"
+    return f"predicted {c.best_speedup:.2f}x against {winner.best_speedup:.2f}x"
+
+
+def write_profile(path: Path, target_name: str, winner: Candidate, measured: float, candidates, v) -> dict:
+    draft, ngram = winner.name, False
+    if draft.endswith("+ngram"):
+        draft, ngram = draft[: -len("+ngram")], True
+    profile = {"version": PROFILE_VERSION, "target": target_name, "draft": draft, "ngram": ngram,
+               "draft_max": winner.best_k, "fixed_k": True, "predicted_speedup": winner.best_speedup,
+               "measured_speedup": measured, "v": v, "candidates": [asdict(c) for c in candidates]}
+    path.write_text(json.dumps(profile, indent=1))
+    return profile
+
+
+def read_profile(path: Path) -> dict:
+    try:
+        profile = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QuickdraftError(f"{path}: no such profile; write one with `quickdraft tune --profile {path}`") from None
+    except json.JSONDecodeError as e:
+        raise QuickdraftError(f"{path} is not a quickdraft profile (not JSON: {e})") from None
+    if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION or "draft" not in profile:
+        raise QuickdraftError(f"{path} is not a quickdraft profile (version {PROFILE_VERSION}); run tune again")
+    return profile

@@ -1,0 +1,62 @@
+"""`quickdraft bench` on tiny models: the documented JSON fields, valid PNG plots, and configurations parsed."""
+
+import json
+
+import pytest
+import torch
+
+from quickdraft import bench
+from quickdraft.config import EngineConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.spec.combined import CombinedDrafter
+from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.weights.loader import load_model
+from tests.helpers import tiny_hf_model, write_gguf_from_hf
+from tests.test_cli import run
+
+PNG = b"\x89PNG\r\n\x1a\n"
+ROW_FIELDS = {"prompt", "config", "decode_tok_s", "decode_min", "decode_max", "e2e_tok_s", "ttft_s", "acceptance",
+              "tokens_per_round", "k_mean", "accept_per_position", "same_as_plain", "speedup", "predicted_speedup"}
+
+
+def test_configurations_parse_and_bad_ones_say_how():
+    configs = bench.parse_configs("plain, draft:k=4,ngram+draft:adaptive")
+    assert [c.name for c in configs] == ["plain", "draft k=4", "ngram+draft adaptive"]
+    for bad in ("draft", "draft:k=0", "eagle:k=2", "draft:k=x"):
+        with pytest.raises(QuickdraftError, match="bad configuration"):
+            bench.parse_configs(bad)
+
+
+def test_bench_reports_every_field_and_draws_valid_plots(tmp_path):
+    hf = tiny_hf_model("llama", seed=7, logit_scale=6)
+    target = load_model(str(write_gguf_from_hf(hf, tmp_path / "t.gguf")), EngineConfig(device="cpu",
+                        dtype="bfloat16", max_context=128), False)
+    draft = DraftModelDrafter(target.model, target.config.vocab_size, 128)
+    drafters = {"draft": draft, "ngram": NgramDrafter(), "ngram+draft": CombinedDrafter(NgramDrafter(), draft)}
+    configs = bench.parse_configs("plain,draft:k=2,draft:k=4,draft:adaptive,ngram+draft:adaptive")
+    prompts = {"a": [5, 17, 250, 3, 99, 5, 17], "b": [42, 7, 11, 64]}
+    result = bench.run(target, drafters, configs, prompts, n=12, runs=2)
+    assert len(result["rows"]) == 10 and ROW_FIELDS <= set(result["rows"][0])
+    k4 = next(r for r in result["rows"] if r["config"] == "draft k=4" and r["prompt"] == "a")
+    assert k4["same_as_plain"] and k4["acceptance"] > 0.9 and k4["predicted_speedup"] > 0 and "v_k" in k4
+    assert [s["config"] for s in result["summary"]] == [c.name for c in configs]
+    assert all(s["all_same_as_plain"] for s in result["summary"])
+    assert "medians over prompts" in bench.table(result)
+    paths = bench.plots(result, tmp_path / "plots")
+    assert {p.name for p in paths} == {"tokps_vs_k.png", "acceptance_by_position.png", "predicted_vs_measured.png"}
+    for p in paths:
+        assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
+
+
+def test_bench_command(tmp_path):
+    path = write_gguf_from_hf(tiny_hf_model("llama", seed=7), tmp_path / "t.gguf")
+    r = run("bench", "-m", str(path), "--draft", str(path), "--configs", "plain,draft:k=3", "--prompts", "qa-en",
+            "-n", "6", "--runs", "1", "--json", str(tmp_path / "b.json"), "--plots", str(tmp_path / "p"))
+    assert r.returncode == 0, r.stderr
+    assert "draft k=3" in r.stdout and "medians over prompts" in r.stdout
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert out["configs"] == ["plain", "draft k=3"] and out["rows"][1]["same_as_plain"] is True
+    assert (tmp_path / "p" / "tokps_vs_k.png").read_bytes()[:8] == PNG
+    bad = run("bench", "-m", str(path), "--configs", "draft:k=2")
+    assert bad.returncode == 1 and "needs a draft" in bad.stderr

@@ -505,10 +505,10 @@ def cmd_tune(args) -> int:
             drafter = model_drafter(drafts[model], target, spec, capacity, name.endswith("+ngram"))
         print(f"tune: measuring {name}", file=sys.stderr)
         r = tune.draft_cost(drafter, first) / t_plain
-        a = tune.acceptance(target, drafter, prompts, args.kmax, args.max_tokens)
-        predicted = tune.predict(v, r, a)
+        a, coverage = tune.acceptance(target, drafter, prompts, args.kmax, args.max_tokens)
+        predicted = tune.predict(v, r, a, coverage)
         best_k = max(predicted, key=predicted.get)
-        results.append(tune.Candidate(name, r, a, predicted, best_k, predicted[best_k]))
+        results.append(tune.Candidate(name, r, a, coverage, predicted, best_k, predicted[best_k]))
         drafters[name] = drafter
     winner = max(results, key=lambda c: c.best_speedup)
     for c in results:
@@ -520,15 +520,16 @@ def cmd_tune(args) -> int:
                           dict(list(prompts.items())[:2]), args.max_tokens, runs=1)
         measured = next(s["speedup"] for s in check["summary"] if s["config"] != "plain")
     else:
-        winner = tune.Candidate("none", 0.0, [], {}, 0, 1.0, "")
+        winner = tune.Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, "")
     profile = tune.write_profile(args.profile, args.model, winner, measured, results, v)
     if args.json:
         print(json.dumps(profile))
         return 0
     print(f"target step {1000 * t_plain:.0f} ms; v(k): " + ", ".join(f"{k}: {x:.2f}" for k, x in v.items()))
-    print(f"{'candidate':34} {'r':>5} {'a1':>5} {'best k':>6} {'predicted':>9}")
+    print(f"{'candidate':30} {'r':>5} {'a1':>5} {'rounds':>6} {'best k':>6} {'predicted':>9}")
     for c in results:
-        print(f"{c.name:34} {c.r:5.2f} {100 * c.acceptance[0]:4.0f}% {c.best_k:6} {c.best_speedup:8.2f}x  {c.why_not}")
+        print(f"{c.name:30} {c.r:5.2f} {100 * c.acceptance[0]:4.0f}% {100 * c.coverage:5.0f}% {c.best_k:6} "
+              f"{c.best_speedup:8.2f}x  {c.why_not}")
     if winner.name == "none":
         print("recommendation: no speculation; every candidate is predicted slower than plain decoding")
     else:

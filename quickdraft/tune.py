@@ -5,7 +5,9 @@ The speed model (DESIGN.md): with t_plain one target step, v(k) = t_verify(k) / 
 verifying k drafts (k + 1 tokens), r = t_draft / t_plain the cost of one drafted token, and a_i the
 acceptance of draft position i given the ones before were accepted, a round emits
 E[L](k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens, so speculation runs at
-speed-up(k) = E[L](k) / (v(k) + k r) times plain decoding.
+speed-up(k) = E[L](k) / (v(k) + k r) times plain decoding. A drafter that proposes only sometimes (n-gram
+lookup needs a match) runs rounds on a share c of its steps and plain steps on the rest:
+speed-up(k) = (c E[L](k) + 1 - c) / (c (v(k) + k r) + 1 - c).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Candidate:
     name: str  # a draft model spec, "ngram", or "MODEL+ngram"
     r: float  # drafted token cost / target step
     acceptance: list[float]  # a_1..a_kmax, conditional per position
+    coverage: float = 1.0  # share of steps on which the drafter proposed something
     predicted: dict[int, float] = field(default_factory=dict)  # k -> speed-up
     best_k: int = 0
     best_speedup: float = 0.0
@@ -83,27 +86,31 @@ def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
     return _time(go, reps)
 
 
-def acceptance(target, drafter, prompts: dict[str, list[int]], kmax: int, n: int) -> list[float]:
-    """Per-position acceptance of greedy drafts at fixed k = kmax over the prompts (pooled)."""
+def acceptance(target, drafter, prompts: dict[str, list[int]], kmax: int, n: int) -> tuple[list[float], float]:
+    """Per-position acceptance of greedy drafts at fixed k = kmax over the prompts (pooled), and the share of
+    steps that were rounds (the rest: the drafter had nothing to propose)."""
     engine = Engine(target, target.model.max_context, drafter, SpecConfig(draft_max=kmax, adaptive=False, p_min=0.0))
     tried, accepted = [0] * kmax, [0] * kmax
+    rounds = plain = 0
     for prompt in prompts.values():
         events = list(engine.generate(prompt, SamplingParams(max_tokens=n, stop_at_eos=False)))
         stats = events[-1].spec
+        rounds, plain = rounds + stats.rounds, plain + stats.plain_steps
         for i, (t, a) in enumerate(zip(stats.position_tried, stats.position_accepted)):
             tried[i] += t
             accepted[i] += a
     # positions past the first rejection are not judged in that round: acceptance given the earlier ones
     judged = [min(accepted[i - 1], tried[i]) if i > 0 else tried[0] for i in range(kmax)]
-    return [(accepted[i] + 0.5) / (judged[i] + 1) if judged[i] else 0.0 for i in range(kmax)]
+    a = [(accepted[i] + 0.5) / (judged[i] + 1) if judged[i] else 0.0 for i in range(kmax)]
+    return a, rounds / (rounds + plain) if rounds + plain else 0.0
 
 
-def predict(v: dict[int, float], r: float, a: list[float]) -> dict[int, float]:
+def predict(v: dict[int, float], r: float, a: list[float], coverage: float = 1.0) -> dict[int, float]:
     out, expected, run = {}, 1.0, 1.0
     for k in range(1, len(a) + 1):
         run *= a[k - 1]
         expected += run
-        out[k] = expected / (v[k] + k * r)
+        out[k] = (coverage * expected + 1 - coverage) / (coverage * (v[k] + k * r) + 1 - coverage)
     return out
 
 
@@ -116,11 +123,15 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
             reasons.append(f"too slow a draft (a drafted token costs {c.r:.2f} target steps)")
         if c.acceptance and c.acceptance[0] < 0.5:
             reasons.append(f"too low an acceptance ({100 * c.acceptance[0]:.0f}% at position 1)")
+        if c.coverage < 0.5:
+            reasons.append(f"too few proposals (a round on {100 * c.coverage:.0f}% of steps)")
         if v.get(k, 1) > 1.5:
             reasons.append(f"verification too costly (v({k}) = {v[k]:.2f})")
         return "slower than plain decoding: " + ("; ".join(reasons) or "the gains do not cover the costs")
     if c.r > winner.r * 1.5 and c.r > 0.1:
         return f"its drafted tokens cost more ({c.r:.2f} vs {winner.r:.2f} target steps)"
+    if c.coverage < 0.8 * winner.coverage:
+        return f"it proposes on fewer steps ({100 * c.coverage:.0f}% vs {100 * winner.coverage:.0f}%)"
     if c.acceptance and winner.acceptance and c.acceptance[0] < winner.acceptance[0]:
         return f"lower acceptance ({100 * c.acceptance[0]:.0f}% vs {100 * winner.acceptance[0]:.0f}% at position 1)"
     return f"predicted {c.best_speedup:.2f}x against {winner.best_speedup:.2f}x"

@@ -40,8 +40,9 @@ def test_tune_measures_the_default_pair(pair):
     t_plain, v = tune.verify_costs(target, prompts["code-en"], 4, reps=1)
     drafter = model_drafter(draft, target, SpecConfig(), 512, False)
     r = tune.draft_cost(drafter, prompts["code-en"], reps=1) / t_plain
-    a = tune.acceptance(target, drafter, {"code-en": prompts["code-en"]}, 4, 24)
-    predicted = tune.predict(v, r, a)
+    a, coverage = tune.acceptance(target, drafter, {"code-en": prompts["code-en"]}, 4, 24)
+    predicted = tune.predict(v, r, a, coverage)
+    assert coverage > 0.5
     assert 0 < r < 1 and a[0] > 0.3 and set(predicted) == {1, 2, 3, 4} and max(predicted.values()) > 0
     assert v[4] >= 0.9  # verifying 5 tokens costs at least about one step
 

@@ -16,6 +16,8 @@ def test_the_speed_model():
     assert predicted[1] == pytest.approx(1.8 / 1.2)
     assert predicted[2] == pytest.approx(2.2 / 1.4)
     assert predicted[3] == pytest.approx(2.2 / 1.6)  # a position never accepted only costs
+    half = predict(v, 0.0, [1.0, 1.0, 1.0], coverage=0.5)  # rounds on half the steps, plain on the rest
+    assert half[3] == pytest.approx((0.5 * 4 + 0.5) / (0.5 * 1.3 + 0.5))
 
 
 def test_losers_are_explained():
@@ -23,8 +25,11 @@ def test_losers_are_explained():
     winner = Candidate("small", 0.05, [0.9, 0.8], best_k=2, best_speedup=2.0)
     slow = Candidate("big", 0.6, [0.95, 0.9], best_k=1, best_speedup=0.9)
     assert "too slow a draft" in explain(slow, v, winner)
-    weak = Candidate("other", 0.05, [0.3, 0.2], best_k=2, best_speedup=0.8)
+    weak = Candidate("other", 0.05, [0.3, 0.2], coverage=0.3, best_k=2, best_speedup=0.8)
     assert "too low an acceptance" in explain(weak, v, winner) and "verification too costly" in explain(weak, v, winner)
+    assert "too few proposals" in explain(weak, v, winner)
+    rare = Candidate("ngram", 0.0, [0.9, 0.9], coverage=0.4, best_k=2, best_speedup=1.3)
+    assert "fewer steps" in explain(rare, v, winner)
     close = Candidate("close", 0.05, [0.7, 0.6], best_k=2, best_speedup=1.6)
     assert "lower acceptance" in explain(close, v, winner)
 

@@ -510,18 +510,28 @@ def cmd_tune(args) -> int:
         best_k = max(predicted, key=predicted.get)
         results.append(tune.Candidate(name, r, a, coverage, predicted, best_k, predicted[best_k]))
         drafters[name] = drafter
-    winner = max(results, key=lambda c: c.best_speedup)
+    # the model narrows the field to its three best (candidate, k); a short interleaved run picks among them
+    ranked = sorted(((c.predicted[k], c.name, k) for c in results for k in c.predicted), reverse=True)
+    top = [(name, k) for predicted, name, k in ranked if predicted > 1][:3]
+    measured, checked = None, []
+    if top:
+        print(f"tune: checking {', '.join(f'{n} k={k}' for n, k in top)} against plain decoding", file=sys.stderr)
+        check = bench.run(target, {name: drafters[name] for name, _ in top},
+                          [bench.BenchConfig("none")] + [bench.BenchConfig(name, k) for name, k in top],
+                          dict(list(prompts.items())[:2]), args.max_tokens, runs=1)
+        speedups = {s["config"]: s["speedup"] for s in check["summary"]}
+        checked = [{"candidate": n, "k": k, "predicted": next(c.predicted[k] for c in results if c.name == n),
+                    "measured": speedups[bench.BenchConfig(n, k).name]} for n, k in top]
+        best = max(checked, key=lambda x: x["measured"])
+        winner = next(c for c in results if c.name == best["candidate"])
+        winner.best_k, winner.best_speedup, measured = best["k"], best["predicted"], best["measured"]
+    else:
+        winner = max(results, key=lambda c: c.best_speedup)
     for c in results:
         c.why_not = "" if c is winner else tune.explain(c, v, winner)
-    measured = None
-    if winner.best_speedup > 1:
-        check = bench.run(target, {"draft": drafters[winner.name]},
-                          [bench.BenchConfig("none"), bench.BenchConfig("draft", winner.best_k)],
-                          dict(list(prompts.items())[:2]), args.max_tokens, runs=1)
-        measured = next(s["speedup"] for s in check["summary"] if s["config"] != "plain")
-    else:
+    if not top:
         winner = tune.Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, "")
-    profile = tune.write_profile(args.profile, args.model, winner, measured, results, v)
+    profile = tune.write_profile(args.profile, args.model, winner, measured, results, v, checked)
     if args.json:
         print(json.dumps(profile))
         return 0
@@ -530,6 +540,8 @@ def cmd_tune(args) -> int:
     for c in results:
         print(f"{c.name:30} {c.r:5.2f} {100 * c.acceptance[0]:4.0f}% {100 * c.coverage:5.0f}% {c.best_k:6} "
               f"{c.best_speedup:8.2f}x  {c.why_not}")
+    for x in checked:
+        print(f"checked {x['candidate']} k={x['k']}: predicted {x['predicted']:.2f}x, measured {x['measured']:.2f}x")
     if winner.name == "none":
         print("recommendation: no speculation; every candidate is predicted slower than plain decoding")
     else:

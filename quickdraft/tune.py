@@ -137,13 +137,15 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
     return f"predicted {c.best_speedup:.2f}x against {winner.best_speedup:.2f}x"
 
 
-def write_profile(path: Path, target_name: str, winner: Candidate, measured: float, candidates, v) -> dict:
+def write_profile(path: Path, target_name: str, winner: Candidate, measured: float | None, candidates, v,
+                  checked: list[dict]) -> dict:
     draft, ngram = winner.name, False
     if draft.endswith("+ngram"):
         draft, ngram = draft[: -len("+ngram")], True
     profile = {"version": PROFILE_VERSION, "target": target_name, "draft": draft, "ngram": ngram,
                "draft_max": winner.best_k, "fixed_k": True, "predicted_speedup": winner.best_speedup,
-               "measured_speedup": measured, "v": v, "candidates": [asdict(c) for c in candidates]}
+               "measured_speedup": measured, "v": v, "candidates": [asdict(c) for c in candidates],
+               "checked": checked}
     path.write_text(json.dumps(profile, indent=1))
     return profile
 

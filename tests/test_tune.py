@@ -54,7 +54,7 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
     assert "recommendation:" in r.stdout and "v(k)" in r.stdout
     p = json.loads(profile.read_text())
     assert set(p) >= {"version", "target", "draft", "ngram", "draft_max", "predicted_speedup", "measured_speedup",
-                      "v", "candidates"}
+                      "v", "candidates", "checked"}
     assert [c["name"] for c in p["candidates"]] == [str(path), "ngram"]
     assert all(len(c["acceptance"]) == 4 and c["best_k"] in range(1, 5) for c in p["candidates"])
     # the draft is the target itself: as costly as a target step, it cannot win

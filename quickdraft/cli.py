@@ -174,8 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="top-k of the sampled checks; keeps the exact distribution cheap (default: %(default)s)")
     v.add_argument("--draws", type=int, default=300,
                    help="samples for the distribution test; 0 skips it (default: %(default)s)")
-    v.add_argument("--prompts", default=None, metavar="NAMES",
-                   help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
+    _prompts_arg(v)
     v.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _common(v)
 
@@ -194,8 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
     tu.add_argument("-n", "--max-tokens", type=int, default=64,
                     help="tokens per prompt when measuring acceptance (default: %(default)s)")
-    tu.add_argument("--prompts", default=None, metavar="NAMES",
-                    help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
+    _prompts_arg(tu)
     tu.add_argument("--profile", type=Path, default=Path("quickdraft-profile.json"),
                     help="where to write the profile (default: %(default)s)")
     tu.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
@@ -214,8 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--configs", default=None,
                    help="comma-separated: plain, SOURCE:k=N, SOURCE:adaptive with SOURCE draft, ngram or "
                         "ngram+draft (default: plain and every draft configuration the --draft allows)")
-    b.add_argument("--prompts", default=None, metavar="NAMES",
-                   help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
+    _prompts_arg(b)
     b.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per run (default: %(default)s)")
     b.add_argument("--runs", type=int, default=3, help="measured runs per configuration (default: %(default)s)")
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs (default: %(default)s)")
@@ -402,6 +399,11 @@ def cmd_pull(args) -> int:
         else:
             print(f"{alias}: {path} (sha256 verified)", file=sys.stderr)
     return 0
+
+
+def _prompts_arg(parser) -> None:
+    parser.add_argument("--prompts", default=None, metavar="NAMES",
+                        help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
 
 
 def _bundled() -> list[str]:

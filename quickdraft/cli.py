@@ -61,6 +61,13 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
                    help="take the draft, n-gram lookup and k from a profile written by `quickdraft tune`")
 
 
+def _pair_args(parser: argparse.ArgumentParser) -> None:
+    """Target and speculation flags of the commands that run a pair, --draft defaulting to auto."""
+    _model_args(parser)
+    _spec_args(parser)
+    parser.set_defaults(draft="auto")
+
+
 def spec_config(args):
     from quickdraft.config import SpecConfig
 
@@ -147,9 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "/metrics over HTTP. With the default target the default draft speculates "
                                     "with n-gram lookup in front (--draft auto); each response carries a "
                                     "`timings` object with the acceptance figures.")
-    _model_args(sv)
-    _spec_args(sv)
-    sv.set_defaults(draft="auto")
+    _pair_args(sv)
     sv.add_argument("--host", default="127.0.0.1",
                     help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 exposes it)")
     sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
@@ -165,9 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Chinese) at adaptive and fixed k, seeded identity, and a chi-square test of "
                                    "sampled output against the target's exact distribution. Prints the evidence "
                                    "and PASS or FAIL (exit code 1).")
-    _model_args(v)
-    _spec_args(v)
-    v.set_defaults(draft="auto")
+    _pair_args(v)
     v.add_argument("-n", "--max-tokens", type=int, default=48, help="greedy tokens per prompt (default: %(default)s)")
     v.add_argument("--temp", type=float, default=0.8, help="temperature of the sampled checks (default: %(default)s)")
     v.add_argument("--top-k", type=int, default=8,
@@ -206,9 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "measured speed model's predicted speed-up beside the measured one. A table, "
                                    "--json FILE and --plots DIR (PNG: tok/s against k, acceptance per position, "
                                    "measured against predicted).")
-    _model_args(b)
-    _spec_args(b)
-    b.set_defaults(draft="auto")
+    _pair_args(b)
     b.add_argument("--configs", default=None,
                    help="comma-separated: plain, SOURCE:k=N, SOURCE:adaptive with SOURCE draft, ngram or "
                         "ngram+draft (default: plain and every draft configuration the --draft allows)")
@@ -226,9 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "activations) against the device's, tokenizer compatibility, the draft "
                                     "sampling with the target's settings, and a short run showing speculation "
                                     "active with its predicted speed-up. Exit code 1 on an error.")
-    _model_args(dr)
-    _spec_args(dr)
-    dr.set_defaults(draft="auto")
+    _pair_args(dr)
     dr.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                     help="check the budget against this much memory instead of the device's (plan for a smaller "
                          "card or machine)")
@@ -402,14 +401,10 @@ def cmd_pull(args) -> int:
 
 
 def _prompts_arg(parser) -> None:
-    parser.add_argument("--prompts", default=None, metavar="NAMES",
-                        help="comma-separated bundled prompts (default: all of " + ", ".join(_bundled()) + ")")
-
-
-def _bundled() -> list[str]:
     from quickdraft.prompts import PROMPTS
 
-    return list(PROMPTS)
+    parser.add_argument("--prompts", default=None, metavar="NAMES",
+                        help="comma-separated bundled prompts (default: all of " + ", ".join(PROMPTS) + ")")
 
 
 def _default_draft(args) -> None:
@@ -475,7 +470,7 @@ def _prompt_names(args) -> list[str]:
 
 
 def cmd_tune(args) -> int:
-    from quickdraft import bench, tune
+    from quickdraft import tune
     from quickdraft.prompts import encoded
     from quickdraft.spec.build import load_draft, model_drafter
     from quickdraft.spec.ngram import NgramDrafter
@@ -506,33 +501,10 @@ def cmd_tune(args) -> int:
                                  drafts[model].config.vocab_size)
             drafter = model_drafter(drafts[model], target, spec, capacity, name.endswith("+ngram"))
         print(f"tune: measuring {name}", file=sys.stderr)
-        r = tune.draft_cost(drafter, first) / t_plain
-        a, coverage = tune.acceptance(target, drafter, prompts, args.kmax, args.max_tokens)
-        predicted = tune.predict(v, r, a, coverage)
-        best_k = max(predicted, key=predicted.get)
-        results.append(tune.Candidate(name, r, a, coverage, predicted, best_k, predicted[best_k]))
+        results.append(tune.measure(name, target, drafter, prompts, t_plain, v, args.max_tokens))
         drafters[name] = drafter
-    # the model narrows the field to its three best (candidate, k); a short interleaved run picks among them
-    ranked = sorted(((c.predicted[k], c.name, k) for c in results for k in c.predicted), reverse=True)
-    top = [(name, k) for predicted, name, k in ranked if predicted > 1][:3]
-    measured, checked = None, []
-    if top:
-        print(f"tune: checking {', '.join(f'{n} k={k}' for n, k in top)} against plain decoding", file=sys.stderr)
-        check = bench.run(target, {name: drafters[name] for name, _ in top},
-                          [bench.BenchConfig("none")] + [bench.BenchConfig(name, k) for name, k in top],
-                          dict(list(prompts.items())[:2]), args.max_tokens, runs=1)
-        speedups = {s["config"]: s["speedup"] for s in check["summary"]}
-        checked = [{"candidate": n, "k": k, "predicted": next(c.predicted[k] for c in results if c.name == n),
-                    "measured": speedups[bench.BenchConfig(n, k).name]} for n, k in top]
-        best = max(checked, key=lambda x: x["measured"])
-        winner = next(c for c in results if c.name == best["candidate"])
-        winner.best_k, winner.best_speedup, measured = best["k"], best["predicted"], best["measured"]
-    else:
-        winner = max(results, key=lambda c: c.best_speedup)
-    for c in results:
-        c.why_not = "" if c is winner else tune.explain(c, v, winner)
-    if not top:
-        winner = tune.Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, "")
+    print("tune: checking the best predictions against plain decoding", file=sys.stderr)
+    winner, measured, checked = tune.choose(target, results, drafters, prompts, v, args.max_tokens)
     profile = tune.write_profile(args.profile, args.model, winner, measured, results, v, checked)
     if args.json:
         print(json.dumps(profile))

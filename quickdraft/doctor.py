@@ -14,6 +14,7 @@ import torch
 
 from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.spec.build import draft_model_of
 from quickdraft.spec.vocab import check_compatible
 
 WARN_SHARE = 0.9  # of the device's memory
@@ -88,8 +89,8 @@ def memory(target, draft, engine, available: int) -> Finding:
     `available` bytes; warn above 90%, error above 100%."""
     weights = sum(_bytes(target.model).values()) + (sum(_bytes(draft.model).values()) if draft else 0)
     kv = kv_bytes(engine.cache)
-    drafter = getattr(engine.drafter, "draft", engine.drafter)
-    if drafter is not None and hasattr(drafter, "cache"):
+    drafter = draft_model_of(engine.drafter)
+    if drafter is not None:
         kv += kv_bytes(drafter.cache)
     cfg = target.config
     k = engine.spec.draft_max + 1
@@ -124,8 +125,8 @@ def tokenizers(target, draft) -> Finding:
 def sampler(drafter, vocab: int) -> Finding:
     """The draft samples from the same processed distribution as the target: propose under top-k 3 and
     temperature 0.7 and check that each drafted position has at most 3 candidates, summing to 1."""
-    model_drafter = getattr(drafter, "draft", drafter)
-    if model_drafter is None or not hasattr(model_drafter, "model"):
+    model_drafter = draft_model_of(drafter)
+    if model_drafter is None:
         return Finding("sampler", "ok", "n-gram drafts are deterministic: verification treats them as one-hot")
     params = SamplingParams(temperature=0.7, top_k=3, max_tokens=8)
     seq = [1, 2, 3, 4]

@@ -170,10 +170,6 @@ class Constraint:
         """The output is complete: nothing but an end-of-generation token may follow."""
         return self.matcher.is_stopped()
 
-    @property
-    def accepting(self) -> bool:
-        return self.matcher.is_accepting()
-
     def advance(self, token: int) -> None:
         """Commit one token (it came from a masked distribution, so the matcher takes it)."""
         if not self.matcher.consume_token(token):

@@ -24,6 +24,7 @@ from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.spec.build import draft_model_of
 
 PROFILE_VERSION = 1
 
@@ -72,9 +73,10 @@ def verify_costs(target, prompt: list[int], kmax: int, reps: int = 3) -> tuple[f
 @torch.inference_mode()
 def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
     """Seconds per drafted token of a draft model (0 for n-gram lookup)."""
-    model = getattr(getattr(drafter, "draft", drafter), "model", None)
-    if model is None:
+    draft = draft_model_of(drafter)
+    if draft is None:
         return 0.0
+    model = draft.model
     device = model.tok_embeddings.weight.device
     cache = KVCache.for_model(model, len(prompt) + 2)
     model(torch.tensor([prompt], device=device), cache, last_only=True)
@@ -103,6 +105,45 @@ def acceptance(target, drafter, prompts: dict[str, list[int]], kmax: int, n: int
     judged = [min(accepted[i - 1], tried[i]) if i > 0 else tried[0] for i in range(kmax)]
     a = [(accepted[i] + 0.5) / (judged[i] + 1) if judged[i] else 0.0 for i in range(kmax)]
     return a, rounds / (rounds + plain) if rounds + plain else 0.0
+
+
+def measure(name: str, target, drafter, prompts: dict[str, list[int]], t_plain: float, v: dict[int, float],
+            n: int) -> Candidate:
+    """One candidate's r, acceptance and coverage, and the speed-up the model predicts for each k."""
+    r = draft_cost(drafter, next(iter(prompts.values()))) / t_plain
+    a, coverage = acceptance(target, drafter, prompts, len(v), n)
+    predicted = predict(v, r, a, coverage)
+    best_k = max(predicted, key=predicted.get)
+    return Candidate(name, r, a, coverage, predicted, best_k, predicted[best_k])
+
+
+def choose(target, candidates: list[Candidate], drafters: dict, prompts: dict[str, list[int]],
+           v: dict[int, float], n: int) -> tuple[Candidate, float | None, list[dict]]:
+    """The winner, its measured speed-up and the checks: the model narrows the field to its three best
+    (candidate, k); a short interleaved run against plain decoding picks among them. Fills each loser's
+    why_not; the winner is a Candidate named "none" when nothing is predicted faster than plain decoding."""
+    from quickdraft import bench
+
+    ranked = sorted(((c.predicted[k], c.name, k) for c in candidates for k in c.predicted), reverse=True)
+    top = [(name, k) for predicted, name, k in ranked if predicted > 1][:3]
+    if not top:
+        best = max(candidates, key=lambda c: c.best_speedup)
+        for c in candidates:
+            c.why_not = "" if c is best else explain(c, v, best)
+        return Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, ""), None, []
+    check = bench.run(target, {name: drafters[name] for name, _ in top},
+                      [bench.BenchConfig("none")] + [bench.BenchConfig(name, k) for name, k in top],
+                      dict(list(prompts.items())[:2]), n, runs=1)
+    speedups = {s["config"]: s["speedup"] for s in check["summary"]}
+    by_name = {c.name: c for c in candidates}
+    checked = [{"candidate": name, "k": k, "predicted": by_name[name].predicted[k],
+                "measured": speedups[bench.BenchConfig(name, k).name]} for name, k in top]
+    best = max(checked, key=lambda x: x["measured"])
+    winner = by_name[best["candidate"]]
+    winner.best_k, winner.best_speedup = best["k"], best["predicted"]
+    for c in candidates:
+        c.why_not = "" if c is winner else explain(c, v, winner)
+    return winner, best["measured"], checked
 
 
 def predict(v: dict[int, float], r: float, a: list[float], coverage: float = 1.0) -> dict[int, float]:

@@ -27,6 +27,13 @@ def build_drafter(draft: str, target: LoadedModel, engine: EngineConfig, spec: S
     return model_drafter(draft_lm, target, spec, capacity, ngram)
 
 
+def draft_model_of(drafter) -> DraftModelDrafter | None:
+    """The draft model inside a drafter (alone or behind n-gram lookup), None for n-gram lookup alone."""
+    if isinstance(drafter, CombinedDrafter):
+        return drafter.draft
+    return drafter if isinstance(drafter, DraftModelDrafter) else None
+
+
 def model_drafter(draft_lm: LoadedModel, target: LoadedModel, spec: SpecConfig, capacity: int, ngram: bool):
     drafter = DraftModelDrafter(draft_lm.model, target.config.vocab_size, capacity, spec.p_min)
     return CombinedDrafter(NgramDrafter(), drafter) if ngram else drafter

@@ -57,7 +57,7 @@ def _spec(config: BenchConfig, draft_max: int) -> SpecConfig:
         return SpecConfig(draft_max=0)
     if config.k is None:
         return SpecConfig(draft_max=draft_max)
-    return SpecConfig(draft_max=config.k, adaptive=False, p_min=0.0)
+    return SpecConfig(draft_max=config.k, adaptive=False)  # drafts up to k (a draft model's p_min still applies)
 
 
 def run(target, drafters: dict, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, runs: int,

@@ -182,11 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common(v)
 
     tu = sub.add_parser("tune", help="measure candidate drafts, predict the best draft and k, write a profile",
-                        description="For each candidate: r (a drafted token's cost in target steps), v(k) for "
-                                    "k = 1..--kmax, and acceptance per draft position on the bundled prompts; fits "
-                                    "the speed model E[L](k) / (v(k) + k r), predicts the best draft and k, checks "
-                                    "the prediction with a short run, says why the others lost, and writes a "
-                                    "profile that generate and serve take with --profile.")
+                        description="Measures the target's verification cost v(k) for k = 1..--kmax and each "
+                                    "candidate's cost r (a drafted token in target steps); decodes the bundled "
+                                    "prompts once and replays each candidate's greedy rounds over that output at "
+                                    "every k (exact acceptance, no guesswork), predicts the best draft and k from "
+                                    "the speed model E[L](k) / (v(k) + k r), checks the prediction with a short "
+                                    "run, says why the others lost, and writes a profile that generate and serve "
+                                    "take with --profile.")
     _model_args(tu)
     tu.add_argument("--draft", action="append", dest="drafts", metavar="CANDIDATE",
                     help="a candidate: a draft model, 'ngram', or MODEL+ngram (repeat the flag; default: the default "
@@ -194,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "dtype"],
                     help="the draft models' weight format (as for generate)")
     tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
-    tu.add_argument("-n", "--max-tokens", type=int, default=64,
+    tu.add_argument("--draft-p-min", type=float, default=0.5,
+                    help="the draft model stops a round early below this top probability, as in generate; tuned "
+                         "for and kept in the profile (default: %(default)s)")
+    tu.add_argument("-n", "--max-tokens", type=int, default=96,
                     help="tokens per prompt when measuring acceptance (default: %(default)s)")
     _prompts_arg(tu)
     tu.add_argument("--profile", type=Path, default=Path("quickdraft-profile.json"),
@@ -293,6 +298,7 @@ def apply_profile(args) -> None:
     args.draft, args.ngram = profile["draft"], bool(profile.get("ngram"))
     if profile["draft"] != "none":
         args.draft_max, args.fixed_k = int(profile["draft_max"]), bool(profile.get("fixed_k", True))
+        args.draft_p_min = float(profile.get("p_min", args.draft_p_min))
         args.draft_min = min(args.draft_min, args.draft_max)
 
 
@@ -485,10 +491,13 @@ def cmd_tune(args) -> int:
     target = _load(args)
     capacity = target.model.max_context
     prompts = encoded(target.tokenizer, names)
-    first = next(iter(prompts.values()))
+    print(f"tune: decoding the {len(prompts)} prompts without speculation", file=sys.stderr)
+    outputs, t_step = tune.reference(target, prompts, args.max_tokens)
+    name, first = next(iter(prompts.items()))
+    # verification is timed mid-generation: attention over the prompt and half the output
     print(f"tune: measuring the target's verification cost v(k), k = 1..{args.kmax}", file=sys.stderr)
-    t_plain, v = tune.verify_costs(target, first, args.kmax)
-    spec = SpecConfig(draft_max=args.kmax, p_min=0.0)
+    t_plain, v = tune.verify_costs(target, first + outputs[name][: args.max_tokens // 2], args.kmax)
+    spec = SpecConfig(draft_max=args.kmax, p_min=args.draft_p_min)
     drafts, results, drafters = {}, [], {}
     for name in candidates:
         model = name.removesuffix("+ngram")
@@ -501,11 +510,12 @@ def cmd_tune(args) -> int:
                                  drafts[model].config.vocab_size)
             drafter = model_drafter(drafts[model], target, spec, capacity, name.endswith("+ngram"))
         print(f"tune: measuring {name}", file=sys.stderr)
-        results.append(tune.measure(name, target, drafter, prompts, t_plain, v, args.max_tokens))
+        results.append(tune.measure(name, drafter, prompts, outputs, t_plain, t_step, v))
         drafters[name] = drafter
     print("tune: checking the best predictions against plain decoding", file=sys.stderr)
     winner, measured, checked = tune.choose(target, results, drafters, prompts, v, args.max_tokens)
-    profile = tune.write_profile(args.profile, args.model, winner, measured, results, v, checked)
+    profile = tune.write_profile(args.profile, args.model, winner, measured, results, v, checked,
+                                 args.draft_p_min)
     if args.json:
         print(json.dumps(profile))
         return 0

@@ -38,13 +38,12 @@ def test_bench_on_the_default_pair(pair, tmp_path):
 def test_tune_measures_the_default_pair(pair):
     target, draft, prompts = pair
     t_plain, v = tune.verify_costs(target, prompts["code-en"], 4, reps=1)
-    drafter = model_drafter(draft, target, SpecConfig(), 512, False)
-    r = tune.draft_cost(drafter, prompts["code-en"], reps=1) / t_plain
-    a, coverage = tune.acceptance(target, drafter, {"code-en": prompts["code-en"]}, 4, 24)
-    predicted = tune.predict(v, r, a, coverage)
-    assert coverage > 0.5
-    assert 0 < r < 1 and a[0] > 0.3 and set(predicted) == {1, 2, 3, 4} and max(predicted.values()) > 0
-    assert v[4] >= 0.9  # verifying 5 tokens costs at least about one step
+    drafter = model_drafter(draft, target, SpecConfig(), 512, True)
+    outputs, t_step = tune.reference(target, {"code-en": prompts["code-en"]}, 24)
+    c = tune.measure("draft+ngram", drafter, {"code-en": prompts["code-en"]}, outputs, t_plain, t_step, v)
+    assert c.coverage == 1.0 and 0 < c.r < 1 and c.acceptance[0] > 0.3
+    assert set(c.predicted) == {1, 2, 3, 4} and c.best_speedup > 1  # the code prompt: the draft pays
+    assert v[4] >= 0.9 and t_step >= 0.9 * t_plain  # verifying 5 tokens costs at least about one step
 
 
 def test_verify_and_doctor_pass_on_the_default_pair(pair):

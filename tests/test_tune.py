@@ -5,19 +5,53 @@ import json
 import pytest
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.tune import Candidate, explain, predict, read_profile
+from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.engine import Engine
+from quickdraft.tune import Candidate, Costs, Offer, explain, offers, read_profile, reference, simulate
 from tests.helpers import tiny_hf_model, write_gguf_from_hf
 from tests.test_cli import run
+from tests.test_spec_engine import PROMPT, drafter, models  # noqa: F401 (a fixture)
 
 
-def test_the_speed_model():
-    v = {1: 1.1, 2: 1.2, 3: 1.3}
-    predicted = predict(v, 0.1, [0.8, 0.5, 0.0])
-    assert predicted[1] == pytest.approx(1.8 / 1.2)
-    assert predicted[2] == pytest.approx(2.2 / 1.4)
-    assert predicted[3] == pytest.approx(2.2 / 1.6)  # a position never accepted only costs
-    half = predict(v, 0.0, [1.0, 1.0, 1.0], coverage=0.5)  # rounds on half the steps, plain on the rest
-    assert half[3] == pytest.approx((0.5 * 4 + 0.5) / (0.5 * 1.3 + 0.5))
+def test_the_replay_costs_rounds_as_the_engine_runs_them():
+    costs = Costs(t_plain=1.0, v={1: 1.1, 2: 1.2, 3: 1.3}, overhead=0.0, t_draft=0.1)
+    sure = [Offer("", 0, 0)] + [Offer("draft", 3, 7 - t) for t in range(1, 8)]  # 8 tokens, every draft kept
+    sim = simulate(sure, 3, costs)
+    # t=1: 3 kept + 1 (1.3 + 3 * 0.1); t=5: 2 drafted, all the budget allows (1.2 + 0.2)
+    assert (sim["rounds"], sim["plain"], sim["tried"], sim["kept"]) == (2, 0, [2, 2, 1], [2, 2, 1])
+    assert sim["speedup"] == pytest.approx(7 / (1.6 + 1.4))
+    assert simulate(sure[:6], 3, costs)["plain"] == 1  # t=5 is the last token: a plain step
+    never = [Offer("", 0, 0)] + [Offer("draft", 3, 0)] * 8
+    assert simulate(never, 2, costs)["speedup"] == pytest.approx(8 / (6 * 1.4 + 1.2 + 1.0))
+    # n-gram rounds cost no draft passes, but the draft model catches up after them
+    mixed = [Offer("", 0, 0), Offer("ngram", 4, 4)] + [Offer("draft", 3, 0)] * 7
+    assert simulate(mixed, 3, costs)["seconds"] == pytest.approx(1.3 + (1.3 + 4 * 0.1) + 1.4 + 1.2 + 1.0)
+    # a draft unsure of its second token stops after one: two passes for one drafted token
+    unsure = [Offer("", 0, 0)] + [Offer("draft", 1, 1)] * 5
+    assert simulate(unsure, 3, costs)["seconds"] == pytest.approx(2 * (1.1 + 2 * 0.1) + 1.0)
+
+
+@pytest.mark.parametrize("kind,p_min", [("draft", 0.0), ("draft", 0.7), ("ngram", 0.0), ("combined", 0.7)])
+def test_the_replay_matches_the_engine(models, kind, p_min):
+    """Greedy rounds replayed over the plain output are the rounds the engine runs, position by position."""
+    target, draft = models
+    k = 3
+    outputs, _ = reference(target, {"p": PROMPT}, 40)
+    engine = Engine(target, 256, drafter(kind, target, draft, p_min), SpecConfig(draft_max=k, adaptive=False))
+    events = list(engine.generate(PROMPT, SamplingParams(max_tokens=40, stop_at_eos=False)))
+    stats = events[-1].spec
+    sim = simulate(offers(drafter(kind, target, draft, p_min), PROMPT, outputs["p"], k), k,
+                   Costs(1.0, {i: 1.0 for i in range(1, k + 1)}, 0.0, 0.0))
+    assert stats.rounds > 3 and stats.draft_n_accepted > 0
+    assert kind == "ngram" or stats.draft_n_accepted < stats.draft_n  # rejections are replayed too
+    assert (sim["rounds"], sim["plain"]) == (stats.rounds, stats.plain_steps)
+    assert (sim["tried"], sim["kept"]) == (pad(stats.position_tried, k), pad(stats.position_accepted, k))
+    if kind == "draft" and p_min:  # unsure, the draft stopped after 1 token in some rounds, after 2 in others
+        assert {1, 2} <= set(stats.k_history)
+
+
+def pad(counts: list[int], k: int) -> list[int]:
+    return counts + [0] * (k - len(counts))
 
 
 def test_losers_are_explained():

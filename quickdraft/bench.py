@@ -105,6 +105,9 @@ def _row(prompt: str, c: BenchConfig, measured, plain_tokens, engine) -> dict:
         "k_mean": statistics.median(f.spec.k_mean for _, f in measured),
         "accept_per_position": s.accept_per_position,
         "same_as_plain": None if plain_tokens is None else tokens == plain_tokens,
+        # what the last run did, for the roofline: target passes and draft-model passes (about one per token)
+        "n_decoded": final.timings.n_decoded, "rounds": s.rounds, "plain_steps": s.plain_steps,
+        "draft_passes": s.drafted_by.get("draft", 0),
         "model": _speed_model(engine.policy, source, c, s.k_mean),
     }
 
@@ -168,6 +171,27 @@ def table(result: dict) -> str:
         lines.append(f"  {s['config']:22} {s['decode_tok_s']:7.2f} tok/s decode, {s['e2e_tok_s']:7.2f} end to end "
                      f"{speedup:>12}  acceptance {100 * s['acceptance']:3.0f}%"
                      + ("" if s["all_same_as_plain"] else "  OUTPUT DIFFERS FROM PLAIN"))
+    return "\n".join(lines)
+
+
+def roofline_table(result: dict) -> str:
+    """The roofline section: bandwidth, the plain limit, per configuration the bytes read per emitted token
+    and the share of the bandwidth achieved, and v(k)."""
+    roof = result["roofline"]
+    lines = [f"roofline: memory bandwidth {roof['bandwidth_gb_s']:.1f} GB/s (measured now); a target pass reads "
+             f"{roof['target_pass_bytes'] / 1e6:.0f} MB, a draft pass {roof['draft_pass_bytes'] / 1e6:.0f} MB; "
+             f"plain decoding's limit {roof['plain_limit_tok_s']:.1f} tok/s; a lone target pass "
+             f"({1000 * roof['t_pass_s']:.0f} ms) runs at {100 * roof['plain_pass_share']:.0f}% of the bandwidth",
+             f"{'config':22} {'tok/s':>7} {'MB/token':>9} {'GB/s':>6} {'of bw':>6}"]
+    for c in result["configs"]:
+        mine = [r for r in result["rows"] if r["config"] == c and "bytes_per_token" in r]
+        if mine:
+            lines.append(f"{c:22} {statistics.median(r['decode_tok_s'] for r in mine):7.2f} "
+                         f"{statistics.median(r['bytes_per_token'] for r in mine) / 1e6:9.0f} "
+                         f"{statistics.median(r['gb_s'] for r in mine):6.1f} "
+                         f"{100 * statistics.median(r['bandwidth_share'] for r in mine):5.0f}%")
+    lines.append("v(k), a pass over k + 1 tokens in single-token passes: "
+                 + ", ".join(f"{k}: {v:.2f}" for k, v in roof["v"].items()))
     return "\n".join(lines)
 
 

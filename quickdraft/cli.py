@@ -27,9 +27,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute and weight dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
                              "else float32)")
-    parser.add_argument("--weights", default="auto", choices=["auto", "int4"],
-                        help="runtime weight format: auto keeps --dtype; int4 is group-wise 4-bit weight-only "
-                             "(CPU, bf16 activations): about 3x faster plain decoding, slightly higher perplexity")
+    parser.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                        help="runtime weight format, converted once at load from what the file holds: bf16 keeps "
+                             "--dtype's weights; int8 (per-row) and int4 (group-wise) are weight-only formats on "
+                             "the CPU with bf16 activations: fewer bytes per token, so faster decoding, at a small "
+                             "cost in perplexity; auto is bf16 (default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
@@ -44,9 +46,9 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram", action="store_true",
                    help="with a draft model: use prompt lookup when it has a match, the draft model otherwise")
     s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
-    s.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "dtype"],
-                   help="the draft model's weight format: auto is int4 where the CPU int4 kernel applies "
-                        "(a draft decodes one token at a time, where int4 is ~3x faster), else the dtype")
+    s.add_argument("--draft-weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+                   help="the draft model's weight format (as --weights): auto is int4 where the CPU int4 kernel "
+                        "applies (a draft decodes one token at a time, where int4 is ~3x faster), else bf16")
     s.add_argument("--draft-max", type=int, default=16,
                    help="most tokens drafted per round; the policy picks k up to this (default: %(default)s)")
     s.add_argument("--draft-min", type=int, default=0,
@@ -193,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--draft", action="append", dest="drafts", metavar="CANDIDATE",
                     help="a candidate: a draft model, 'ngram', or MODEL+ngram (repeat the flag; default: the default "
                          "draft, ngram, and the default draft + ngram)")
-    tu.add_argument("--draft-weights", default="auto", choices=["auto", "int4", "dtype"],
+    tu.add_argument("--draft-weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
                     help="the draft models' weight format (as for generate)")
     tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
     tu.add_argument("--draft-p-min", type=float, default=0.5,
@@ -224,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs (default: %(default)s)")
     b.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
     b.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
+    b.add_argument("--roofline", action="store_true",
+                   help="also measure the memory bandwidth now and v(k) for k = 1..16, and report each "
+                        "configuration's bytes read per token and the share of the bandwidth it achieves")
     _common(b)
 
     dr = sub.add_parser("doctor", help="check placement, memory, tokenizers and that speculation really works",
@@ -476,7 +481,7 @@ def _prompt_names(args) -> list[str]:
 
 
 def cmd_tune(args) -> int:
-    from quickdraft import tune
+    from quickdraft import roofline, tune
     from quickdraft.prompts import encoded
     from quickdraft.spec.build import load_draft, model_drafter
     from quickdraft.spec.ngram import NgramDrafter
@@ -496,7 +501,7 @@ def cmd_tune(args) -> int:
     name, first = next(iter(prompts.items()))
     # verification is timed mid-generation: attention over the prompt and half the output
     print(f"tune: measuring the target's verification cost v(k), k = 1..{args.kmax}", file=sys.stderr)
-    t_plain, v = tune.verify_costs(target, first + outputs[name][: args.max_tokens // 2], args.kmax)
+    t_plain, v = roofline.v_curve(target, first + outputs[name][: args.max_tokens // 2], args.kmax)
     spec = SpecConfig(draft_max=args.kmax, p_min=args.draft_p_min)
     drafts, results, drafters = {}, [], {}
     for name in candidates:
@@ -574,6 +579,13 @@ def cmd_bench(args) -> int:
                            args.draft_max, step)
     result.update(target=target.name, draft=args.draft)
     print(bench.table(result))
+    if args.roofline:
+        from quickdraft import roofline
+
+        result["roofline"] = roofline.report(target, draft if model_draft else None, result["rows"],
+                                             next(iter(prompts.values())))
+        print()
+        print(bench.roofline_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
         print(f"results: {args.json}", file=sys.stderr)

@@ -30,6 +30,7 @@ import torch
 from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
+from quickdraft.roofline import sync
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.spec.build import draft_model_of
 
@@ -48,35 +49,6 @@ class Candidate:
     why_not: str = ""
 
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up: one-off kernel setup
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def verify_costs(target, prompt: list[int], kmax: int, reps: int = 3) -> tuple[float, dict[int, float]]:
-    """t_plain and v(k) for k = 1..kmax: target passes over k + 1 tokens after the prompt, cache rolled back."""
-    model, device = target.model, target.device
-    cache = KVCache.for_model(model, len(prompt) + kmax + 2)
-    model(torch.tensor([prompt], device=device), cache, last_only=True)
-    n = len(prompt)
-    feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)
-
-    def step(k):
-        def go():
-            cache.rollback(n)
-            model(feed[:, : k + 1], cache)
-        return go
-
-    t_plain = _time(step(0), reps)
-    return t_plain, {k: _time(step(k), reps) / t_plain for k in range(1, kmax + 1)}
-
-
 @torch.inference_mode()
 def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
     """Seconds per drafted token of a draft model (0 for n-gram lookup)."""
@@ -89,10 +61,16 @@ def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
     model(torch.tensor([prompt], device=device), cache, last_only=True)
     feed = torch.tensor([prompt[-1:]], device=device)
 
-    def go():
+    times = []
+    for i in range(reps + 1):
         cache.rollback(len(prompt))
+        sync(device)
+        t0 = time.perf_counter()
         model(feed, cache, last_only=True)
-    return _time(go, reps)
+        sync(device)
+        if i:  # the first pass pays one-off setup
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def reference(target, prompts: dict[str, list[int]], n: int) -> tuple[dict[str, list[int]], float]:

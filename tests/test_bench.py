@@ -52,11 +52,22 @@ def test_bench_reports_every_field_and_draws_valid_plots(tmp_path):
 def test_bench_command(tmp_path):
     path = write_gguf_from_hf(tiny_hf_model("llama", seed=7), tmp_path / "t.gguf")
     r = run("bench", "-m", str(path), "--draft", str(path), "--configs", "plain,draft:k=3", "--prompts", "qa-en",
-            "-n", "6", "--runs", "1", "--json", str(tmp_path / "b.json"), "--plots", str(tmp_path / "p"))
+            "-n", "6", "--runs", "1", "--json", str(tmp_path / "b.json"), "--plots", str(tmp_path / "p"),
+            "--roofline")
     assert r.returncode == 0, r.stderr
-    assert "draft k=3" in r.stdout and "medians over prompts" in r.stdout
+    assert "draft k=3" in r.stdout and "medians over prompts" in r.stdout and "roofline: memory bandwidth" in r.stdout
     out = json.loads((tmp_path / "b.json").read_text())
     assert out["configs"] == ["plain", "draft k=3"] and out["rows"][1]["same_as_plain"] is True
+    roof = out["roofline"]
+    assert set(roof) >= {"bandwidth_gb_s", "target_pass_bytes", "draft_pass_bytes", "plain_limit_tok_s", "v"}
+    assert roof["bandwidth_gb_s"] > 0.1 and sorted(map(int, roof["v"])) == list(range(1, 17))
+    plain, spec = out["rows"]
+    assert plain["bytes_per_token"] == pytest.approx(roof["target_pass_bytes"])  # one target pass per token
+    # a round reads the target once and the draft (the same file, int4 as a draft) once per drafted token
+    assert roof["draft_pass_bytes"] < roof["target_pass_bytes"]
+    assert spec["bytes_per_token"] == pytest.approx(
+        ((spec["rounds"] + spec["plain_steps"]) * roof["target_pass_bytes"]
+         + spec["draft_passes"] * roof["draft_pass_bytes"]) / spec["n_decoded"])
     assert (tmp_path / "p" / "tokps_vs_k.png").read_bytes()[:8] == PNG
     bad = run("bench", "-m", str(path), "--configs", "draft:k=2")
     assert bad.returncode == 1 and "needs a draft" in bad.stderr

@@ -3,7 +3,7 @@ on tiny models; here the pair is loaded once and the same functions run on it)."
 
 import pytest
 
-from quickdraft import bench, doctor, tune
+from quickdraft import bench, doctor, roofline, tune
 from quickdraft.config import EngineConfig, SpecConfig
 from quickdraft.engine import Engine
 from quickdraft.prompts import encoded
@@ -37,7 +37,7 @@ def test_bench_on_the_default_pair(pair, tmp_path):
 
 def test_tune_measures_the_default_pair(pair):
     target, draft, prompts = pair
-    t_plain, v = tune.verify_costs(target, prompts["code-en"], 4, reps=1)
+    t_plain, v = roofline.v_curve(target, prompts["code-en"], 4, reps=1)
     drafter = model_drafter(draft, target, SpecConfig(), 512, True)
     outputs, t_step = tune.reference(target, {"code-en": prompts["code-en"]}, 24)
     c = tune.measure("draft+ngram", drafter, {"code-en": prompts["code-en"]}, outputs, t_plain, t_step, v)

@@ -57,19 +57,3 @@ class Int4Linear(nn.Module):
         scale, zero = sz[..., 0].t(), sz[..., 1].t()  # (N, K / GROUP)
         w = (q.reshape(self.out_features, -1, GROUP).float() - 8) * scale[..., None] + zero[..., None]
         return w.reshape(self.out_features, self.in_features)
-
-
-def convert(model: nn.Module) -> int:
-    """Replace the model's linear layers (and its output head) with Int4Linear; returns how many."""
-    from quickdraft.models.transformer import Linear
-
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear) and supported(child.weight):
-                setattr(parent, name, Int4Linear(child.weight.data, child.bias.data if child.bias is not None else None))
-                count += 1
-    if getattr(model, "output", None) is None and supported(model.tok_embeddings.weight):
-        model.output = Int4Linear(model.tok_embeddings.weight.data, None)  # tied: a quantized copy
-        count += 1
-    return count

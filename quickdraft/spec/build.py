@@ -17,7 +17,7 @@ def build_drafter(draft: str, target: LoadedModel, engine: EngineConfig, spec: S
                   weights: str = "auto"):
     """draft: 'none', 'ngram', or a model (alias, .gguf, HF directory); ngram=True adds prompt lookup
     in front of a draft model. The draft model runs on the target's device unless draft_device says.
-    weights: 'auto' (int4 where the CPU kernel applies, else the dtype's), 'int4' or 'dtype'."""
+    weights: 'auto' (int4 where the CPU kernel applies, else the dtype's), 'bf16' (the dtype's), 'int8', 'int4'."""
     if draft == "none":
         return None
     if draft == "ngram":
@@ -45,9 +45,7 @@ def load_draft(draft: str, target: LoadedModel, engine: EngineConfig, capacity: 
     device = draft_device or str(target.device)
     dtype = str(target.model.tok_embeddings.weight.dtype).removeprefix("torch.")
     if weights == "auto":
-        weights = "int4" if device == "cpu" and dtype == "bfloat16" else "auto"
-    elif weights == "dtype":
-        weights = "auto"
+        weights = "int4" if device == "cpu" and dtype == "bfloat16" else "bf16"
     return load_model(draft, replace(engine, device=device, dtype=dtype, weights=weights, max_context=capacity),
                       progress)
 

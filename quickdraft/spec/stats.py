@@ -21,7 +21,8 @@ class SpecStats:
     verify_s: float = 0.0
     plain_s: float = 0.0
     k_history: list[int] = field(default_factory=list)  # k chosen each round or step (0: plain)
-    sources: Counter = field(default_factory=Counter)
+    sources: Counter = field(default_factory=Counter)  # rounds per source
+    drafted_by: Counter = field(default_factory=Counter)  # tokens drafted per source
     policy: dict = field(default_factory=dict)  # the policy's measured model: r, v(k), acceptance
     constraint: str | None = None  # the kind of grammar the output followed, if any
     mask_s: float = 0.0  # time computing grammar masks (verification's overlaps the target pass)
@@ -31,6 +32,7 @@ class SpecStats:
                      draft_s: float, verify_s: float) -> None:
         self.rounds += 1
         self.sources[source] += 1
+        self.drafted_by[source] += drafted
         self.draft_n += drafted
         self.draft_n_accepted += accepted
         self.emitted_in_rounds += emitted
@@ -89,6 +91,7 @@ class SpecStats:
             "plain_s": self.plain_s,
             "k_history": self.k_history,
             "rounds_by_source": dict(self.sources),
+            "drafted_by_source": dict(self.drafted_by),
             "policy": self.policy,
             "constraint": self.constraint,
             "mask_s": self.mask_s,

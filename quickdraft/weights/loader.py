@@ -103,10 +103,7 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
     context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
     model = build_model(cfg, state, device, context)
     del state
-    if engine.weights == "int4":
-        _to_int4(model, device, dtype)
-    elif engine.weights != "auto":
-        raise QuickdraftError(f"--weights {engine.weights!r}: choose auto or int4")
+    _to_format(model, engine.weights, device, dtype)
     return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start)
 
 
@@ -125,13 +122,18 @@ def build_model(cfg: ModelConfig, state: dict, device: torch.device, max_context
     return model.eval().requires_grad_(False)
 
 
-def _to_int4(model: Transformer, device: torch.device, dtype: torch.dtype) -> None:
-    from quickdraft.quant import int4
+def _to_format(model: Transformer, fmt: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Convert the linear layers to the runtime weight format (auto and bf16 keep the dtype's weights)."""
+    from quickdraft import quant
 
+    if fmt not in quant.FORMATS:
+        raise QuickdraftError(f"--weights {fmt!r}: choose {', '.join(quant.FORMATS)}")
+    if fmt in ("auto", "bf16"):
+        return
     if device.type != "cpu" or dtype != torch.bfloat16:
-        raise QuickdraftError("--weights int4 runs on the CPU with bfloat16 activations: add --device cpu "
-                              "--dtype bfloat16, or use --weights auto")
-    int4.convert(model)
+        raise QuickdraftError(f"--weights {fmt} runs on the CPU with bfloat16 activations: add --device cpu "
+                              "--dtype bfloat16, or use --weights bf16")
+    quant.convert(model, fmt)
 
 
 def _accumulate(update):

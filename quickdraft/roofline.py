@@ -1,0 +1,103 @@
+"""The memory roofline: decoding reads every weight once per target pass, so its speed limit is
+(memory bandwidth) / (bytes read per token). Measures the bandwidth on this machine now, counts the bytes a
+model reads per pass in its runtime format, and the verification cost v(k) for k = 1..16, so that the
+benchmark can say how close each configuration comes to the limit and why.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from quickdraft.runtime.kv_cache import KVCache
+
+
+def pass_bytes(model, context: int) -> int:
+    """Bytes one forward pass of one token reads: every weight in its runtime format (packed codes, scales),
+    one row of the embedding table, and the KV cache over `context` positions."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("rope_"):
+            total += t.shape[-1] * t.element_size()  # one position's row
+        elif name == "tok_embeddings.weight":
+            total += t.shape[-1] * t.element_size()  # one row
+        else:
+            total += t.numel() * t.element_size()
+    cfg = model.cfg
+    return total + 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.tok_embeddings.weight.element_size()
+
+
+def bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float:
+    """Memory bandwidth in bytes per second, the best of a copy (read + write) and a reduction (read) over
+    buffers far larger than any cache: what a simple stream reaches on this machine now."""
+    n = mib * 2**20 // 4
+    a = torch.ones(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+
+    def best(fn, moved: int) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        return moved / min(times)
+
+    copy = best(lambda: b.copy_(a), 2 * a.numel() * 4)
+    read = best(lambda: a.sum(), a.numel() * 4)
+    return max(copy, read)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 3) -> tuple[float, dict[int, float]]:
+    """Seconds of one target pass over one token after the prompt, and v(k) = (pass over k + 1 tokens) / that,
+    for k = 1..kmax (the cache rolled back between passes)."""
+    model, device = target.model, target.device
+    cache = KVCache.for_model(model, len(prompt) + kmax + 2)
+    model(torch.tensor([prompt], device=device), cache, last_only=True)
+    n = len(prompt)
+    feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)
+
+    def seconds(k: int) -> float:
+        times = []
+        for i in range(reps + 1):
+            cache.rollback(n)
+            sync(device)
+            t0 = time.perf_counter()
+            model(feed[:, : k + 1], cache)
+            sync(device)
+            if i:  # the first pass pays one-off setup
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    t1 = seconds(0)
+    return t1, {k: seconds(k) / t1 for k in range(1, kmax + 1)}
+
+
+def report(target, draft, rows: list[dict], prompt: list[int], kmax: int = 16) -> dict:
+    """The roofline of a benchmark run: bandwidth, bytes per pass, the plain limit, v(k), and per row the
+    bytes read per emitted token and the GB/s achieved (a row needs rounds, plain_steps, draft_passes,
+    n_decoded and decode_tok_s)."""
+    bw = bandwidth(target.device)
+    context = len(prompt) + 64
+    t_bytes = pass_bytes(target.model, context)
+    d_bytes = pass_bytes(draft.model, context) if draft is not None else 0
+    t1, v = v_curve(target, prompt, kmax)
+    for r in rows:
+        passes = r["rounds"] + r["plain_steps"]
+        per_token = (passes * t_bytes + r["draft_passes"] * d_bytes) / max(r["n_decoded"], 1)
+        r["bytes_per_token"] = per_token
+        r["gb_s"] = per_token * r["decode_tok_s"] / 1e9
+        r["bandwidth_share"] = per_token * r["decode_tok_s"] / bw
+    return {"bandwidth_gb_s": bw / 1e9, "target_pass_bytes": t_bytes, "draft_pass_bytes": d_bytes,
+            "plain_limit_tok_s": bw / t_bytes, "t_pass_s": t1, "v": v,
+            "plain_pass_share": (t_bytes / t1) / bw}

@@ -1,0 +1,131 @@
+"""The CUDA path on tiny random models: the same guarantees as on the CPU, on the GPU.
+
+Skipped without a CUDA device (CI has none); scripts/gpu_check.sh runs them on a GPU machine.
+"""
+
+import pytest
+import torch
+
+from quickdraft import sampling
+from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.engine import Engine
+from quickdraft.errors import QuickdraftError
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.spec.combined import CombinedDrafter
+from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.verify import chi_square
+from quickdraft.weights.loader import load_model
+from tests.helpers import save_hf_dir, tiny_hf_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+CUDA = EngineConfig(device="cuda", dtype="bfloat16", max_context=256)
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
+
+
+def tokens_of(engine, params, prompt=PROMPT):
+    events = list(engine.generate(prompt, params))
+    return [e.token for e in events if e.token is not None], events[-1]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cuda")
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), d / "t")), CUDA, False)
+    draft_hf = tiny_hf_model("qwen2", seed=0, logit_scale=20)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in draft_hf.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    draft = load_model(str(save_hf_dir(draft_hf, d / "d")), CUDA, False)
+    return target, draft
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cuda_logits_match_the_cpu(tmp_path, arch):
+    path = str(save_hf_dir(tiny_hf_model(arch), tmp_path))
+    cfg = EngineConfig(device="cpu", dtype="float32", max_context=64)
+    cpu = load_model(path, cfg, progress=False)
+    gpu = load_model(path, EngineConfig(**{**cfg.__dict__, "device": "cuda"}), progress=False)
+    assert gpu.device.type == "cuda" and all(p.device.type == "cuda" for p in gpu.model.parameters())
+    tokens = PROMPT[:12]
+    with torch.no_grad():
+        want = cpu.model(torch.tensor([tokens]), KVCache.for_model(cpu.model))[0]
+        cache = KVCache.for_model(gpu.model)  # prefill 4, then one token per step through the cache
+        got = [gpu.model(torch.tensor([tokens[:4]], device="cuda"), cache)[0]]
+        got += [gpu.model(torch.tensor([[t]], device="cuda"), cache)[0] for t in tokens[4:]]
+    torch.testing.assert_close(torch.cat(got).cpu(), want, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
+@pytest.mark.parametrize("spec", [SpecConfig(draft_max=3, adaptive=False), SpecConfig(draft_max=8)])
+def test_cuda_greedy_speculative_equals_plain(models, kind, spec):
+    target, draft = models
+    model = DraftModelDrafter(draft.model, target.config.vocab_size, 256)
+    drafter = {"draft": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
+    params = SamplingParams(max_tokens=48, stop_at_eos=False)
+    plain, _ = tokens_of(Engine(target, 256), params)
+    ours, final = tokens_of(Engine(target, 256, drafter, spec, kind), params)
+    assert ours == plain
+    assert final.spec.rounds > 0 and final.spec.draft_device in (None, "cuda", "cuda:0")
+
+
+def test_cuda_seeded_sampling_equals_plain(models):
+    target, draft = models
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, stop_at_eos=False)
+    plain, _ = tokens_of(Engine(target, 256), params)
+    drafter = DraftModelDrafter(draft.model, target.config.vocab_size, 256)
+    ours, final = tokens_of(Engine(target, 256, drafter, SpecConfig(draft_max=4, adaptive=False)), params)
+    assert ours == plain and final.spec.rounds > 0
+
+
+def test_cuda_sampled_output_follows_the_target(tmp_path):
+    """Unseeded rejection sampling on the GPU: the first token a round emits is distributed as the target says."""
+    V, draws = 8, 800
+    target = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=1, vocab=V, logit_scale=8), tmp_path / "t")),
+                        CUDA, False)
+    draft = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=2, vocab=V, logit_scale=8), tmp_path / "d")),
+                       CUDA, False)
+    params = SamplingParams(temperature=1.0, max_tokens=3, stop_at_eos=False)
+    prompt = [1, 2, 3]
+    exact = torch.zeros(V, dtype=torch.float64)
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = sampling.process(target.model(torch.tensor([prompt], device="cuda"), cache, last_only=True)[0],
+                              params)[0].double().cpu()
+        for t1 in range(V):
+            cache.rollback(3)
+            p2 = sampling.process(target.model(torch.tensor([[t1]], device="cuda"), cache)[0], params)[0]
+            exact += p1[t1] * p2.double().cpu()
+    engine = Engine(target, 16, DraftModelDrafter(draft.model, V, 16), SpecConfig(draft_max=1, adaptive=False))
+    counts = torch.zeros(V, dtype=torch.float64)
+    torch.manual_seed(0)
+    for _ in range(draws):
+        tokens, final = tokens_of(engine, params, prompt)
+        counts[tokens[1]] += 1
+    assert final.spec.rounds >= 1
+    _, dof, p_value = chi_square(counts, exact)
+    assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
+
+
+def test_cuda_kv_rollback_then_rewrite_equals_straight(models):
+    target, _ = models
+    m = target.model
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]], device="cuda")
+    with torch.no_grad():
+        straight = KVCache.for_model(m, 32)
+        m(tokens[:, :5], straight)
+        want = m(tokens[:, 5:], straight)
+        spec = KVCache.for_model(m, 32)
+        m(tokens[:, :5], spec)
+        m(torch.tensor([[7, 7, 7]], device="cuda"), spec)
+        spec.rollback(5)
+        got = m(tokens[:, 5:], spec)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_cpu_weight_formats_say_so_on_cuda(tmp_path):
+    path = str(save_hf_dir(tiny_hf_model("qwen2"), tmp_path))
+    with pytest.raises(QuickdraftError, match="int4 runs on the CPU"):
+        load_model(path, EngineConfig(device="cuda", dtype="bfloat16", weights="int4"), progress=False)

@@ -97,3 +97,17 @@ def test_tied_embeddings(tmp_path):
     ours = load_model(str(path), FP32, progress=False)
     assert ours.config.tie_embeddings and ours.model.output is None
     torch.testing.assert_close(full_forward(ours, TOKENS), hf_logits(hf, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def test_projections_fuse_as_their_parts_arrive_in_any_order():
+    from quickdraft.errors import QuickdraftError
+    from quickdraft.weights.names import fused
+
+    q, k, v = torch.ones(4, 2), 2 * torch.ones(2, 2), 3 * torch.ones(2, 2)
+    stream = [("layers.0.attention.wv.weight", v), ("norm.weight", torch.ones(2)),
+              ("layers.0.attention.wq.weight", q), ("layers.0.attention.wk.weight", k)]
+    out = list(fused(stream))
+    assert [n for n, _ in out] == ["norm.weight", "layers.0.attention.wqkv.weight"]
+    assert torch.equal(out[1][1], torch.cat([q, k, v]))  # q, k, v order whatever the arrival order
+    with pytest.raises(QuickdraftError, match="lacks parts"):
+        list(fused([("layers.1.feed_forward.w1.weight", q)]))

@@ -7,6 +7,14 @@ from torch import nn
 FORMATS = ("auto", "bf16", "int8", "int4")
 
 
+def layer(fmt: str, weight, bias):
+    """fmt's linear layer for this weight, or None where its kernel does not apply."""
+    from quickdraft.quant import int4, int8
+
+    kind, supported = {"int4": (int4.Int4Linear, int4.supported), "int8": (int8.Int8Linear, int8.supported)}[fmt]
+    return kind(weight, bias) if supported(weight) else None
+
+
 def convert(model: nn.Module, fmt: str) -> int:
     """Replace the model's linear layers (and its output head, a quantized copy when tied to the embedding)
     with fmt's layers where its kernel applies; returns how many."""

@@ -76,12 +76,11 @@ def check_tensor_types(reader: GGUFReader) -> None:
             )
 
 
-def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None) -> dict:
-    """Dequantize every tensor the model uses into `dtype`, under the model's parameter names.
+def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None):
+    """Dequantize every tensor the model uses into `dtype`, one at a time: yields (model name, tensor).
 
     `progress(nbytes)` is called after each tensor with the bytes it covered.
     """
-    state = {}
     for t in reader.tensors:
         name = gguf_to_model(t.name)
         if name is not None:
@@ -90,7 +89,6 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
             if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
                 heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
                 w = unpermute_rotary(w, heads)
-            state[name] = w
+            yield name, w
         if progress is not None:
             progress(int(t.n_bytes))
-    return state

@@ -14,7 +14,7 @@ from quickdraft.models.transformer import Transformer, rotary_tables
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.ui import progress_bar
 from quickdraft.weights import gguf as gguf_io, hub, safetensors as st_io
-from quickdraft.weights.names import fuse_projections
+from quickdraft.weights.names import fused
 
 
 @dataclass
@@ -89,51 +89,81 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
+        context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
         with progress_bar(f"loading {path.name}", st_io.shard_bytes(path), progress) as update:
-            state = st_io.read_tensors(path, cfg, dtype, _accumulate(update))
+            model = build_model(cfg, st_io.read_tensors(path, cfg, dtype, _accumulate(update)), device, context,
+                                engine.weights, dtype)
     else:
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
         cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
         gguf_io.check_tensor_types(reader)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
+        context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with progress_bar(f"loading {path.name}", total, progress) as update:
-            state = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update))
-    context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
-    model = build_model(cfg, state, device, context)
-    del state
-    _to_format(model, engine.weights, device, dtype)
+            model = build_model(cfg, gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update)), device, context,
+                                engine.weights, dtype)
     return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start)
 
 
-def build_model(cfg: ModelConfig, state: dict, device: torch.device, max_context: int) -> Transformer:
-    """A Transformer holding `state` (model-named tensors) on `device`, with rotary tables for max_context."""
-    state = fuse_projections(state, cfg.n_layers)
+def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: int, weights: str = "auto",
+                dtype: torch.dtype | None = None) -> Transformer:
+    """A Transformer on `device` from (model name, tensor) pairs (a dict's items or a reader's stream), with
+    rotary tables for max_context and its linear layers in the runtime weight format.
+
+    Module by module: each tensor goes to the device (and into its format) as soon as its module is complete,
+    so a quantized model never exists in full precision: peak memory stays near the final model's size."""
+    from quickdraft import quant
+
+    _check_format(weights, device, dtype)
     with torch.device("meta"):
         model = Transformer(cfg, max_context)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise QuickdraftError(
-            f"the checkpoint does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    model.rope_cos, model.rope_sin = rotary_tables(cfg, max_context)
-    model = model.to(device)
+    modules = dict(model.named_modules())
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    for name, w in fused(items):
+        owner, _, leaf = name.rpartition(".")
+        module = modules.get(owner)
+        if module is None or leaf not in module._parameters:
+            raise QuickdraftError(f"the checkpoint does not match its config: unexpected {name}")
+        got = pending.setdefault(owner, {})
+        got[leaf] = w
+        if set(got) == {n for n, p in module._parameters.items() if p is not None}:
+            _place(model, owner, module, pending.pop(owner), device, weights)
+    missing = [f"{m}.{n}" for m, mod in model.named_modules() for n, p in mod._parameters.items()
+               if p is not None and p.is_meta]
+    if missing:
+        raise QuickdraftError(f"the checkpoint does not match its config: missing {missing[:3]}")
+    model.rope_cos, model.rope_sin = (t.to(device) for t in rotary_tables(cfg, max_context))
+    if weights in ("int8", "int4") and model.output is None:
+        quant.convert(model, weights)  # a tied output head: a quantized copy of the embedding
     return model.eval().requires_grad_(False)
 
 
-def _to_format(model: Transformer, fmt: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Convert the linear layers to the runtime weight format (auto and bf16 keep the dtype's weights)."""
+def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.device, weights: str) -> None:
+    """Put one complete module's tensors on the device, as a quantized layer where the format asks."""
+    from quickdraft import quant
+    from quickdraft.models.transformer import Linear
+
+    if weights in ("int8", "int4") and isinstance(module, Linear):
+        layer = quant.layer(weights, tensors["weight"].to(device), tensors.get("bias"))
+        if layer is not None:
+            parent, _, attr = owner.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, layer)
+            return
+    for leaf, w in tensors.items():
+        module._parameters[leaf] = torch.nn.Parameter(w.to(device), requires_grad=False)
+
+
+def _check_format(fmt: str, device: torch.device, dtype: torch.dtype | None) -> None:
     from quickdraft import quant
 
     if fmt not in quant.FORMATS:
         raise QuickdraftError(f"--weights {fmt!r}: choose {', '.join(quant.FORMATS)}")
-    if fmt in ("auto", "bf16"):
-        return
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    if fmt in ("int8", "int4") and (device.type != "cpu" or dtype != torch.bfloat16):
         raise QuickdraftError(f"--weights {fmt} runs on the CPU with bfloat16 activations: add --device cpu "
                               "--dtype bfloat16, or use --weights bf16")
-    quant.convert(model, fmt)
 
 
 def _accumulate(update):

@@ -113,14 +113,25 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def fuse_projections(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
-    """Concatenate q/k/v (weights and biases) and gate/up row-wise, layer by layer, in place."""
-    for i in range(n_layers):
-        p = f"layers.{i}."
-        for kind in ("weight", "bias"):
-            names = [f"{p}attention.w{x}.{kind}" for x in "qkv"]
-            if names[0] in state:
-                state[f"{p}attention.wqkv.{kind}"] = torch.cat([state.pop(n) for n in names])
-        gate, up = state.pop(f"{p}feed_forward.w1.weight"), state.pop(f"{p}feed_forward.w3.weight")
-        state[f"{p}feed_forward.w13.weight"] = torch.cat([gate, up])
-    return state
+FUSED = {"wq": ("wqkv", 0), "wk": ("wqkv", 1), "wv": ("wqkv", 2), "w1": ("w13", 0), "w3": ("w13", 1)}
+
+
+def fused(tensors):
+    """Concatenate q/k/v (weights and biases) and gate/up row-wise as their parts arrive: yields (name, tensor)
+    under the model's fused names, holding back only the parts of a group not yet complete."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, w in tensors:
+        prefix, _, kind = name.rpartition(".")  # layers.3.attention.wq, weight
+        module, _, leaf = prefix.rpartition(".")
+        if leaf not in FUSED:
+            yield name, w
+            continue
+        target, index = FUSED[leaf]
+        key = f"{module}.{target}.{kind}"
+        group = parts.setdefault(key, {})
+        group[index] = w
+        if len(group) == (3 if target == "wqkv" else 2):
+            yield key, torch.cat([group[i] for i in sorted(group)])
+            del parts[key]
+    if parts:
+        raise QuickdraftError(f"the checkpoint lacks parts of fused projections: {sorted(parts)[:3]}")

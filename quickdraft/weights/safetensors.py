@@ -39,18 +39,15 @@ def shard_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in shard_files(path))
 
 
-def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None) -> dict:
-    state = {}
+def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None):
+    """Every tensor the model uses in `dtype`, one at a time: yields (model name, tensor)."""
     for file in shard_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 name = hf_to_model(key)
-                if name is None:
+                if name is None or (cfg.tie_embeddings and name == "output.weight"):
                     continue
                 t = f.get_tensor(key)
-                state[name] = t.to(dtype)
+                yield name, t.to(dtype)
                 if progress is not None:
                     progress(t.numel() * t.element_size())
-    if cfg.tie_embeddings:
-        state.pop("output.weight", None)
-    return state

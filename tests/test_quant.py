@@ -93,3 +93,14 @@ def test_pass_bytes_count_the_runtime_format(tmp_path):
             rotary = 2 * 4 * m.cfg.head_dim  # one row of the float32 cos and sin tables
             assert sizes[fmt] == 2 * (weights + m.cfg.dim) + rotary
     assert sizes["int4"] < 0.7 * sizes["int8"] < 0.6 * sizes["bf16"]  # scales and norms weigh on tiny layers
+
+
+@pytest.mark.parametrize("module", [int4, int8])
+def test_quantizing_in_row_chunks_changes_nothing(monkeypatch, module):
+    torch.manual_seed(2)
+    w = torch.randn(208, 64)  # 3 whole blocks of 64 rows and a tail of 16
+    kind = module.Int4Linear if module is int4 else module.Int8Linear
+    whole = kind(w, None)
+    monkeypatch.setattr(module, "ROWS", 64)  # four chunks (the int4 packing works in blocks of 64 rows)
+    chunked = kind(w, None)
+    assert all(torch.equal(a, b) for a, b in zip(whole.buffers(), chunked.buffers()))

@@ -34,13 +34,20 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales_and_zeros
 
 
+ROWS = 4096  # rows quantized and packed at a time: a vocabulary-sized head never has float32 copies in full
+
+
 class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        q, sz = quantize(weight)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
-        self.register_buffer("scales_and_zeros", sz)
+        packed, sz = [], []
+        for i in range(0, self.out_features, ROWS):  # blocks of 64 rows pack independently: ROWS % 64 == 0
+            q, chunk_sz = quantize(weight[i:i + ROWS])
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
+            sz.append(chunk_sz)
+        self.register_buffer("packed", torch.cat(packed))
+        self.register_buffer("scales_and_zeros", torch.cat(sz, dim=1))
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

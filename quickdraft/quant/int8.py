@@ -16,11 +16,17 @@ def supported(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dim() == 2
 
 
+ROWS = 4096  # rows quantized at a time: a vocabulary-sized head never has float32 copies in full
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) float -> (q int8 (N, K), scales (N,) bf16)."""
-    w = weight.float()
-    scale = (w.abs().amax(-1) / 127).clamp_min(1e-8).to(torch.bfloat16)  # the kernel's scales are bf16
-    q = (w / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+    for i in range(0, weight.shape[0], ROWS):
+        w = weight[i:i + ROWS].float()
+        scale[i:i + ROWS] = (w.abs().amax(-1) / 127).clamp_min(1e-8)  # the kernel's scales are bf16
+        q[i:i + ROWS] = (w / scale[i:i + ROWS].float()[:, None]).round().clamp(-127, 127)
     return q, scale
 
 

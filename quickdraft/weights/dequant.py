@@ -136,4 +136,11 @@ def dequantize(raw: np.ndarray, qtype: T, shape: tuple[int, ...], dtype: torch.d
         )
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = _as_torch(raw.reshape(-1).view(np.uint8)).reshape(-1, block_bytes)
-    return _BLOCK_FORMATS[qtype](blocks).reshape(shape).to(dtype)
+    # in chunks, into the destination: the float32 intermediates of a whole embedding table would be GBs
+    out = torch.empty(blocks.shape[0], block_size, dtype=dtype)
+    for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
+        out[i:i + CHUNK_BLOCKS] = _BLOCK_FORMATS[qtype](blocks[i:i + CHUNK_BLOCKS])
+    return out.reshape(shape)
+
+
+CHUNK_BLOCKS = 1 << 14

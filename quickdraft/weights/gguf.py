@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 from pathlib import Path
 
 import torch
@@ -90,5 +92,19 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
                 heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
                 w = unpermute_rotary(w, heads)
             yield name, w
+        _release(reader, t)
         if progress is not None:
             progress(int(t.n_bytes))
+
+
+def _release(reader: GGUFReader, t) -> None:
+    """Drop the file pages of a tensor already read from the process (the file stays mapped: they come back
+    from disk if touched again), so that loading does not hold the whole file in memory on top of the model."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(t.data_offset) - int(t.data_offset) % mmap.PAGESIZE
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+    except (OSError, ValueError):  # advice only
+        pass

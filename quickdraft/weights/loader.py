@@ -99,6 +99,8 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
         cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
         gguf_io.check_tensor_types(reader)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
+        del meta
+        gguf_io.drop_metadata(reader)  # ~0.3 GB of parsed fields for a 151k vocabulary, not needed from here
         context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with progress_bar(f"loading {path.name}", total, progress) as update:

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""quickdraft against llama.cpp on the same GGUF file, prompts and machine, in one run.
+
+llama.cpp comes from the PyPI package llama-cpp-python (not a quickdraft dependency: install it into the
+venv first, `.venv/bin/pip install llama-cpp-python`, which compiles llama.cpp for this CPU). Both decode the
+bundled prompts (chat template applied, the same token ids) greedily for -n tokens, end-of-generation
+ignored; decode tok/s is counted from the first generated token on (prompt processing excluded), medians
+of --runs with the engines taking turns. llama.cpp runs plain and with prompt-lookup speculation (the
+speculation llama-cpp-python offers); quickdraft runs plain in bf16 and int4 and speculative (the default
+pair, n-gram + draft at --k, bf16 target, int4 draft).
+
+Usage: .venv/bin/python scripts/bench_llamacpp.py [--prompts code-en,qa-en] [-n 96] [--runs 3] [--k 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    llm.reset()
+    out, t_first = [], None
+    for token in llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(token)
+        if len(out) == n:
+            break
+    return (len(out) - 1) / (time.perf_counter() - t_first), out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", default="code-en,qa-en,summary-en,code-zh")
+    ap.add_argument("-n", type=int, default=96)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--k", type=int, default=8, help="quickdraft's fixed k for the speculative row")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("bench_llamacpp: llama-cpp-python is not installed: .venv/bin/pip install llama-cpp-python",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+    from quickdraft.engine import Engine
+    from quickdraft.prompts import encoded
+    from quickdraft.spec.build import load_draft, model_drafter
+    from quickdraft.weights import hub
+    from quickdraft.weights.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    path = str(hub.model_path(hub.DEFAULT_TARGET))
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", max_context=1024)
+    target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)
+    target4 = load_model(hub.DEFAULT_TARGET, EngineConfig(**{**cfg.__dict__, "weights": "int4"}), progress=False)
+    draft = load_draft(hub.DEFAULT_DRAFT, target, cfg, 1024, progress=False)
+    spec = SpecConfig(draft_max=args.k, adaptive=False)
+    engines = {
+        "quickdraft plain bf16": Engine(target, 1024),
+        "quickdraft plain int4": Engine(target4, 1024),
+        f"quickdraft ngram+draft k={args.k}": Engine(target, 1024, model_drafter(draft, target, spec, 1024, True),
+                                                      spec, "ngram+draft"),
+    }
+    common = dict(model_path=path, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    llamas = {"llama.cpp plain": Llama(**common),
+              "llama.cpp prompt lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))}
+    prompts = encoded(target.tokenizer, args.prompts.split(","))
+    params = SamplingParams(max_tokens=args.n, stop_at_eos=False)
+    names = list(llamas) + list(engines)
+    speeds = {(p, c): [] for p in prompts for c in names}
+    same = {}
+    for p, prompt in prompts.items():
+        for c, llm in llamas.items():  # warm-up
+            llama_decode(llm, prompt, 8)
+        for c, e in engines.items():
+            list(e.generate(prompt, SamplingParams(max_tokens=8, stop_at_eos=False)))
+        for i in range(args.runs):
+            print(f"{p}: run {i + 1}/{args.runs}", file=sys.stderr)
+            reference = None
+            for c, llm in llamas.items():
+                tok_s, out = llama_decode(llm, prompt, args.n)
+                speeds[p, c].append(tok_s)
+            for c, e in engines.items():
+                events = list(e.generate(prompt, params))
+                speeds[p, c].append(events[-1].timings.decode_tok_s)
+                tokens = [ev.token for ev in events if ev.token is not None]
+                reference = reference or tokens
+                same[p, c] = tokens == reference
+    print(f"\ndecode tok/s (median of {args.runs}, {args.n} greedy tokens, {args.threads} threads); "
+          "x = against llama.cpp's best on that prompt")
+    print(f"{'prompt':11} " + " ".join(f"{c[:26]:>26}" for c in names))
+    for p in prompts:
+        best = max(statistics.median(speeds[p, c]) for c in llamas)
+        cells = [f"{statistics.median(speeds[p, c]):6.2f} ({statistics.median(speeds[p, c]) / best:4.2f}x)"
+                 for c in names]
+        print(f"{p:11} " + " ".join(f"{x:>26}" for x in cells))
+    print("quickdraft speculative output equal to its plain bf16 output: "
+          + ", ".join(f"{p} {'yes' if same[p, names[-1]] else 'NO'}" for p in prompts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -57,6 +57,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_seconds(run, device: torch.device, reps: int, before=None) -> float:
+    """Median wall time of run() over reps calls after one warm-up call (one-off setup), the device synced
+    around each; before() (e.g. a cache rollback) runs untimed ahead of every call."""
+    times = []
+    for i in range(reps + 1):
+        if before is not None:
+            before()
+        sync(device)
+        t0 = time.perf_counter()
+        run()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 @torch.inference_mode()
 def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 3) -> tuple[float, dict[int, float]]:
     """Seconds of one target pass over one token after the prompt, and v(k) = (pass over k + 1 tokens) / that,
@@ -68,16 +84,7 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 3) -> tuple[f
     feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)
 
     def seconds(k: int) -> float:
-        times = []
-        for i in range(reps + 1):
-            cache.rollback(n)
-            sync(device)
-            t0 = time.perf_counter()
-            model(feed[:, : k + 1], cache)
-            sync(device)
-            if i:  # the first pass pays one-off setup
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(lambda: model(feed[:, : k + 1], cache), device, reps, lambda: cache.rollback(n))
 
     t1 = seconds(0)
     return t1, {k: seconds(k) / t1 for k in range(1, kmax + 1)}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.roofline import sync
+from quickdraft.roofline import median_seconds
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.spec.build import draft_model_of
 
@@ -60,17 +59,8 @@ def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
     cache = KVCache.for_model(model, len(prompt) + 2)
     model(torch.tensor([prompt], device=device), cache, last_only=True)
     feed = torch.tensor([prompt[-1:]], device=device)
-
-    times = []
-    for i in range(reps + 1):
-        cache.rollback(len(prompt))
-        sync(device)
-        t0 = time.perf_counter()
-        model(feed, cache, last_only=True)
-        sync(device)
-        if i:  # the first pass pays one-off setup
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: model(feed, cache, last_only=True), device, reps,
+                          lambda: cache.rollback(len(prompt)))
 
 
 def reference(target, prompts: dict[str, list[int]], n: int) -> tuple[dict[str, list[int]], float]:

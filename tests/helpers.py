@@ -141,3 +141,18 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def target_and_noisy_draft(directory: Path, config):
+    """A tiny qwen2 target and a draft that agrees with it often but not always (its weights plus noise),
+    both loaded with `config`."""
+    from quickdraft.weights.loader import load_model
+
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), directory / "t")), config,
+                        False)
+    draft_hf = tiny_hf_model("qwen2", seed=0, logit_scale=20)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in draft_hf.parameters():
+            p.add_(0.2 * p.std() * torch.randn_like(p))
+    return target, load_model(str(save_hf_dir(draft_hf, directory / "d")), config, False)

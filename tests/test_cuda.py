@@ -16,7 +16,7 @@ from quickdraft.spec.draft_model import DraftModelDrafter
 from quickdraft.spec.ngram import NgramDrafter
 from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
-from tests.helpers import save_hf_dir, tiny_hf_model
+from tests.helpers import save_hf_dir, target_and_noisy_draft, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -31,15 +31,7 @@ def tokens_of(engine, params, prompt=PROMPT):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cuda")
-    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), d / "t")), CUDA, False)
-    draft_hf = tiny_hf_model("qwen2", seed=0, logit_scale=20)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in draft_hf.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
-    draft = load_model(str(save_hf_dir(draft_hf, d / "d")), CUDA, False)
-    return target, draft
+    return target_and_noisy_draft(tmp_path_factory.mktemp("cuda"), CUDA)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -14,7 +14,7 @@ from quickdraft.spec.ngram import NgramDrafter
 from quickdraft.spec.vocab import check_compatible
 from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
-from tests.helpers import save_hf_dir, tiny_hf_model
+from tests.helpers import save_hf_dir, target_and_noisy_draft, tiny_hf_model
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]  # repeats: n-gram matches
@@ -22,16 +22,7 @@ PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]  # repeat
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec")
-    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), d / "t")), BF16, False)
-    # a draft that agrees with the target often but not always: the target's weights plus noise
-    draft_hf = tiny_hf_model("qwen2", seed=0, logit_scale=20)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in draft_hf.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
-    draft = load_model(str(save_hf_dir(draft_hf, d / "d")), BF16, False)
-    return target, draft
+    return target_and_noisy_draft(tmp_path_factory.mktemp("spec"), BF16)
 
 
 def drafter(kind, target, draft, p_min=0.0):

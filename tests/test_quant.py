@@ -6,54 +6,95 @@ import torch
 from quickdraft.config import EngineConfig, SamplingParams
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.quant import int4, int8
+from quickdraft.quant import int4, int8, vnni
 from quickdraft.weights.loader import load_model
 from tests.helpers import save_hf_dir, tiny_hf_model
 
 
-def test_kernel_matches_dequantized_reference():
-    torch.manual_seed(0)
-    w = torch.randn(96, 256)
-    layer = int4.Int4Linear(w, torch.randn(96))
-    q, _ = int4.quantize(w)
-    reference_w = layer.dequantized(q)
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
-    want = x.float() @ reference_w.t() + layer.bias.float()
-    got = layer(x).float()
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=0.15)
-    # the reference itself is a faithful 4-bit approximation of the original weights
-    step = (w.reshape(96, -1, int4.GROUP).amax(-1) - w.reshape(96, -1, int4.GROUP).amin(-1)) / 15
-    err = (reference_w - w).abs().reshape(96, -1, int4.GROUP).amax(-1)
-    assert (err <= 0.5 * step + 0.02 * step.abs().max()).all()
+BACKENDS = ["vnni", "torch"]
 
 
-def test_rows_are_independent_of_batch_size():
-    torch.manual_seed(1)
-    layer = int4.Int4Linear(torch.randn(64, 128), None)
-    x = torch.randn(9, 128, dtype=torch.bfloat16)
-    full = layer(x)
-    assert all(torch.equal(layer(x[i:i + 1])[0], full[i]) for i in range(9))
-
-
-def test_int8_kernel_matches_dequantized_reference():
-    torch.manual_seed(0)
-    w = torch.randn(96, 256)
-    layer = int8.Int8Linear(w, torch.randn(96))
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
-    want = x.float() @ layer.dequantized().t() + layer.bias.float()
-    torch.testing.assert_close(layer(x).float(), want, rtol=2e-2, atol=0.15)
-    # half a step of rounding at most: the step is a row's largest |w| / 127
-    step = w.abs().amax(-1, keepdim=True) / 127
-    assert ((layer.dequantized() - w).abs() <= 0.51 * step).all()
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Each layer on quickdraft's VNNI kernel (where this CPU has one) and on PyTorch's op."""
+    if request.param == "vnni" and not vnni.available():
+        pytest.skip(f"no VNNI kernel here: {vnni.unavailable_reason()}")
+    if request.param == "torch":
+        monkeypatch.setattr(vnni, "available", lambda: False)
+    return request.param
 
 
 @pytest.mark.parametrize("kind", [int4.Int4Linear, int8.Int8Linear])
-def test_rows_are_independent_of_batch_size(kind):
+def test_kernel_matches_its_reference(backend, kind):
+    torch.manual_seed(0)
+    w = torch.randn(96, 256)
+    layer = kind(w, torch.randn(96))
+    assert layer.vnni == (backend == "vnni")
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    if backend == "vnni":  # integer products, then the same float scaling: equal up to bf16 rounding
+        torch.testing.assert_close(layer(x).float(), layer.reference(x).float(), rtol=8e-3, atol=1e-2)
+    want = x.float() @ layer.dequantized(*([int4.quantize(w)[0]] if kind is int4.Int4Linear and backend == "torch"
+                                           else [])).t() + layer.bias.float()
+    # against float activations: within the rounding of the bf16 (and, on VNNI, int8) activations
+    torch.testing.assert_close(layer(x).float(), want, rtol=2e-2, atol=0.25)
+
+
+def test_quantization_is_faithful(backend):
+    torch.manual_seed(0)
+    w = torch.randn(96, 256)
+    layer = int4.Int4Linear(w, None)
+    reference_w = layer.dequantized(int4.quantize(w)[0] if backend == "torch" else None)
+    step = (w.reshape(96, -1, int4.GROUP).amax(-1) - w.reshape(96, -1, int4.GROUP).amin(-1)) / 15
+    err = (reference_w - w).abs().reshape(96, -1, int4.GROUP).amax(-1)
+    assert (err <= 0.5 * step + 0.02 * step.abs().max()).all()
+    layer = int8.Int8Linear(w, None)  # half a step of rounding at most: the step is a row's largest |w| / 127
+    assert ((layer.dequantized() - w).abs() <= 0.51 * w.abs().amax(-1, keepdim=True) / 127).all()
+
+
+@pytest.mark.parametrize("kind", [int4.Int4Linear, int8.Int8Linear])
+def test_rows_are_independent_of_batch_size(backend, kind):
     torch.manual_seed(1)
     layer = kind(torch.randn(64, 128), None)
     x = torch.randn(9, 128, dtype=torch.bfloat16)
     full = layer(x)
     assert all(torch.equal(layer(x[i:i + 1])[0], full[i]) for i in range(9))
+
+
+@pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+def test_vnni_kernels_every_row_count(rows):
+    """Row tiles of 1-4 and their remainders, several output tiles, with and without bias, a zero row."""
+    torch.manual_seed(rows)
+    ops = torch.ops.quickdraft_vnni
+    n, k = 40, 384
+    x = torch.randn(rows, k, dtype=torch.bfloat16) * 3
+    x[0] = 0
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    u = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n) * 0.01
+    for b in (None, bias):
+        got = ops.int8_linear(x, vnni.tile(u, 64), scales, b)
+        torch.testing.assert_close(got.float(), vnni.int8_reference(x, u, scales, b).float(), rtol=8e-3, atol=1e-2)
+        assert b is not None or (got[0] == 0).all()
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    packed = vnni.pack_int4(codes)
+    assert torch.equal(vnni.unpack_int4(packed), codes)
+    s, lo = (torch.rand(n, k // 32) * 0.01).half(), (torch.randn(n, k // 32) * 0.05).half()
+    for b in (None, bias):
+        got = ops.int4_linear(x, vnni.tile(packed, 64), vnni.tile(s, 4), lo, b)
+        torch.testing.assert_close(got.float(), vnni.int4_reference(x, packed, s, lo, b).float(), rtol=8e-3,
+                                   atol=1e-2)
+    assert torch.equal(vnni.untile(vnni.tile(u, 64), 64), u)
+
+
+@pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
+def test_vnni_kernels_refuse_bad_shapes():
+    ops = torch.ops.quickdraft_vnni
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.int8_linear(torch.zeros(1, 96, dtype=torch.bfloat16), torch.zeros(4, 96, dtype=torch.uint8),
+                        torch.ones(4), None)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        ops.int8_linear(torch.zeros(1, 64), torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4), None)
 
 
 @pytest.mark.parametrize("fmt,kind,same", [("int4", int4.Int4Linear, 4), ("int8", int8.Int8Linear, 12)])
@@ -96,9 +137,9 @@ def test_pass_bytes_count_the_runtime_format(tmp_path):
 
 
 @pytest.mark.parametrize("module", [int4, int8])
-def test_quantizing_in_row_chunks_changes_nothing(monkeypatch, module):
+def test_quantizing_in_row_chunks_changes_nothing(monkeypatch, backend, module):
     torch.manual_seed(2)
-    w = torch.randn(208, 64)  # 3 whole blocks of 64 rows and a tail of 16
+    w = torch.randn(208, 128)  # 3 whole blocks of 64 rows and a tail of 16
     kind = module.Int4Linear if module is int4 else module.Int8Linear
     whole = kind(w, None)
     monkeypatch.setattr(module, "ROWS", 64)  # four chunks (the int4 packing works in blocks of 64 rows)

@@ -1,10 +1,11 @@
-"""int4 weight-only linear layers on PyTorch's CPU kernel (group-wise asymmetric, bf16 activations).
+"""int4 weight-only linear layers (group-wise asymmetric, bf16 activations in and out).
 
-Weights are quantized once at load, in groups of GROUP input features: q = round((w - min) / s) in
-0..15 with s = (max - min) / 15, stored packed two to a byte; the kernel computes x @ W^T with
-W = (q - 8) * s + zero, zero = min + 8 s. `dequantized()` gives that W, the plain reference the kernel
-is tested against. One row costs about half the bf16 time (half the bytes), which is what a draft model,
-decoding one token at a time, spends its time on.
+Weights are quantized once at load, in groups of GROUP input features: q = round((w - lo) / s) in 0..15
+with s = (max - min) / 15, lo = min, so w ~ q s + lo. Two kernels:
+- quickdraft's own (quant/vnni.py, AVX-512 VNNI CPUs): codes packed two to a byte with float16 s and lo,
+  activations quantized per row to int8 and multiplied as bytes: one row at memory speed;
+- PyTorch's `_weight_int4pack_mm_for_cpu` elsewhere (bf16 s and zero = lo + 8 s, as it takes them).
+`dequantized()` gives the weight the kernel multiplies by: the plain reference.
 """
 
 from __future__ import annotations
@@ -12,26 +13,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quickdraft.quant import vnni
+
 GROUP = 32
 INNER_K_TILES = 2
 
 
 def supported(weight: torch.Tensor) -> bool:
-    """The CPU kernel's shape rules: whole groups along K, whole blocks of 16 output rows."""
+    """The CPU kernels' shape rules: whole groups along K, whole blocks of 16 output rows."""
     n, k = weight.shape
     return weight.device.type == "cpu" and k % GROUP == 0 and n % 16 == 0
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (q int32 (N, K) in 0..15, scales_and_zeros bf16 (K / GROUP, N, 2))."""
+def quantize(weight: torch.Tensor, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (codes uint8 (N, K) in 0..15, s (N, K / GROUP), lo (N, K / GROUP)), s and lo in
+    dtype; the codes are rounded against s and lo as stored."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // GROUP, GROUP)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp_min(1e-8)
-    q = ((w - lo) / scale).round().clamp(0, 15).to(torch.int32).reshape(n, k)
-    zero = lo + 8 * scale
-    scales_and_zeros = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return q, scales_and_zeros
+    scale = ((hi - lo) / 15).clamp_min(1e-8).to(dtype).float()
+    lo = lo.to(dtype).float()
+    q = ((w - lo) / scale).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scale[..., 0].to(dtype), lo[..., 0].to(dtype)
 
 
 ROWS = 4096  # rows quantized and packed at a time: a vocabulary-sized head never has float32 copies in full
@@ -41,26 +44,53 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        packed, sz = [], []
-        for i in range(0, self.out_features, ROWS):  # blocks of 64 rows pack independently: ROWS % 64 == 0
-            q, chunk_sz = quantize(weight[i:i + ROWS])
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
-            sz.append(chunk_sz)
+        self.vnni = vnni.available() and self.in_features % 128 == 0  # out_features % 16 == 0: whole tiles
+        packed, scales, lows = [], [], []
+        for i in range(0, self.out_features, ROWS):  # ROWS % 64 == 0: blocks pack independently
+            if self.vnni:
+                q, s, lo = quantize(weight[i:i + ROWS], torch.float16)
+                packed.append(vnni.tile(vnni.pack_int4(q), 64))
+                scales.append(vnni.tile(s, 4))
+                lows.append(lo)
+            else:
+                q, s, lo = quantize(weight[i:i + ROWS])
+                packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES))
+                scales.append(torch.stack([s, lo + 8 * s], dim=-1).transpose(0, 1))  # (K / GROUP, n, 2)
         self.register_buffer("packed", torch.cat(packed))
-        self.register_buffer("scales_and_zeros", torch.cat(sz, dim=1))
+        if self.vnni:
+            self.register_buffer("scales", torch.cat(scales))
+            self.register_buffer("lows", torch.cat(lows))
+        else:
+            self.register_buffer("scales_and_zeros", torch.cat(scales, dim=1).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features).to(torch.bfloat16), self.packed, GROUP, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.vnni:
+            out = torch.ops.quickdraft_vnni.int4_linear(x2.contiguous(), self.packed, self.scales, self.lows, self.bias)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
+            if self.bias is not None:
+                out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
-    def dequantized(self, q: torch.Tensor) -> torch.Tensor:
-        """The weight the kernel multiplies by, from the int32 codes q (N, K): the plain reference."""
-        sz = self.scales_and_zeros.float()  # (K / GROUP, N, 2)
-        scale, zero = sz[..., 0].t(), sz[..., 1].t()  # (N, K / GROUP)
-        w = (q.reshape(self.out_features, -1, GROUP).float() - 8) * scale[..., None] + zero[..., None]
-        return w.reshape(self.out_features, self.in_features)
+    def dequantized(self, q: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight the kernel multiplies by: the plain reference. PyTorch's packing is opaque, so on
+        its kernel the codes q (N, K) are passed in."""
+        n = self.out_features
+        if self.vnni:
+            q = vnni.unpack_int4(vnni.untile(self.packed, 64))
+            scale, lo = vnni.untile(self.scales, 4).float(), self.lows.float()
+        else:
+            sz = self.scales_and_zeros.float()  # (K / GROUP, N, 2)
+            scale, lo = sz[..., 0].t(), sz[..., 1].t() - 8 * sz[..., 0].t()
+        w = q.reshape(n, -1, GROUP).float() * scale[..., None] + lo[..., None]
+        return w.reshape(n, self.in_features)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """What forward computes, in plain PyTorch (on PyTorch's kernel, this needs the vnni path)."""
+        assert self.vnni, "the reference of PyTorch's packed layout needs the codes: use dequantized(q)"
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = vnni.int4_reference(x2, vnni.untile(self.packed, 64), vnni.untile(self.scales, 4), self.lows, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

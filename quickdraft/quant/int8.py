@@ -1,15 +1,19 @@
-"""int8 weight-only linear layers on PyTorch's weight-only int8 kernel (bf16 activations).
+"""int8 weight-only linear layers (bf16 activations in and out).
 
 Weights are quantized once at load, per output row, symmetric: q = round(w / s) in -127..127 with
-s = max |w| / 127. The kernel computes x @ (q s)^T reading one byte per weight, half the bf16 traffic,
-with about 0.4% of a row's largest weight as the worst rounding error (so quality stays close to bf16).
-`dequantized()` gives q s, the plain reference the kernel is tested against.
+s = max |w| / 127, about 0.4% of a row's largest weight as the worst rounding error. Two kernels:
+- quickdraft's own (quant/vnni.py, AVX-512 VNNI CPUs): the activations are quantized per row to int8
+  too and multiplied as bytes, so one row reads the weights at memory speed and k+1 rows cost little more;
+- PyTorch's `_weight_int8pack_mm` elsewhere (float multiply, bf16 activations).
+`dequantized()` gives q s, the weight both multiply by; `vnni.int8_reference` is the first's plain reference.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from quickdraft.quant import vnni
 
 
 def supported(weight: torch.Tensor) -> bool:
@@ -25,7 +29,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(weight.shape[0], dtype=torch.bfloat16)
     for i in range(0, weight.shape[0], ROWS):
         w = weight[i:i + ROWS].float()
-        scale[i:i + ROWS] = (w.abs().amax(-1) / 127).clamp_min(1e-8)  # the kernel's scales are bf16
+        scale[i:i + ROWS] = (w.abs().amax(-1) / 127).clamp_min(1e-8)  # bf16 scales, as PyTorch's kernel takes
         q[i:i + ROWS] = (w / scale[i:i + ROWS].float()[:, None]).round().clamp(-127, 127)
     return q, scale
 
@@ -35,18 +39,41 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, scale = quantize(weight)
-        self.register_buffer("q", q)
-        self.register_buffer("scales", scale)
+        self.vnni = vnni.available() and self.in_features % 64 == 0 and self.out_features % vnni.TILE == 0
+        if self.vnni:  # codes + 128 as unsigned bytes, each tile of 4 rows interleaved (ROWS % TILE == 0)
+            for i in range(0, self.out_features, ROWS):
+                q[i:i + ROWS] = vnni.tile(q[i:i + ROWS].view(torch.uint8) ^ 128, 64).view(torch.int8)
+            self.register_buffer("q", q.view(torch.uint8))
+            self.register_buffer("scales", scale.float())
+        else:
+            self.register_buffer("q", q)
+            self.register_buffer("scales", scale)
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16), self.q,
-                                                 self.scales)
-        if self.bias is not None:
-            out = out + self.bias
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.vnni:
+            out = torch.ops.quickdraft_vnni.int8_linear(x2.contiguous(), self.q, self.scales, self.bias)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
+            if self.bias is not None:
+                out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes q (N, K), in row order."""
+        return (vnni.untile(self.q, 64) ^ 128).view(torch.int8) if self.vnni else self.q
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by: the plain reference."""
-        return self.q.float() * self.scales.float()[:, None]
+        return self.codes().float() * self.scales.float()[:, None]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """What forward computes, in plain PyTorch."""
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.vnni:
+            out = vnni.int8_reference(x2, vnni.untile(self.q, 64), self.scales, self.bias)
+        else:
+            out = (x2.float() @ self.dequantized().t() + (self.bias.float() if self.bias is not None else 0))
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -1,0 +1,250 @@
+// Weight-only int8 and int4 linear layers for x86 CPUs with AVX-512 VNNI.
+//
+// Each call quantizes the activations per row (symmetric int8, one scale per row) and multiplies them
+// with the integer weights by vpdpbusd (64 unsigned x signed byte products per instruction), reading
+// every weight once for all the rows: verifying k+1 tokens costs little more than decoding one.
+//
+// int8: weights u = q + 128 in 0..255 (q in -127..127, one scale per output row).
+//       y[m][n] = d[m] * s[n] * (sum_k u[n][k] x[m][k] - 128 * sum_k x[m][k])
+// int4: weights q in 0..15 in groups of 32 along K, w = q * scale + lo (fp16 scale and lo per group),
+//       packed in chunks of 128: byte j holds element j (low nibble) and element j + 64 (high nibble).
+//       y[m][n] = d[m] * sum_g (scale[n][g] * sum_{k in g} q[n][k] x[m][k] + lo[n][g] * sum_{k in g} x[m][k])
+// where x are the int8 activations and d their row scales. Weights are tiled: each 4 output rows are
+// interleaved in 64-byte pieces (and the int4 scales in pieces of 4), so a tile is one sequential stream
+// for the hardware prefetcher. The plain reference is in Python
+// (quickdraft/quant/vnni.py); each output is computed the same way whatever the number of rows, so
+// batched verification gives bit-identical rows to one-at-a-time decoding.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kMaxRows = 4;  // rows of activations per tile (accumulators stay in registers)
+constexpr int kTileN = 4;    // output rows per tile
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return 0x7fc0;  // NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Quantize x (M, K) bf16 row by row: q (M, K) int8, d (M) float; sums (M, K / group) int32 of q per group.
+void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* sums, int64_t group) {
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = x + m * K;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(row + k)));
+    float dm = _mm512_reduce_max_ps(amax) / 127.0f;
+    d[m] = dm;
+    __m512 div = _mm512_set1_ps(dm == 0.0f ? 1.0f : dm);
+    int8_t* qm = q + m * K;
+    int32_t* sm = sums + m * (K / group);
+    for (int64_t g = 0; g < K / group; ++g) {
+      __m512i acc = _mm512_setzero_si512();
+      for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(load_bf16x16(row + k), div));  // nearest even
+        v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        acc = _mm512_add_epi32(acc, v);
+        _mm_storeu_si128((__m128i*)(qm + k), _mm512_cvtepi32_epi8(v));
+      }
+      sm[g] = _mm512_reduce_add_epi32(acc);
+    }
+  }
+}
+
+inline void store_out(uint16_t* out, int64_t idx, float v, const uint16_t* bias, int64_t n) {
+  if (bias) v += bf16_to_float(bias[n]);
+  out[idx] = float_to_bf16(v);
+}
+
+template <int MT>
+void int8_tile(const uint8_t* w, const float* scales, const int8_t* q, const float* d, const int32_t* sums,
+               const uint16_t* bias, uint16_t* out, int64_t n0, int64_t nt, int64_t m0, int64_t K, int64_t N) {
+  __m512i acc[kTileN][MT];
+  for (int i = 0; i < kTileN; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_si512();
+  const uint8_t* wt = w + n0 * K;  // the tile's 4 rows, interleaved in 64-byte pieces: one sequential stream
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512i xv[MT];
+    for (int j = 0; j < MT; ++j) xv[j] = _mm512_loadu_si512(q + (m0 + j) * K + k);
+    for (int i = 0; i < kTileN; ++i) {
+      __m512i wv = _mm512_loadu_si512(wt + k * kTileN + i * 64);
+      for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv, xv[j]);
+    }
+  }
+  for (int i = 0; i < nt; ++i)
+    for (int j = 0; j < MT; ++j) {
+      int64_t n = n0 + i, m = m0 + j;
+      int32_t dot = _mm512_reduce_add_epi32(acc[i][j]) - 128 * sums[m];
+      store_out(out, m * N + n, d[m] * scales[n] * static_cast<float>(dot), bias, n);
+    }
+}
+
+template <int MT>
+void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, const int8_t* q, const float* d,
+               const int32_t* sums, const uint16_t* bias, uint16_t* out, int64_t n0, int64_t nt, int64_t m0,
+               int64_t K, int64_t N) {
+  const int64_t G = K / 32;
+  __m512 acc[kTileN][MT];
+  for (int i = 0; i < kTileN; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i second = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  const uint8_t* wt = w + n0 * (K / 2);  // the tile's 4 rows, interleaved in 64-byte pieces
+  const uint16_t* st = scales + n0 * G;   // and their scales, 4 per row per piece
+  for (int64_t k = 0; k < K; k += 128) {
+    __m512i xlo[MT], xhi[MT];
+    for (int j = 0; j < MT; ++j) {
+      xlo[j] = _mm512_loadu_si512(q + (m0 + j) * K + k);
+      xhi[j] = _mm512_loadu_si512(q + (m0 + j) * K + k + 64);
+    }
+    for (int i = 0; i < kTileN; ++i) {
+      __m512i packed = _mm512_loadu_si512(wt + (k / 2) * kTileN + i * 64);
+      __m512i lo = _mm512_and_si512(packed, nibble);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      __m512 s4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(st + (k / 32) * kTileN + i * 4))));
+      __m512 s01 = _mm512_permutexvar_ps(first, s4), s23 = _mm512_permutexvar_ps(second, s4);
+      for (int j = 0; j < MT; ++j) {
+        __m512i dlo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[j]);
+        __m512i dhi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi[j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), s01, acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), s23, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < nt; ++i) {
+    int64_t n = n0 + i;
+    const uint16_t* lo_n = lows + n * G;
+    for (int j = 0; j < MT; ++j) {
+      int64_t m = m0 + j;
+      const int32_t* sm = sums + m * G;
+      float zero = 0.0f;
+      int64_t g = 0;
+      __m512 z = _mm512_setzero_ps();
+      for (; g + 16 <= G; g += 16)
+        z = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(lo_n + g))),
+                            _mm512_cvtepi32_ps(_mm512_loadu_si512(sm + g)), z);
+      zero = _mm512_reduce_add_ps(z);
+      for (; g < G; ++g) zero += _cvtsh_ss(lo_n[g]) * static_cast<float>(sm[g]);
+      store_out(out, m * N + n, d[m] * (_mm512_reduce_add_ps(acc[i][j]) + zero), bias, n);
+    }
+  }
+}
+
+template <typename F>
+void run_tiles(int64_t M, int64_t N, int64_t K, F tile) {
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  // about 64 KiB of weights per task at least, so two threads split a layer in large pieces
+  const int64_t grain = std::max<int64_t>(1, 65536 / (K * kTileN));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t n0 = t * kTileN, nt = std::min<int64_t>(kTileN, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) tile(n0, nt, m0, static_cast<int>(std::min<int64_t>(kMaxRows, M - m0)));
+    }
+  });
+}
+
+void check_input(const at::Tensor& x, int64_t K, int64_t multiple) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be (M, ", K, ")");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "x must be contiguous bfloat16");
+  TORCH_CHECK(K % multiple == 0, "K must be a multiple of ", multiple);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  check_input(x, K, 64);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be float32 (N)");
+  TORCH_CHECK(N % kTileN == 0, "N must be a multiple of ", kTileN);
+  auto out = at::empty({M, N}, x.options());
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M}, x.options().dtype(at::kFloat));
+  auto sums = at::empty({M}, x.options().dtype(at::kInt));
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                sums.data_ptr<int32_t>(), K);
+  const uint16_t* b = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const int32_t* smp = sums.data_ptr<int32_t>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt) {
+    switch (mt) {
+      case 1: int8_tile<1>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
+      case 2: int8_tile<2>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
+      case 3: int8_tile<3>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
+      default: int8_tile<4>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N);
+    }
+  });
+  return out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& lows,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1) * 2;
+  check_input(x, K, 128);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8 (N, K / 2)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N * K / 32,
+              "scales must be float16 (N, K / 32)");
+  TORCH_CHECK(lows.scalar_type() == at::kHalf && lows.is_contiguous() && lows.numel() == N * K / 32,
+              "lows must be float16 (N, K / 32)");
+  TORCH_CHECK(N % kTileN == 0, "N must be a multiple of ", kTileN);
+  auto out = at::empty({M, N}, x.options());
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M}, x.options().dtype(at::kFloat));
+  auto sums = at::empty({M, K / 32}, x.options().dtype(at::kInt));
+  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                sums.data_ptr<int32_t>(), 32);
+  const uint16_t* b = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const uint16_t* lp = reinterpret_cast<const uint16_t*>(lows.data_ptr());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  const int32_t* smp = sums.data_ptr<int32_t>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt) {
+    switch (mt) {
+      case 1: int4_tile<1>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
+      case 2: int4_tile<2>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
+      case 3: int4_tile<3>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
+      default: int4_tile<4>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(quickdraft_vnni, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor lows, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quickdraft_vnni, CPU, m) {
+  m.impl("int8_linear", int8_linear);
+  m.impl("int4_linear", int4_linear);
+}

@@ -1,0 +1,116 @@
+"""quickdraft's own int8/int4 CPU kernels (csrc/vnni.cpp: AVX-512 VNNI), built on first use, and their
+plain references.
+
+PyTorch's weight-only CPU ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) multiply in floating
+point, converting every weight for every row of activations: on this project's 2-core CPU they reach
+32-50% of the memory bandwidth for one row, and 8 rows cost 3x one. These kernels quantize the
+activations (int8, one scale per row) and multiply bytes by `vpdpbusd`, 64 products per instruction,
+so one row runs at memory speed and verifying k+1 rows reads the weights once.
+
+The extension is compiled with the C++ compiler PyTorch's cpp_extension finds (g++), once per machine
+into PyTorch's extension cache; where the CPU lacks VNNI or the build fails, `available()` says why and
+the layers use PyTorch's ops instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "vnni.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off",
+         "-fopenmp"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def _load() -> str | None:
+    """None once the ops are registered, else the reason they are not."""
+    if os.environ.get("QUICKDRAFT_NO_VNNI"):
+        return "QUICKDRAFT_NO_VNNI is set"
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="quickdraft_vnni", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a build error: fall back, saying why
+        lines = str(e).strip().splitlines() or [repr(e)]
+        return f"building {SOURCE.name} failed: {next((ln for ln in lines if 'error' in ln), lines[-1]).strip()}"
+    return None
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization, in plain PyTorch: x (M, K) -> int8 codes (M, K) (round to
+    nearest even of x / d, d = max |x| / 127 per row), d (M,), and the codes' sums per group of `group`."""
+    xf = x.float()
+    d = xf.abs().amax(-1) / 127
+    q = torch.round(xf / torch.where(d == 0, 1.0, d)[:, None]).clamp(-127, 127)
+    return q.to(torch.int8), d, q.reshape(q.shape[0], -1, group).sum(-1).to(torch.int32)
+
+
+def int8_reference(x, u, scales, bias) -> torch.Tensor:
+    """What `int8_linear` computes, in float: u (N, K) uint8 holds q + 128."""
+    q, d, _ = quantize_activations(x, x.shape[-1])
+    w = (u.to(torch.int32) - 128).float() * scales[:, None]
+    out = (q.float() @ w.t()) * d[:, None]
+    return (out + bias.float() if bias is not None else out).to(torch.bfloat16)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes 0..15 -> (N, K / 2) uint8: in each chunk of 128, byte j holds j (low) and j + 64 (high)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).reshape(n, k // 128, 2, 64)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    p = packed.reshape(n, half // 64, 64)
+    return torch.stack([p & 15, p >> 4], dim=2).reshape(n, half * 2)
+
+
+def int4_reference(x, packed, scales, lows, bias) -> torch.Tensor:
+    """What `int4_linear` computes, in float: w = code * scale + low per group of 32."""
+    q, d, _ = quantize_activations(x, 32)
+    n = packed.shape[0]
+    codes = unpack_int4(packed).float().reshape(n, -1, 32)
+    w = (codes * scales.float()[..., None] + lows.float()[..., None]).reshape(n, -1)
+    out = (q.float() @ w.t()) * d[:, None]
+    return (out + bias.float() if bias is not None else out).to(torch.bfloat16)
+
+
+TILE = 4  # output rows the kernels read together: their weights interleave into one sequential stream
+
+
+def tile(t: torch.Tensor, piece: int) -> torch.Tensor:
+    """(N, L) -> the same shape with each tile of 4 rows interleaved in pieces of `piece` elements."""
+    n, length = t.shape
+    return t.reshape(n // TILE, TILE, length // piece, piece).transpose(1, 2).contiguous().reshape(n, length)
+
+
+def untile(t: torch.Tensor, piece: int) -> torch.Tensor:
+    n, length = t.shape
+    return t.reshape(n // TILE, length // piece, TILE, piece).transpose(1, 2).contiguous().reshape(n, length)

@@ -56,10 +56,12 @@ def penalize(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor
 
 def process(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None = None) -> torch.Tensor:
     """Float logits (N, V) -> processed probabilities (N, V), each row summing to 1."""
-    logits = penalize(logits.float(), params, history)
+    # finite (a tiny repetition penalty divides logits into infinities), then shifted so that the largest
+    # is 0: a tiny temperature then sends the others to -inf, never inf - inf = NaN
+    logits = penalize(logits.float(), params, history).clamp(-3e38, 3e38)
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    logits = (logits - logits.amax(-1, keepdim=True)) / max(params.temperature, 1e-30)  # 1e-300 is 0 in float32
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

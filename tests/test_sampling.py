@@ -95,3 +95,12 @@ def test_seeded_gumbel_choice_is_a_function_of_seed_and_position_and_follows_pro
 def test_bad_params_are_clear_errors(bad):
     with pytest.raises(QuickdraftError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1e-300), dict(temperature=1e-40),
+                                dict(temperature=1.0, repetition_penalty=1e-300)])
+def test_extreme_parameters_give_a_distribution_not_nan(kw):
+    """A request may ask for a temperature or penalty that over- or underflows float32: sampling must still
+    get a distribution (a server once answered 500 'probability tensor contains nan')."""
+    probs = sampling.process(torch.tensor([[3.0, -1.0, 2.0, 0.5]]), SamplingParams(**kw), torch.tensor([0, 2]))
+    assert not probs.isnan().any() and torch.allclose(probs.sum(-1), torch.tensor(1.0))

@@ -22,7 +22,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <tuple>
 
 namespace {
 
@@ -77,9 +79,19 @@ inline void store_out(uint16_t* out, int64_t idx, float v, const uint16_t* bias,
   out[idx] = float_to_bf16(v);
 }
 
+// The sums of the 16 lanes of a, b, c and d, as 4 lanes: one transposing tree instead of four reductions.
+inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
 template <int MT>
 void int8_tile(const uint8_t* w, const float* scales, const int8_t* q, const float* d, const int32_t* sums,
-               const uint16_t* bias, uint16_t* out, int64_t n0, int64_t nt, int64_t m0, int64_t K, int64_t N) {
+               const uint16_t* bias, uint16_t* out, int64_t n0, int64_t nt, int64_t m0, int64_t K, int64_t N,
+               bool prefetch) {
   __m512i acc[kTileN][MT];
   for (int i = 0; i < kTileN; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_si512();
@@ -87,23 +99,27 @@ void int8_tile(const uint8_t* w, const float* scales, const int8_t* q, const flo
   for (int64_t k = 0; k < K; k += 64) {
     __m512i xv[MT];
     for (int j = 0; j < MT; ++j) xv[j] = _mm512_loadu_si512(q + (m0 + j) * K + k);
+    if (prefetch)  // the next tile's same piece, into L2: its fetch overlaps this tile's arithmetic
+      for (int i = 0; i < kTileN; ++i) _mm_prefetch((const char*)(wt + kTileN * K + k * kTileN + i * 64), _MM_HINT_T1);
     for (int i = 0; i < kTileN; ++i) {
       __m512i wv = _mm512_loadu_si512(wt + k * kTileN + i * 64);
       for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv, xv[j]);
     }
   }
-  for (int i = 0; i < nt; ++i)
-    for (int j = 0; j < MT; ++j) {
+  for (int j = 0; j < MT; ++j) {
+    int32_t dots[kTileN];
+    _mm_storeu_si128((__m128i*)dots, reduce4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
+    for (int i = 0; i < nt; ++i) {
       int64_t n = n0 + i, m = m0 + j;
-      int32_t dot = _mm512_reduce_add_epi32(acc[i][j]) - 128 * sums[m];
-      store_out(out, m * N + n, d[m] * scales[n] * static_cast<float>(dot), bias, n);
+      store_out(out, m * N + n, d[m] * scales[n] * static_cast<float>(dots[i] - 128 * sums[m]), bias, n);
     }
+  }
 }
 
 template <int MT>
 void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, const int8_t* q, const float* d,
                const int32_t* sums, const uint16_t* bias, uint16_t* out, int64_t n0, int64_t nt, int64_t m0,
-               int64_t K, int64_t N) {
+               int64_t K, int64_t N, bool prefetch) {
   const int64_t G = K / 32;
   __m512 acc[kTileN][MT];
   for (int i = 0; i < kTileN; ++i)
@@ -118,6 +134,11 @@ void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, c
     for (int j = 0; j < MT; ++j) {
       xlo[j] = _mm512_loadu_si512(q + (m0 + j) * K + k);
       xhi[j] = _mm512_loadu_si512(q + (m0 + j) * K + k + 64);
+    }
+    if (prefetch) {  // the next tile's same piece and scales, into L2
+      for (int i = 0; i < kTileN; ++i)
+        _mm_prefetch((const char*)(wt + kTileN * (K / 2) + (k / 2) * kTileN + i * 64), _MM_HINT_T1);
+      _mm_prefetch((const char*)(st + kTileN * G + (k / 32) * kTileN), _MM_HINT_T1);
     }
     for (int i = 0; i < kTileN; ++i) {
       __m512i packed = _mm512_loadu_si512(wt + (k / 2) * kTileN + i * 64);
@@ -160,7 +181,8 @@ void run_tiles(int64_t M, int64_t N, int64_t K, F tile) {
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       int64_t n0 = t * kTileN, nt = std::min<int64_t>(kTileN, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) tile(n0, nt, m0, static_cast<int>(std::min<int64_t>(kMaxRows, M - m0)));
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)
+        tile(n0, nt, m0, static_cast<int>(std::min<int64_t>(kMaxRows, M - m0)), m0 + kMaxRows >= M);
     }
   });
 }
@@ -191,12 +213,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* dp = d.data_ptr<float>();
   const int32_t* smp = sums.data_ptr<int32_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt) {
+  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt, bool last) {
     switch (mt) {
-      case 1: int8_tile<1>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
-      case 2: int8_tile<2>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
-      case 3: int8_tile<3>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
-      default: int8_tile<4>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N);
+      case 1: int8_tile<1>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+      case 2: int8_tile<2>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+      case 3: int8_tile<3>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+      default: int8_tile<4>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last);
     }
   });
   return out;
@@ -226,20 +248,69 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* dp = d.data_ptr<float>();
   const int32_t* smp = sums.data_ptr<int32_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt) {
+  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt, bool last) {
     switch (mt) {
-      case 1: int4_tile<1>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
-      case 2: int4_tile<2>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
-      case 3: int4_tile<3>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N); break;
-      default: int4_tile<4>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N);
+      case 1: int4_tile<1>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+      case 2: int4_tile<2>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+      case 3: int4_tile<3>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+      default: int4_tile<4>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last);
     }
   });
   return out;
 }
 
+constexpr int kMinSpan = 11;
+
+// Each group's int4 grid: the best of min-max over 15..kMinSpan steps, then `steps` least-squares refits of (scale, lo) for the current codes,
+// kept where they lower the squared error (quickdraft/quant/int4.py `fit` is the reference).
+inline float group_error(const float* w, float scale, float lo) {
+  float e = 0.0f;
+  for (int i = 0; i < 32; ++i) {
+    float q = std::min(15.0f, std::max(0.0f, std::nearbyint((w[i] - lo) / scale)));
+    float r = q * scale + lo - w[i];
+    e += r * r;
+  }
+  return e;
+}
+
+std::tuple<at::Tensor, at::Tensor> int4_fit(const at::Tensor& w, int64_t steps) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(-1) == 32, "w must be float32 (..., 32)");
+  const int64_t groups = w.numel() / 32;
+  auto scale = at::empty({groups}, w.options()), lo = at::empty({groups}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float *sp = scale.data_ptr<float>(), *lp = lo.data_ptr<float>();
+  at::parallel_for(0, groups, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const float* x = wp + g * 32;
+      float mn = x[0], mx = x[0], mean_w = 0.0f;
+      for (int i = 0; i < 32; ++i) mn = std::min(mn, x[i]), mx = std::max(mx, x[i]), mean_w += x[i];
+      mean_w /= 32.0f;
+      float s = std::max((mx - mn) / 15.0f, 1e-8f), l = mn, err = group_error(x, s, l);
+      for (int span = 14; span >= kMinSpan; --span) {  // a block whose codes span fewer steps
+        float cs = std::max((mx - mn) / span, 1e-8f), ce = group_error(x, cs, mn);
+        if (ce < err) s = cs, err = ce;
+      }
+      for (int64_t it = 0; it < steps; ++it) {
+        float q[32], mean_q = 0.0f;
+        for (int i = 0; i < 32; ++i) mean_q += (q[i] = std::min(15.0f, std::max(0.0f, std::nearbyint((x[i] - l) / s))));
+        mean_q /= 32.0f;
+        float var = 0.0f, cov = 0.0f;
+        for (int i = 0; i < 32; ++i) var += (q[i] - mean_q) * (q[i] - mean_q), cov += (q[i] - mean_q) * (x[i] - mean_w);
+        if (var <= 0.0f) break;
+        float ns = std::max(cov / var, 1e-8f), nl = mean_w - ns * mean_q, ne = group_error(x, ns, nl);
+        if (!(ne < err)) break;  // no better: later rounds would start from the same codes
+        s = ns, l = nl, err = ne;
+      }
+      sp[g] = s, lp[g] = l;
+    }
+  });
+  return {scale, lo};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quickdraft_vnni, m) {
+  m.def("int4_fit(Tensor w, int steps) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor lows, Tensor? bias) -> Tensor");
 }
@@ -247,4 +318,5 @@ TORCH_LIBRARY(quickdraft_vnni, m) {
 TORCH_LIBRARY_IMPL(quickdraft_vnni, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
+  m.impl("int4_fit", int4_fit);
 }

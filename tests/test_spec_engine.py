@@ -16,7 +16,7 @@ from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
 from tests.helpers import save_hf_dir, target_and_noisy_draft, tiny_hf_model
 
-BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)  # the n-gram cases need its repeats
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]  # repeats: n-gram matches
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
+from quickdraft import quant
 from quickdraft.config import EngineConfig, SpecConfig
 from quickdraft.spec.combined import CombinedDrafter
 from quickdraft.spec.draft_model import DraftModelDrafter
@@ -44,8 +47,7 @@ def load_draft(draft: str, target: LoadedModel, engine: EngineConfig, capacity: 
     """The draft model, in the target's dtype, on draft_device or the target's device."""
     device = draft_device or str(target.device)
     dtype = str(target.model.tok_embeddings.weight.dtype).removeprefix("torch.")
-    if weights == "auto":
-        weights = "int4" if device == "cpu" and dtype == "bfloat16" else "bf16"
+    weights = quant.resolve(weights, device, getattr(torch, dtype), role="draft")
     return load_model(draft, replace(engine, device=device, dtype=dtype, weights=weights, max_context=capacity),
                       progress)
 

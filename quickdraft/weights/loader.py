@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.transformer import Transformer, rotary_tables
@@ -25,6 +26,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     load_seconds: float
+    weights: str = "bf16"  # the runtime weight format: bf16 (the dtype's), int8 or int4
 
     @property
     def device(self) -> torch.device:
@@ -86,13 +88,14 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
     path = resolve(spec)
     device = resolve_device(engine.device)
     dtype = resolve_dtype(engine.dtype, device)
+    weights = quant.resolve(engine.weights, device, dtype)
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
         context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
         with progress_bar(f"loading {path.name}", st_io.shard_bytes(path), progress) as update:
             model = build_model(cfg, st_io.read_tensors(path, cfg, dtype, _accumulate(update)), device, context,
-                                engine.weights, dtype)
+                                weights, dtype)
     else:
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
@@ -105,8 +108,8 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with progress_bar(f"loading {path.name}", total, progress) as update:
             model = build_model(cfg, gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update)), device, context,
-                                engine.weights, dtype)
-    return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start)
+                                weights, dtype)
+    return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights)
 
 
 def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: int, weights: str = "auto",
@@ -116,7 +119,6 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
 
     Module by module: each tensor goes to the device (and into its format) as soon as its module is complete,
     so a quantized model never exists in full precision: peak memory stays near the final model's size."""
-    from quickdraft import quant
 
     _check_format(weights, device, dtype)
     with torch.device("meta"):
@@ -145,7 +147,6 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
 
 def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.device, weights: str) -> None:
     """Put one complete module's tensors on the device, as a quantized layer where the format asks."""
-    from quickdraft import quant
     from quickdraft.models.transformer import Linear
 
     if weights in ("int8", "int4") and isinstance(module, Linear):
@@ -159,7 +160,6 @@ def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.
 
 
 def _check_format(fmt: str, device: torch.device, dtype: torch.dtype | None) -> None:
-    from quickdraft import quant
 
     if fmt not in quant.FORMATS:
         raise QuickdraftError(f"--weights {fmt!r}: choose {', '.join(quant.FORMATS)}")

@@ -73,10 +73,11 @@ def test_rows_are_independent_of_batch_size(backend, kind):
 @pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
 def test_vnni_kernels_every_row_count(rows):
-    """Row tiles of 1-4 and their remainders, several output tiles, with and without bias, a zero row."""
+    """Row tiles of 1-4 and 5-8 and their remainders, several output tiles, K in two blocks (the int8 kernel
+    takes K 2048 bytes at a time from 5 rows on), with and without bias, a zero row."""
     torch.manual_seed(rows)
     ops = torch.ops.quickdraft_vnni
-    n, k = 40, 384
+    n, k = 40, 2304
     x = torch.randn(rows, k, dtype=torch.bfloat16) * 3
     x[0] = 0
     bias = torch.randn(n, dtype=torch.bfloat16)
@@ -169,3 +170,26 @@ def test_fit_recovers_a_4bit_grid_min_max_misses(backend):
     scale, low = int4.fit(w)
     assert int4._sq_error(w, scale, low).sum() < 1e-3 * min_max
     torch.testing.assert_close(scale, torch.full_like(scale, 0.003))
+
+
+@pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
+@pytest.mark.parametrize("start,rows", [(0, 1), (20, 1), (37, 5), (3, 17)])
+def test_decode_attention_matches_sdpa_row_by_row(start, rows):
+    """The CPU attention kernel against PyTorch's attention (in float32) row by row, over a cache view
+    with room to spare (as the KV cache hands it), and each row equal to a one-row call: batch invariant."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(start + rows)
+    cache_k = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
+    cache_v = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
+    keys, values = cache_k[:, :, :start + rows], cache_v[:, :, :start + rows]
+    q = torch.randn(1, 6, rows, 32, dtype=torch.bfloat16) * 3
+    got = torch.ops.quickdraft_vnni.decode_attention(q, keys, values, start)
+    for i in range(rows):
+        seen = slice(0, start + i + 1)
+        want = F.scaled_dot_product_attention(q[:, :, i:i + 1].float(), keys[:, :, seen].float(),
+                                              values[:, :, seen].float(), enable_gqa=True)
+        torch.testing.assert_close(got[:, :, i:i + 1].float(), want, rtol=1e-2, atol=1e-2)
+        alone = torch.ops.quickdraft_vnni.decode_attention(q[:, :, i:i + 1].contiguous(), keys[:, :, seen],
+                                                           values[:, :, seen], start + i)
+        assert torch.equal(alone, got[:, :, i:i + 1])

@@ -25,10 +25,11 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
-constexpr int kMaxRows = 4;  // rows of activations per tile (accumulators stay in registers)
+constexpr int kMaxRows = 8;  // rows of activations per pass over a tile (accumulators stay in registers)
 constexpr int kTileN = 4;    // output rows per tile
 
 inline float bf16_to_float(uint16_t v) {
@@ -88,30 +89,59 @@ inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
   return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
 }
 
-template <int MT>
+// Output rows r0 .. r0 + NT - 1 of a tile (NT = 4, or 2 so that 8 activation rows fit the registers)
+// times activation rows m0 .. m0 + MT - 1. Integer sums are exact, so any tiling gives the same outputs.
+// Over K from k0 to k1: the partial sums start at zero when k0 == 0, else from `state`, and go back to
+// `state` unless k1 == K, where they become outputs.
+template <int NT, int MT>
 void int8_tile(const uint8_t* w, const float* scales, const int8_t* q, const float* d, const int32_t* sums,
-               const uint16_t* bias, uint16_t* out, int64_t n0, int64_t nt, int64_t m0, int64_t K, int64_t N,
-               bool prefetch) {
-  __m512i acc[kTileN][MT];
-  for (int i = 0; i < kTileN; ++i)
-    for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_si512();
+               const uint16_t* bias, uint16_t* out, int64_t n0, int r0, int64_t m0, int64_t K, int64_t N,
+               bool prefetch, int64_t k0, int64_t k1, __m512i* state) {
+  __m512i acc[NT][MT];
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = k0 == 0 ? _mm512_setzero_si512() : state[i * MT + j];
   const uint8_t* wt = w + n0 * K;  // the tile's 4 rows, interleaved in 64-byte pieces: one sequential stream
-  for (int64_t k = 0; k < K; k += 64) {
+  for (int64_t k = k0; k < k1; k += 64) {
     __m512i xv[MT];
     for (int j = 0; j < MT; ++j) xv[j] = _mm512_loadu_si512(q + (m0 + j) * K + k);
     if (prefetch)  // the next tile's same piece, into L2: its fetch overlaps this tile's arithmetic
       for (int i = 0; i < kTileN; ++i) _mm_prefetch((const char*)(wt + kTileN * K + k * kTileN + i * 64), _MM_HINT_T1);
-    for (int i = 0; i < kTileN; ++i) {
-      __m512i wv = _mm512_loadu_si512(wt + k * kTileN + i * 64);
+    for (int i = 0; i < NT; ++i) {
+      __m512i wv = _mm512_loadu_si512(wt + k * kTileN + (r0 + i) * 64);
       for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv, xv[j]);
     }
   }
+  if (k1 < K) {
+    for (int i = 0; i < NT; ++i)
+      for (int j = 0; j < MT; ++j) state[i * MT + j] = acc[i][j];
+    return;
+  }
+  const __m512i zero = _mm512_setzero_si512();
   for (int j = 0; j < MT; ++j) {
-    int32_t dots[kTileN];
-    _mm_storeu_si128((__m128i*)dots, reduce4(acc[0][j], acc[1][j], acc[2][j], acc[3][j]));
-    for (int i = 0; i < nt; ++i) {
-      int64_t n = n0 + i, m = m0 + j;
+    int32_t dots[4];
+    _mm_storeu_si128((__m128i*)dots, reduce4(acc[0][j], acc[1][j], NT > 2 ? acc[NT > 2 ? 2 : 0][j] : zero,
+                                             NT > 3 ? acc[NT > 3 ? 3 : 0][j] : zero));
+    for (int i = 0; i < NT; ++i) {
+      int64_t n = n0 + r0 + i, m = m0 + j;
       store_out(out, m * N + n, d[m] * scales[n] * static_cast<float>(dots[i] - 128 * sums[m]), bias, n);
+    }
+  }
+}
+
+constexpr int64_t kBlockK = 2048;  // bytes of K per block: 4 rows of weights and 8 of activations fit L1
+
+template <int MT>
+void int8_rows(const uint8_t* w, const float* scales, const int8_t* q, const float* d, const int32_t* sums,
+               const uint16_t* bias, uint16_t* out, int64_t n0, int64_t m0, int64_t K, int64_t N, bool prefetch) {
+  if constexpr (MT <= 4) {
+    int8_tile<4, MT>(w, scales, q, d, sums, bias, out, n0, 0, m0, K, N, prefetch, 0, K, nullptr);
+  } else {  // two passes of 4 and MT - 4 rows over each block of K, so the tile's weights come from L1 the
+            // second time (8 rows x 2 outputs in one pass measured slower: activations re-read from L2)
+    __m512i first[16], second[4 * (MT - 4)];
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+      const int64_t k1 = std::min(K, k0 + kBlockK);
+      int8_tile<4, 4>(w, scales, q, d, sums, bias, out, n0, 0, m0, K, N, false, k0, k1, first);
+      int8_tile<4, MT - 4>(w, scales, q, d, sums, bias, out, n0, 0, m0 + 4, K, N, prefetch, k0, k1, second);
     }
   }
 }
@@ -215,10 +245,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt, bool last) {
     switch (mt) {
-      case 1: int8_tile<1>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-      case 2: int8_tile<2>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-      case 3: int8_tile<3>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-      default: int8_tile<4>(wp, sp, qp, dp, smp, b, op, n0, nt, m0, K, N, last);
+      case 1: int8_rows<1>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
+      case 2: int8_rows<2>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
+      case 3: int8_rows<3>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
+      case 4: int8_rows<4>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
+      case 5: int8_rows<5>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
+      case 6: int8_rows<6>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
+      case 7: int8_rows<7>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
+      default: int8_rows<8>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last);
     }
   });
   return out;
@@ -248,12 +282,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* dp = d.data_ptr<float>();
   const int32_t* smp = sums.data_ptr<int32_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt, bool last) {
-    switch (mt) {
-      case 1: int4_tile<1>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-      case 2: int4_tile<2>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-      case 3: int4_tile<3>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-      default: int4_tile<4>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last);
+  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0_, int mt_, bool last_) {
+    for (int64_t m0 = m0_; m0 < m0_ + mt_; m0 += 4) {  // 4 rows at a time: float accumulators fill the registers
+      const int mt = static_cast<int>(std::min<int64_t>(4, m0_ + mt_ - m0));
+      const bool last = last_ && m0 + 4 >= m0_ + mt_;
+      switch (mt) {
+        case 1: int4_tile<1>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+        case 2: int4_tile<2>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+        case 3: int4_tile<3>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
+        default: int4_tile<4>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last);
+      }
     }
   });
   return out;
@@ -307,9 +345,95 @@ std::tuple<at::Tensor, at::Tensor> int4_fit(const at::Tensor& w, int64_t steps) 
   return {scale, lo};
 }
 
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^n * p(f), p a degree-6 polynomial
+// of the fraction (relative error ~2e-7); below -87 it gives 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));  // in [-ln2/2, ln2/2]
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Attention of S new query rows over a KV cache, row i seeing positions 0 .. start + i: every (row, head)
+// computed alone, the same way whatever S is, so a verification pass gives each row exactly what a
+// one-token decoding step gives it. q (B, H, S, D) contiguous; keys/values (B, Hkv, >= start + S, D) with
+// unit stride along D; D a multiple of 16 (at most 256).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+              values.scalar_type() == at::kBFloat16, "bfloat16 tensors expected");
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be contiguous (B, H, S, D)");
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), Hkv = keys.size(1);
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && H % Hkv == 0, "head size must be a multiple of 16, at most 256");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1 && keys.size(2) >= start + S, "bad cache layout");
+  auto out = at::empty_like(q);
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t kb = keys.stride(0), kh = keys.stride(1), kt = keys.stride(2);
+  const int64_t vb = values.stride(0), vh = values.stride(1), vt = values.stride(2);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int64_t chunks = D / 16;
+  at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(start + S + 16);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / (H * S), h = (job / S) % H, i = job % S, g = h / (H / Hkv), L = start + i + 1;
+      const uint16_t* qrow = qp + ((b * H + h) * S + i) * D;
+      __m512 qv[16];
+      for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_mul_ps(load_bf16x16(qrow + 16 * c), _mm512_set1_ps(scale));
+      const uint16_t* kbase = kp + b * kb + g * kh;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < L; ++t) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load_bf16x16(kbase + t * kt + 16 * c), acc);
+        scores[t] = _mm512_reduce_add_ps(acc);
+        mx = std::max(mx, scores[t]);
+      }
+      __m512 total = _mm512_setzero_ps();
+      int64_t t = 0;
+      for (; t + 16 <= L; t += 16) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(&scores[t], e);
+        total = _mm512_add_ps(total, e);
+      }
+      if (t < L) {
+        __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &scores[t]), _mm512_set1_ps(mx)));
+        e = _mm512_maskz_mov_ps(m, e);
+        _mm512_mask_storeu_ps(&scores[t], m, e);
+        total = _mm512_add_ps(total, e);
+      }
+      const float inv = 1.0f / _mm512_reduce_add_ps(total);
+      __m512 ov[16];
+      for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_setzero_ps();
+      const uint16_t* vbase = vp + b * vb + g * vh;
+      for (int64_t u = 0; u < L; ++u) {
+        __m512 p = _mm512_set1_ps(scores[u]);
+        for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_fmadd_ps(p, load_bf16x16(vbase + u * vt + 16 * c), ov[c]);
+      }
+      uint16_t* orow = op + ((b * H + h) * S + i) * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, _mm512_mul_ps(ov[c], _mm512_set1_ps(inv)));
+        for (int e = 0; e < 16; ++e) orow[16 * c + e] = float_to_bf16(tmp[e]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quickdraft_vnni, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, int start) -> Tensor");
   m.def("int4_fit(Tensor w, int steps) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor lows, Tensor? bias) -> Tensor");
@@ -319,4 +443,5 @@ TORCH_LIBRARY_IMPL(quickdraft_vnni, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
   m.impl("int4_fit", int4_fit);
+  m.impl("decode_attention", decode_attention);
 }

@@ -193,3 +193,31 @@ def test_decode_attention_matches_sdpa_row_by_row(start, rows):
         alone = torch.ops.quickdraft_vnni.decode_attention(q[:, :, i:i + 1].contiguous(), keys[:, :, seen],
                                                            values[:, :, seen], start + i)
         assert torch.equal(alone, got[:, :, i:i + 1])
+
+
+@pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
+def test_fused_steps_equal_the_pytorch_code_bit_for_bit():
+    """RMSNorm, SiLU-and-multiply and the q/k rotary as one call each: exactly the model's PyTorch code."""
+    import torch.nn.functional as F
+
+    from types import SimpleNamespace
+
+    from quickdraft.models import transformer as T
+
+    torch.manual_seed(4)
+    ops = torch.ops.quickdraft_vnni
+    norm = T.RMSNorm(256, 1e-6).to(torch.bfloat16)
+    norm.weight.data = torch.randn(256, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16) * 3
+    h = x.float()
+    assert torch.equal(norm(x), norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype))
+    gate_up = torch.randn(3, 2 * 96, dtype=torch.bfloat16) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
+    cfg = SimpleNamespace(head_dim=64, rope_theta=1e6)
+    cos, sin = (t[5:8] for t in T.rotary_tables(cfg, 16))
+    qkv = torch.randn(1, 3, 8 * 64, dtype=torch.bfloat16)
+    q, k, v = (t.reshape(1, 3, -1, 64).transpose(1, 2) for t in qkv.split((256, 128, 128), dim=-1))
+    got = ops.qkv_rotary(qkv, cos.contiguous(), sin.contiguous(), 4, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, (T.apply_rotary(q, cos, sin), T.apply_rotary(k, cos, sin), v)))
+

@@ -39,10 +39,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _cpu_kernels(x) and x.shape[-1] % 16 == 0 and self.weight.dtype == torch.bfloat16:
+            return torch.ops.quickdraft_vnni.rms_norm(x.contiguous(), self.weight, self.eps)  # the same, fused
         # Normalise in float32, scale in the model dtype (as the reference implementations do).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+def _cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether quickdraft's CPU kernels (quant/csrc/vnni.cpp) run this bf16 tensor's step: on an AVX-512 VNNI
+    CPU where the extension builds. Each fused step does the arithmetic of the PyTorch code beside it."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return False
+    from quickdraft.quant import vnni
+
+    return vnni.available()
 
 
 def rotary_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,13 +80,9 @@ ROWWISE_MAX = 64
 
 
 def _cpu_kernel(q: torch.Tensor) -> bool:
-    """Whether quickdraft's CPU attention kernel (quant/csrc/vnni.cpp) takes this pass: bf16 on an AVX-512 CPU
-    where the extension builds. Per-row SDPA calls cost ~0.15 ms each, 30 ms a verification of 8 rows."""
-    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.shape[-1] % 16 or q.shape[-1] > 256:
-        return False
-    from quickdraft.quant import vnni
-
-    return vnni.available()
+    """Whether quickdraft's CPU attention kernel takes this pass (per-row SDPA calls cost ~0.15 ms each,
+    30 ms a verification of 8 rows)."""
+    return _cpu_kernels(q) and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256
 
 
 class Attention(nn.Module):
@@ -93,6 +101,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
         B, S, _ = x.shape
+        if self.q_norm is None and _cpu_kernels(x) and self.head_dim % 32 == 0:  # split, rotate, transpose: fused
+            q, k, v = torch.ops.quickdraft_vnni.qkv_rotary(self.wqkv(x).contiguous(), cos, sin, self.n_heads,
+                                                           self.n_kv_heads)
+            return self._attend(q, k, v, cache, layer, mask, B, S)
         q, k, v = self.wqkv(x).split(self.split, dim=-1)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
@@ -101,6 +113,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self._attend(q, k, v, cache, layer, mask, B, S)
+
+    def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int) -> torch.Tensor:
         keys, values = cache.write(layer, k, v)  # (B, Hkv, start + S, D)
         if S <= ROWWISE_MAX and _cpu_kernel(q):  # every row alone, in one call: quickdraft's own CPU kernel
             out = torch.ops.quickdraft_vnni.decode_attention(q.contiguous(), keys, values, keys.shape[2] - S)
@@ -123,7 +138,10 @@ class FeedForward(nn.Module):
         self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate_up = self.w13(x)
+        if _cpu_kernels(gate_up) and gate_up.shape[-1] % 32 == 0:
+            return self.w2(torch.ops.quickdraft_vnni.silu_mul(gate_up.contiguous()))  # the same, fused
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 

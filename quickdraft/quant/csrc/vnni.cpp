@@ -430,9 +430,119 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   return out;
 }
 
+// Small fused steps of a decode pass, each the same arithmetic as the PyTorch code it replaces
+// (models/transformer.py), one call instead of 5-10 small ops.
+
+inline __m256i float_to_bf16x16(__m512 v) {  // round to nearest even (no NaN handling: finite inputs)
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 and back
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16x16(v)), 16));
+}
+
+// RMSNorm: w * bf16(x * rsqrt(mean(x^2) + eps)), x (rows, D) bf16, w (D) bf16.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "contiguous bfloat16 expected");
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  TORCH_CHECK(D % 16 == 0 && w.numel() == D, "D must be a multiple of 16");
+  auto out = at::empty_like(x);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = xp + r * D;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t k = 0; k < D; k += 16) {
+      __m512 v = load_bf16x16(row + k);
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + static_cast<float>(eps));
+    for (int64_t k = 0; k < D; k += 16) {
+      __m512 h = round_bf16(_mm512_mul_ps(load_bf16x16(row + k), _mm512_set1_ps(inv)));
+      _mm256_storeu_si256((__m256i*)(op + r * D + k), float_to_bf16x16(_mm512_mul_ps(load_bf16x16(wp + k), h)));
+    }
+  }
+  return out;
+}
+
+// SiLU(gate) * up from the fused gate-and-up projection (rows, 2F): bf16(bf16(silu(g)) * u).
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.is_contiguous(), "contiguous bfloat16 expected");
+  const int64_t F = gu.size(-1) / 2, rows = gu.numel() / (2 * F);
+  TORCH_CHECK(F % 16 == 0, "F must be a multiple of 16");
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = F;
+  auto out = at::empty(shape, gu.options());
+  const uint16_t* gp = reinterpret_cast<const uint16_t*>(gu.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < F; k += 16) {
+      __m512 g = load_bf16x16(gp + r * 2 * F + k), u = load_bf16x16(gp + r * 2 * F + F + k);
+      __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|)
+      __m512 one = _mm512_set1_ps(1.0f);
+      __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+      __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));  // sigmoid(g)
+      __m512 silu = round_bf16(_mm512_mul_ps(g, sig));
+      _mm256_storeu_si256((__m256i*)(op + r * F + k), float_to_bf16x16(_mm512_mul_ps(silu, u)));
+    }
+  return out;
+}
+
+// Rotary ("neox" half split) of q and k from the fused projection, into (B, H, S, D) layouts:
+// qkv (B, S, (Hq + 2 Hkv) D) bf16, cos and sin (S, D) float32 -> q (B, Hq, S, D), k and v (B, Hkv, S, D).
+// out = bf16(x cos + rotate(x) sin), rotate(x) = (-x2, x1).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rotary(const at::Tensor& qkv, const at::Tensor& cos,
+                                                        const at::Tensor& sin, int64_t Hq, int64_t Hkv) {
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16 && qkv.is_contiguous() && qkv.dim() == 3, "qkv (B, S, W) bf16");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous(), "float32 contiguous cos and sin");
+  const int64_t B = qkv.size(0), S = qkv.size(1), W = qkv.size(2), D = W / (Hq + 2 * Hkv), half = D / 2;
+  TORCH_CHECK(D * (Hq + 2 * Hkv) == W && half % 16 == 0 && cos.size(0) == S && cos.size(1) == D, "bad shapes");
+  auto q = at::empty({B, Hq, S, D}, qkv.options()), k = at::empty({B, Hkv, S, D}, qkv.options());
+  auto v = at::empty({B, Hkv, S, D}, qkv.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(k.data_ptr());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(v.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < S; ++t) {
+      const uint16_t* row = xp + (b * S + t) * W;
+      const float *c = cp + t * D, *sn = sp + t * D;
+      for (int64_t h = 0; h < Hq + 2 * Hkv; ++h) {
+        const uint16_t* x = row + h * D;
+        uint16_t* dst = h < Hq ? qp + ((b * Hq + h) * S + t) * D
+                      : h < Hq + Hkv ? kp + ((b * Hkv + h - Hq) * S + t) * D
+                                     : vp + ((b * Hkv + h - Hq - Hkv) * S + t) * D;
+        if (h >= Hq + Hkv) {
+          std::memcpy(dst, x, D * sizeof(uint16_t));
+          continue;
+        }
+        for (int64_t i = 0; i < half; i += 16) {
+          __m512 x1 = load_bf16x16(x + i), x2 = load_bf16x16(x + half + i);
+          __m512 lo = _mm512_add_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)),
+                                    _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(sn + i)));
+          __m512 hi = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + half + i)),
+                                    _mm512_mul_ps(x1, _mm512_loadu_ps(sn + half + i)));
+          _mm256_storeu_si256((__m256i*)(dst + i), float_to_bf16x16(lo));
+          _mm256_storeu_si256((__m256i*)(dst + half + i), float_to_bf16x16(hi));
+        }
+      }
+    }
+  return {q, k, v};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quickdraft_vnni, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("qkv_rotary(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, int start) -> Tensor");
   m.def("int4_fit(Tensor w, int steps) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
@@ -444,4 +554,7 @@ TORCH_LIBRARY_IMPL(quickdraft_vnni, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("int4_fit", int4_fit);
   m.impl("decode_attention", decode_attention);
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("qkv_rotary", qkv_rotary);
 }

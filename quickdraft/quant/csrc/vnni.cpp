@@ -190,15 +190,13 @@ void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, c
     for (int j = 0; j < MT; ++j) {
       int64_t m = m0 + j;
       const int32_t* sm = sums + m * G;
-      float zero = 0.0f;
-      int64_t g = 0;
-      __m512 z = _mm512_setzero_ps();
-      for (; g + 16 <= G; g += 16)
-        z = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(lo_n + g))),
-                            _mm512_cvtepi32_ps(_mm512_loadu_si512(sm + g)), z);
-      zero = _mm512_reduce_add_ps(z);
-      for (; g < G; ++g) zero += _cvtsh_ss(lo_n[g]) * static_cast<float>(sm[g]);
-      store_out(out, m * N + n, d[m] * (_mm512_reduce_add_ps(acc[i][j]) + zero), bias, n);
+      __m512 z = _mm512_setzero_ps();  // the lows' term, 16 groups at a time, the last ones masked
+      for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 mask = G - g >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (G - g)) - 1);
+        z = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, lo_n + g)),
+                            _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, sm + g)), z);
+      }
+      store_out(out, m * N + n, d[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[i][j], z)), bias, n);
     }
   }
 }

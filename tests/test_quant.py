@@ -80,6 +80,8 @@ def test_vnni_kernels_every_row_count(rows):
     n, k = 40, 2304
     x = torch.randn(rows, k, dtype=torch.bfloat16) * 3
     x[0] = 0
+    if rows > 1:
+        x[-1, 7] = 3000  # massive activations: a second level of codes for that row
     bias = torch.randn(n, dtype=torch.bfloat16)
     u = torch.randint(0, 256, (n, k), dtype=torch.uint8)
     scales = torch.rand(n) * 0.01
@@ -221,3 +223,19 @@ def test_fused_steps_equal_the_pytorch_code_bit_for_bit():
     got = ops.qkv_rotary(qkv, cos.contiguous(), sin.contiguous(), 4, 2)
     assert all(torch.equal(a, b) for a, b in zip(got, (T.apply_rotary(q, cos, sin), T.apply_rotary(k, cos, sin), v)))
 
+
+
+@pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
+@pytest.mark.parametrize("kind", [int4.Int4Linear, int8.Int8Linear])
+def test_a_row_of_massive_activations_keeps_its_small_channels(kind):
+    """One channel at 3000 and the rest near 1, as LLMs make of their first token: with one scale per row
+    the rest would round to 0 or +-1; the second level keeps the output as close as an ordinary row's."""
+    torch.manual_seed(5)
+    layer = kind(torch.randn(64, 512) * 0.05, None)
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    x[1, 100] = 3000
+    w = layer.dequantized()
+    want = x.float() @ w.t()
+    err = ((layer(x).float() - want).abs().amax(-1) / want.abs().amax(-1))
+    assert err[1] < 0.02 and err[1] < 3 * err[0] + 0.005
+    torch.testing.assert_close(layer(x).float(), layer.reference(x).float(), rtol=8e-3, atol=1e-2)

@@ -67,7 +67,8 @@ def model_and_reference(request, real_model_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_perplexity_agrees_with_reference(model_and_reference, dtype):
     alias, path, reference = model_and_reference
-    lm = load_model(str(path), EngineConfig(device="cpu", dtype=dtype, max_context=CTX), progress=False)
+    lm = load_model(str(path), EngineConfig(device="cpu", dtype=dtype, weights="bf16", max_context=CTX),
+                    progress=False)  # the loader against the reference: no runtime quantization
     tokens = lm.tokenizer.encode(TEXT, add_bos=False)
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
     ours = perplexity(lm.model, tokens, CTX, bos)

@@ -72,21 +72,40 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' activation quantization, in plain PyTorch: x (M, K) -> int8 codes (M, K) (round to
-    nearest even of x / d, d = max |x| / 127 per row), d (M,), and the codes' sums per group of `group`."""
-    xf = x.float()
+OUTLIER_RATIO = 20.0  # as kOutlierRatio in csrc/vnni.cpp
+
+
+def _quantize(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = xf.abs().amax(-1) / 127
     q = torch.round(xf / torch.where(d == 0, 1.0, d)[:, None]).clamp(-127, 127)
-    return q.to(torch.int8), d, q.reshape(q.shape[0], -1, group).sum(-1).to(torch.int32)
+    return q, d
+
+
+def quantize_activations(x: torch.Tensor, group: int):
+    """The kernels' activation quantization, in plain PyTorch: each row of x (M, K) as int8 codes (round to
+    nearest even of x / d, d = max |x| / 127), plus, for a row of massive activations (max |x| above
+    OUTLIER_RATIO times its mean |x|), a second level: the remainder x - d q quantized the same way.
+    Returns the levels' codes (L, K) int8, scales d (L,), codes' sums per group (L, K / group) and the row
+    each level belongs to (L,)."""
+    xf = x.float()
+    q, d = _quantize(xf)
+    outlier = xf.abs().amax(-1) > OUTLIER_RATIO * xf.abs().mean(-1)
+    rows = torch.arange(x.shape[0])
+    if outlier.any():
+        q2, d2 = _quantize((xf - d[:, None] * q)[outlier])
+        q, d, rows = torch.cat([q, q2]), torch.cat([d, d2]), torch.cat([rows, rows[outlier]])
+    return q.to(torch.int8), d, q.reshape(q.shape[0], -1, group).sum(-1).to(torch.int32), rows
+
+
+def _combine(x, q, d, rows, w, bias) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], w.shape[0]).index_add_(0, rows, (q.float() @ w.t()) * d[:, None])
+    return (out + bias.float() if bias is not None else out).to(torch.bfloat16)
 
 
 def int8_reference(x, u, scales, bias) -> torch.Tensor:
     """What `int8_linear` computes, in float: u (N, K) uint8 holds q + 128."""
-    q, d, _ = quantize_activations(x, x.shape[-1])
-    w = (u.to(torch.int32) - 128).float() * scales[:, None]
-    out = (q.float() @ w.t()) * d[:, None]
-    return (out + bias.float() if bias is not None else out).to(torch.bfloat16)
+    q, d, _, rows = quantize_activations(x, x.shape[-1])
+    return _combine(x, q, d, rows, (u.to(torch.int32) - 128).float() * scales[:, None], bias)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -104,12 +123,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def int4_reference(x, packed, scales, lows, bias) -> torch.Tensor:
     """What `int4_linear` computes, in float: w = code * scale + low per group of 32."""
-    q, d, _ = quantize_activations(x, 32)
+    q, d, _, rows = quantize_activations(x, 32)
     n = packed.shape[0]
     codes = unpack_int4(packed).float().reshape(n, -1, 32)
     w = (codes * scales.float()[..., None] + lows.float()[..., None]).reshape(n, -1)
-    out = (q.float() @ w.t()) * d[:, None]
-    return (out + bias.float() if bias is not None else out).to(torch.bfloat16)
+    return _combine(x, q, d, rows, w, bias)
 
 
 TILE = 4  # output rows the kernels read together: their weights interleave into one sequential stream

@@ -51,33 +51,74 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch d
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// Quantize x (M, K) bf16 row by row: q (M, K) int8, d (M) float; sums (M, K / group) int32 of q per group.
-void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* sums, int64_t group) {
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* row = x + m * K;
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(row + k)));
-    float dm = _mm512_reduce_max_ps(amax) / 127.0f;
-    d[m] = dm;
-    __m512 div = _mm512_set1_ps(dm == 0.0f ? 1.0f : dm);
-    int8_t* qm = q + m * K;
-    int32_t* sm = sums + m * (K / group);
-    for (int64_t g = 0; g < K / group; ++g) {
-      __m512i acc = _mm512_setzero_si512();
-      for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
-        __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(load_bf16x16(row + k), div));  // nearest even
-        v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-        acc = _mm512_add_epi32(acc, v);
-        _mm_storeu_si128((__m128i*)(qm + k), _mm512_cvtepi32_epi8(v));
-      }
-      sm[g] = _mm512_reduce_add_epi32(acc);
+constexpr float kOutlierRatio = 20.0f;  // a row whose largest |x| exceeds this many times its mean |x|
+
+// One row of K floats -> int8 codes q (round to nearest even of x / d, d = max |x| / 127), d, and the codes'
+// sums per group.
+void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* d, int32_t* sums) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  const float dm = _mm512_reduce_max_ps(amax) / 127.0f;
+  *d = dm;
+  const __m512 div = _mm512_set1_ps(dm == 0.0f ? 1.0f : dm);
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
+      __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + k), div));  // nearest even
+      v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+      acc = _mm512_add_epi32(acc, v);
+      _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(v));
     }
+    sums[g] = _mm512_reduce_add_epi32(acc);
   }
 }
 
-inline void store_out(uint16_t* out, int64_t idx, float v, const uint16_t* bias, int64_t n) {
-  if (bias) v += bf16_to_float(bias[n]);
-  out[idx] = float_to_bf16(v);
+// Quantize x (M, K) bf16 row by row into "levels": q (<= 2M, K) int8, d, sums (per group of `group`), and the
+// row each level belongs to; returns the number of levels. A row of massive activations (a few channels in
+// the thousands, as LLMs put on their first token) would leave every other channel at 0 or +-1 with one
+// scale: it gets a second level, the first level's remainder quantized on its own, so x ~ d1 q1 + d2 q2.
+int64_t quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* d, int32_t* sums,
+                      int64_t* owner) {
+  std::vector<float> row(K);
+  int64_t levels = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512 v = load_bf16x16(x + m * K + k);
+      _mm512_storeu_ps(row.data() + k, v);
+      total = _mm512_add_ps(total, _mm512_abs_ps(v));
+    }
+    const int64_t first = levels++;
+    quantize_row(row.data(), K, group, q + first * K, d + first, sums + first * (K / group));
+    owner[first] = m;
+    if (d[first] * 127.0f > kOutlierRatio * (_mm512_reduce_add_ps(total) / static_cast<float>(K))) {
+      const __m512 d1 = _mm512_set1_ps(d[first]);
+      for (int64_t k = 0; k < K; k += 16) {  // the remainder x - d1 q1
+        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + first * K + k))));
+        _mm512_storeu_ps(row.data() + k, _mm512_sub_ps(_mm512_loadu_ps(row.data() + k), _mm512_mul_ps(d1, q1)));
+      }
+      const int64_t second = levels++;
+      quantize_row(row.data(), K, group, q + second * K, d + second, sums + second * (K / group));
+      owner[second] = m;
+    }
+  }
+  return levels;
+}
+
+// out[m] = bf16(sum of m's levels (+ bias)): the levels' float results res (levels, N) combined.
+void combine_levels(const float* res, const int64_t* owner, int64_t levels, int64_t N, const uint16_t* bias,
+                    uint16_t* out) {
+  for (int64_t v = 0; v < levels; ++v) {
+    const bool two = v + 1 < levels && owner[v + 1] == owner[v];
+    uint16_t* o = out + owner[v] * N;
+    for (int64_t n = 0; n < N; ++n) {
+      float y = res[v * N + n];
+      if (two) y += res[(v + 1) * N + n];
+      if (bias) y += bf16_to_float(bias[n]);
+      o[n] = float_to_bf16(y);
+    }
+    v += two;
+  }
 }
 
 // The sums of the 16 lanes of a, b, c and d, as 4 lanes: one transposing tree instead of four reductions.
@@ -95,7 +136,7 @@ inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
 // `state` unless k1 == K, where they become outputs.
 template <int NT, int MT>
 void int8_tile(const uint8_t* w, const float* scales, const int8_t* q, const float* d, const int32_t* sums,
-               const uint16_t* bias, uint16_t* out, int64_t n0, int r0, int64_t m0, int64_t K, int64_t N,
+               float* res, int64_t n0, int r0, int64_t m0, int64_t K, int64_t N,
                bool prefetch, int64_t k0, int64_t k1, __m512i* state) {
   __m512i acc[NT][MT];
   for (int i = 0; i < NT; ++i)
@@ -123,7 +164,7 @@ void int8_tile(const uint8_t* w, const float* scales, const int8_t* q, const flo
                                              NT > 3 ? acc[NT > 3 ? 3 : 0][j] : zero));
     for (int i = 0; i < NT; ++i) {
       int64_t n = n0 + r0 + i, m = m0 + j;
-      store_out(out, m * N + n, d[m] * scales[n] * static_cast<float>(dots[i] - 128 * sums[m]), bias, n);
+      res[m * N + n] = d[m] * scales[n] * static_cast<float>(dots[i] - 128 * sums[m]);
     }
   }
 }
@@ -132,23 +173,23 @@ constexpr int64_t kBlockK = 2048;  // bytes of K per block: 4 rows of weights an
 
 template <int MT>
 void int8_rows(const uint8_t* w, const float* scales, const int8_t* q, const float* d, const int32_t* sums,
-               const uint16_t* bias, uint16_t* out, int64_t n0, int64_t m0, int64_t K, int64_t N, bool prefetch) {
+               float* res, int64_t n0, int64_t m0, int64_t K, int64_t N, bool prefetch) {
   if constexpr (MT <= 4) {
-    int8_tile<4, MT>(w, scales, q, d, sums, bias, out, n0, 0, m0, K, N, prefetch, 0, K, nullptr);
+    int8_tile<4, MT>(w, scales, q, d, sums, res, n0, 0, m0, K, N, prefetch, 0, K, nullptr);
   } else {  // two passes of 4 and MT - 4 rows over each block of K, so the tile's weights come from L1 the
             // second time (8 rows x 2 outputs in one pass measured slower: activations re-read from L2)
     __m512i first[16], second[4 * (MT - 4)];
     for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
       const int64_t k1 = std::min(K, k0 + kBlockK);
-      int8_tile<4, 4>(w, scales, q, d, sums, bias, out, n0, 0, m0, K, N, false, k0, k1, first);
-      int8_tile<4, MT - 4>(w, scales, q, d, sums, bias, out, n0, 0, m0 + 4, K, N, prefetch, k0, k1, second);
+      int8_tile<4, 4>(w, scales, q, d, sums, res, n0, 0, m0, K, N, false, k0, k1, first);
+      int8_tile<4, MT - 4>(w, scales, q, d, sums, res, n0, 0, m0 + 4, K, N, prefetch, k0, k1, second);
     }
   }
 }
 
 template <int MT>
 void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, const int8_t* q, const float* d,
-               const int32_t* sums, const uint16_t* bias, uint16_t* out, int64_t n0, int64_t nt, int64_t m0,
+               const int32_t* sums, float* res, int64_t n0, int64_t nt, int64_t m0,
                int64_t K, int64_t N, bool prefetch) {
   const int64_t G = K / 32;
   __m512 acc[kTileN][MT];
@@ -196,7 +237,7 @@ void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, c
         z = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, lo_n + g)),
                             _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, sm + g)), z);
       }
-      store_out(out, m * N + n, d[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[i][j], z)), bias, n);
+      res[m * N + n] = d[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[i][j], z));
     }
   }
 }
@@ -229,30 +270,33 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be float32 (N)");
   TORCH_CHECK(N % kTileN == 0, "N must be a multiple of ", kTileN);
   auto out = at::empty({M, N}, x.options());
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M}, x.options().dtype(at::kFloat));
-  auto sums = at::empty({M}, x.options().dtype(at::kInt));
-  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                sums.data_ptr<int32_t>(), K);
-  const uint16_t* b = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  auto q = at::empty({2 * M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({2 * M}, x.options().dtype(at::kFloat));
+  auto sums = at::empty({2 * M}, x.options().dtype(at::kInt));
+  std::vector<int64_t> owner(2 * M);
+  const int64_t L = quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, K, q.data_ptr<int8_t>(),
+                                  d.data_ptr<float>(), sums.data_ptr<int32_t>(), owner.data());
+  auto res = at::empty({L, N}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   const int32_t* smp = sums.data_ptr<int32_t>();
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt, bool last) {
+  float* op = res.data_ptr<float>();
+  run_tiles(L, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt, bool last) {
     switch (mt) {
-      case 1: int8_rows<1>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
-      case 2: int8_rows<2>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
-      case 3: int8_rows<3>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
-      case 4: int8_rows<4>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
-      case 5: int8_rows<5>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
-      case 6: int8_rows<6>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
-      case 7: int8_rows<7>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last); break;
-      default: int8_rows<8>(wp, sp, qp, dp, smp, b, op, n0, m0, K, N, last);
+      case 1: int8_rows<1>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
+      case 2: int8_rows<2>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
+      case 3: int8_rows<3>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
+      case 4: int8_rows<4>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
+      case 5: int8_rows<5>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
+      case 6: int8_rows<6>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
+      case 7: int8_rows<7>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
+      default: int8_rows<8>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last);
     }
   });
+  combine_levels(op, owner.data(), L, N, bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+                 reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 }
 
@@ -267,31 +311,34 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "lows must be float16 (N, K / 32)");
   TORCH_CHECK(N % kTileN == 0, "N must be a multiple of ", kTileN);
   auto out = at::empty({M, N}, x.options());
-  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
-  auto d = at::empty({M}, x.options().dtype(at::kFloat));
-  auto sums = at::empty({M, K / 32}, x.options().dtype(at::kInt));
-  quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
-                sums.data_ptr<int32_t>(), 32);
-  const uint16_t* b = bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr;
+  auto q = at::empty({2 * M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({2 * M}, x.options().dtype(at::kFloat));
+  auto sums = at::empty({2 * M, K / 32}, x.options().dtype(at::kInt));
+  std::vector<int64_t> owner(2 * M);
+  const int64_t L = quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, 32, q.data_ptr<int8_t>(),
+                                  d.data_ptr<float>(), sums.data_ptr<int32_t>(), owner.data());
+  auto res = at::empty({L, N}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const uint16_t* lp = reinterpret_cast<const uint16_t*>(lows.data_ptr());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   const int32_t* smp = sums.data_ptr<int32_t>();
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  run_tiles(M, N, K, [&](int64_t n0, int64_t nt, int64_t m0_, int mt_, bool last_) {
+  float* op = res.data_ptr<float>();
+  run_tiles(L, N, K, [&](int64_t n0, int64_t nt, int64_t m0_, int mt_, bool last_) {
     for (int64_t m0 = m0_; m0 < m0_ + mt_; m0 += 4) {  // 4 rows at a time: float accumulators fill the registers
       const int mt = static_cast<int>(std::min<int64_t>(4, m0_ + mt_ - m0));
       const bool last = last_ && m0 + 4 >= m0_ + mt_;
       switch (mt) {
-        case 1: int4_tile<1>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-        case 2: int4_tile<2>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-        case 3: int4_tile<3>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last); break;
-        default: int4_tile<4>(wp, sp, lp, qp, dp, smp, b, op, n0, nt, m0, K, N, last);
+        case 1: int4_tile<1>(wp, sp, lp, qp, dp, smp, op, n0, nt, m0, K, N, last); break;
+        case 2: int4_tile<2>(wp, sp, lp, qp, dp, smp, op, n0, nt, m0, K, N, last); break;
+        case 3: int4_tile<3>(wp, sp, lp, qp, dp, smp, op, n0, nt, m0, K, N, last); break;
+        default: int4_tile<4>(wp, sp, lp, qp, dp, smp, op, n0, nt, m0, K, N, last);
       }
     }
   });
+  combine_levels(op, owner.data(), L, N, bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+                 reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 }
 

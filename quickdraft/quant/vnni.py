@@ -72,7 +72,7 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-OUTLIER_RATIO = 20.0  # as kOutlierRatio in csrc/vnni.cpp
+OUTLIER_RATIO = 100.0  # as kOutlierRatio in csrc/vnni.cpp
 
 
 def _quantize(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,10 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch d
   return static_cast<uint16_t>(bits >> 16);
 }
 
-constexpr float kOutlierRatio = 20.0f;  // a row whose largest |x| exceeds this many times its mean |x|
+// A row whose largest |x| exceeds this many times its mean |x| gets a second level. Measured on the 1.5B
+// target (perplexity over bf16, int8 / int4): none +2.0% / +4.3%, 20: +0.4% / +2.5% but 97% of the down
+// projection's decode rows doubled (its inputs are heavy-tailed), 100: +0.1% / +3.6% with 13% doubled.
+constexpr float kOutlierRatio = 100.0f;
 
 // One row of K floats -> int8 codes q (round to nearest even of x / d, d = max |x| / 127), d, and the codes'
 // sums per group.

@@ -1,4 +1,6 @@
-// Weight-only int8 and int4 linear layers for x86 CPUs with AVX-512 VNNI.
+// quickdraft's CPU kernels for x86 CPUs with AVX-512 VNNI: weight-only int8 and int4 linear layers, the
+// attention of decode and verification passes, fused RMSNorm / SiLU-and-multiply / rotary steps, and the
+// int4 grid fit. Each has a plain reference in Python (quickdraft/quant/vnni.py, models/transformer.py).
 //
 // Each call quantizes the activations per row (symmetric int8, one scale per row) and multiplies them
 // with the integer weights by vpdpbusd (64 unsigned x signed byte products per instruction), reading
@@ -9,7 +11,8 @@
 // int4: weights q in 0..15 in groups of 32 along K, w = q * scale + lo (fp16 scale and lo per group),
 //       packed in chunks of 128: byte j holds element j (low nibble) and element j + 64 (high nibble).
 //       y[m][n] = d[m] * sum_g (scale[n][g] * sum_{k in g} q[n][k] x[m][k] + lo[n][g] * sum_{k in g} x[m][k])
-// where x are the int8 activations and d their row scales. Weights are tiled: each 4 output rows are
+// where x are the int8 activations and d their row scales (a row of massive activations gets a second level
+// of codes for its remainder, and its output sums both). Weights are tiled: each 4 output rows are
 // interleaved in 64-byte pieces (and the int4 scales in pieces of 4), so a tile is one sequential stream
 // for the hardware prefetcher. The plain reference is in Python
 // (quickdraft/quant/vnni.py); each output is computed the same way whatever the number of rows, so

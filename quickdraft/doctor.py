@@ -60,6 +60,22 @@ def placement(model: torch.nn.Module, intended: torch.device, role: str) -> Find
                    f"them; load with --device {intended} and enough free memory", figures)
 
 
+def kernels(*models) -> Finding:
+    """On a CPU with bf16 activations: whether quickdraft's own kernels run the models' weights, or why not."""
+    from quickdraft.quant import vnni
+
+    formats = ", ".join(f"{m.name.split('/')[-1]} {m.weights}" for m in models)
+    if not any(m.device.type == "cpu" and m.model.tok_embeddings.weight.dtype == torch.bfloat16 for m in models):
+        return Finding("kernels", "ok", f"not on a bf16 CPU path ({formats})")
+    if vnni.available():
+        return Finding("kernels", "ok", f"quickdraft's AVX-512 VNNI kernels ({formats})", {"formats": formats})
+    reason = vnni.unavailable_reason()
+    fix = ("install a C++ compiler (g++) and ninja, then run again" if "build" in reason
+           else "PyTorch's slower ops are used; nothing to install")
+    return Finding("kernels", "warn", f"quickdraft's CPU kernels are off: {reason}; {fix} ({formats})",
+                   {"reason": reason})
+
+
 def draft_device(target: torch.device, draft: torch.device | None) -> Finding:
     if draft is None:
         return Finding("draft device", "ok", "no draft model (n-gram lookup runs on the host)")

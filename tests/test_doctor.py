@@ -113,3 +113,17 @@ def test_doctor_command(paths):
     assert small.returncode == 1 and "ERROR memory" in small.stdout and "does not fit" in small.stdout
     bad = run("doctor", "-m", str(target), "--draft", str(other), "--ctx", "128")
     assert bad.returncode == 1 and "ERROR tokenizer" in bad.stdout
+
+
+def test_cpu_kernels_off_are_reported_with_the_fix(models, monkeypatch):
+    from quickdraft.quant import vnni
+
+    target = models[0]
+    if vnni.available():
+        assert doctor.kernels(target).level == "ok"
+    monkeypatch.setattr(vnni, "available", lambda: False)
+    monkeypatch.setattr(vnni, "unavailable_reason", lambda: "building vnni.cpp failed: g++: not found")
+    finding = doctor.kernels(target)
+    assert finding.level == "warn" and "install a C++ compiler" in finding.message
+    monkeypatch.setattr(vnni, "unavailable_reason", lambda: "this CPU lacks avx512_vnni")
+    assert "nothing to install" in doctor.kernels(target).message

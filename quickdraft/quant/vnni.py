@@ -16,6 +16,7 @@ the layers use PyTorch's ops instead.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 import time
@@ -53,9 +54,11 @@ def _load() -> str | None:
         from torch.utils import cpp_extension
 
         start = time.perf_counter()
-        cpp_extension.load(name="quickdraft_vnni", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        # named by the source's and flags' hash: two versions (two checkouts) never rebuild over each other
+        digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
+        cpp_extension.load(name=f"quickdraft_vnni_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-        if time.perf_counter() - start > 3:  # compiled now, not loaded from PyTorch's extension cache
+        if time.perf_counter() - start > 3 and sys.stderr.isatty():  # compiled now, not loaded from the cache
             print(f"built quickdraft's CPU kernels in {time.perf_counter() - start:.0f} s (once per machine)",
                   file=sys.stderr)
     except Exception as e:  # no compiler, no ninja, a build error: fall back, saying why

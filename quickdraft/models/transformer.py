@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.config import ModelConfig
+from quickdraft.quant import vnni
 from quickdraft.runtime.kv_cache import KVCache
 
 
@@ -50,11 +51,7 @@ class RMSNorm(nn.Module):
 def _cpu_kernels(x: torch.Tensor) -> bool:
     """Whether quickdraft's CPU kernels (quant/csrc/vnni.cpp) run this bf16 tensor's step: on an AVX-512 VNNI
     CPU where the extension builds. Each fused step does the arithmetic of the PyTorch code beside it."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
-        return False
-    from quickdraft.quant import vnni
-
-    return vnni.available()
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and vnni.available()
 
 
 def rotary_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,7 @@ def kernels(*models) -> Finding:
     from quickdraft.quant import vnni
 
     formats = ", ".join(f"{m.name.split('/')[-1]} {m.weights}" for m in models)
-    if not any(m.device.type == "cpu" and m.model.tok_embeddings.weight.dtype == torch.bfloat16 for m in models):
+    if not any(m.device.type == "cpu" and m.model.dtype == torch.bfloat16 for m in models):
         return Finding("kernels", "ok", f"not on a bf16 CPU path ({formats})")
     if vnni.available():
         return Finding("kernels", "ok", f"quickdraft's AVX-512 VNNI kernels ({formats})", {"formats": formats})

@@ -38,7 +38,7 @@ def perplexity(model, tokens: list[int], ctx: int, bos_id: int | None = None,
             f"the text has {len(tokens)} tokens, fewer than --ctx {ctx}: use a smaller --ctx or a longer text"
         )
     chunks = min(chunks, max_chunks or chunks)
-    device = model.tok_embeddings.weight.device
+    device = model.device
     cache = KVCache.for_model(model, ctx)
     total, scored = 0.0, 0
     first = ctx // 2

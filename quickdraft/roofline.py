@@ -21,12 +21,12 @@ def pass_bytes(model, context: int) -> int:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith("rope_"):
             total += t.shape[-1] * t.element_size()  # one position's row
-        elif name == "tok_embeddings.weight":
-            total += t.shape[-1] * t.element_size()  # one row
+        elif name.startswith("tok_embeddings."):
+            total += t[0].numel() * t.element_size()  # one row (of the table, its codes or its scales)
         else:
             total += t.numel() * t.element_size()
     cfg = model.cfg
-    return total + 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.tok_embeddings.weight.element_size()
+    return total + 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.dtype.itemsize
 
 
 def bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float:

@@ -55,7 +55,7 @@ def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
     if draft is None:
         return 0.0
     model = draft.model
-    device = model.tok_embeddings.weight.device
+    device = model.device
     cache = KVCache.for_model(model, len(prompt) + 2)
     model(torch.tensor([prompt], device=device), cache, last_only=True)
     feed = torch.tensor([prompt[-1:]], device=device)

@@ -54,7 +54,7 @@ def main() -> int:
     for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
         start = time.perf_counter()
         lm = load_model(alias, cfg, progress=False)
-        rows.append([alias, f"{time.perf_counter() - start:.1f}", str(lm.model.tok_embeddings.weight.dtype)])
+        rows.append([alias, f"{time.perf_counter() - start:.1f}", str(lm.model.dtype)])
         loaded.append(lm)
     pair_peak = peak_rss_gib()
     for row, lm in zip(rows, loaded):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
+from gguf import GGUFWriter, quants
 
 
 
@@ -85,11 +85,12 @@ def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors=(),
-                       chat_template: str | None = None, eos: bool = False) -> Path:
+                       chat_template: str | None = None, eos: bool = False, table_type=None) -> Path:
     """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama).
 
     extra_tensors: (name, raw array, gguf type) triples added as they are; eos: the last id becomes the
-    control token <|endoftext|>, the end-of-generation token.
+    control token <|endoftext|>, the end-of-generation token; table_type: a block type (e.g. Q8_0) the
+    embedding table is quantized to with gguf's own quantizer.
     """
     cfg = model.config
     arch = arch or cfg.model_type
@@ -133,6 +134,9 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
             if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
                 t = converter_permute(t, heads)
+        if gname == "token_embd.weight" and table_type is not None:
+            w.add_tensor(gname, quants.quantize(np.ascontiguousarray(t), table_type), raw_dtype=table_type)
+            continue
         w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
     for name, raw, qtype in extra_tensors:
         w.add_tensor(name, raw, raw_dtype=qtype)

@@ -102,3 +102,17 @@ def test_unsupported_type_is_a_clear_error():
     raw = np.zeros((1, GGML_QUANT_SIZES[T.Q2_K][1]), dtype=np.uint8)
     with pytest.raises(QuickdraftError, match="unsupported tensor type Q2_K"):
         dequantize(raw, T.Q2_K, (256,), torch.float32)
+
+
+def test_file_rows_slice_as_the_whole_tensor_does(written):
+    """The lazy rows a quantizing loader reads block by block are the rows of the eager tensor."""
+    path, _ = written
+    reader = gguf_io.open_gguf(path)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        whole = dequantize(t.data, t.tensor_type, shape, torch.bfloat16)
+        rows = gguf_io.FileRows(t.data, t.tensor_type, shape, torch.bfloat16)
+        assert rows.shape == whole.shape and rows.dim() == 2
+        parts = [rows[i:i + 3] for i in range(0, ROWS, 3)]  # blocks of 3 rows: the last one short
+        assert torch.equal(torch.cat(parts), whole), t.name
+        assert torch.equal(rows.full(), whole), t.name

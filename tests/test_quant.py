@@ -6,9 +6,10 @@ import torch
 from quickdraft.config import EngineConfig, SamplingParams
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.quant import int4, int8, vnni
+from quickdraft.quant import embedding, int4, int8, vnni
+from quickdraft.weights import gguf as gguf_io
 from quickdraft.weights.loader import load_model
-from tests.helpers import save_hf_dir, tiny_hf_model
+from tests.helpers import save_hf_dir, tiny_hf_config, tiny_hf_model, write_gguf_from_hf
 
 
 BACKENDS = ["vnni", "torch"]
@@ -239,3 +240,82 @@ def test_a_row_of_massive_activations_keeps_its_small_channels(kind):
     err = ((layer(x).float() - want).abs().amax(-1) / want.abs().amax(-1))
     assert err[1] < 0.02 and err[1] < 3 * err[0] + 0.005
     torch.testing.assert_close(layer(x).float(), layer.reference(x).float(), rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_embedding_rows_are_their_codes(monkeypatch, backend, fmt):
+    torch.manual_seed(0)
+    w = torch.randn(300, 256)
+    w[5, 17] = 40.0  # an outlier costs only its own group precision
+    table = embedding.table(fmt, w)
+    assert isinstance(table, embedding.QuantEmbedding)
+    ids = torch.tensor([[0, 299, 5], [7, 150, 3]])
+    got = table(ids)
+    assert got.shape == (2, 3, 256) and got.dtype == torch.bfloat16
+    groups = w.reshape(300, -1, 32)
+    if fmt == "int8":
+        s = (groups.abs().amax(-1) / 127).to(torch.float16).float()
+        ref = ((groups / s[..., None]).round().clamp(-127, 127) * s[..., None]).reshape(300, -1)
+        step = s
+    else:
+        q, s, lo = int4.quantize(w, torch.float16)
+        ref = (q.float().reshape(300, -1, 32) * s.float()[..., None] + lo.float()[..., None]).reshape(300, -1)
+    assert torch.equal(got, ref[ids].to(torch.bfloat16))  # exactly what the codes stand for
+    if fmt == "int8":  # half a step of its group
+        assert ((ref - w).abs() <= 0.51 * step.repeat_interleave(32, -1) + 1e-6).all()
+    else:  # each group no worse than min-max rounding (the fit trades the extremes for the rest)
+        lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        min_max = int4._sq_error(groups, (hi - lo) / 15, lo)[..., 0]
+        assert (((ref - w) ** 2).reshape(300, -1, 32).sum(-1) <= 1.02 * min_max + 1e-4).all()
+    assert table.row_bytes() < (0.55 if fmt == "int8" else 0.35) * 256 * 2  # against a bf16 row
+    monkeypatch.setattr(embedding, "ROWS", 64)  # quantized in blocks of rows: the same codes
+    chunked = embedding.table(fmt, w)
+    assert all(torch.equal(a, b) for a, b in zip(table.buffers(), chunked.buffers()))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_gguf_block_table_stays_in_its_blocks_and_looks_up_exactly(tmp_path, monkeypatch, fmt):
+    """An embedding table the file holds in a block format is kept as those blocks: its lookups are the
+    rows a bf16 load gives, bit for bit, in the file's size."""
+    from gguf import GGMLQuantizationType as T
+
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = tiny_hf_config("qwen2", vocab=320)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    path = str(write_gguf_from_hf(hf, tmp_path / "m.gguf", table_type=T.Q8_0))
+    monkeypatch.setattr(embedding, "ROWS", 100)  # copied out of the file in blocks of rows
+    small = load_model(path, EngineConfig(device="cpu", dtype="bfloat16", weights=fmt), progress=False).model
+    dense = load_model(path, EngineConfig(device="cpu", dtype="bfloat16", weights="bf16"), progress=False).model
+    table = small.tok_embeddings
+    assert isinstance(table, embedding.BlockEmbedding) and table.qtype == T.Q8_0
+    ids = torch.tensor([[0, 319, 5, 5, 101]])
+    assert torch.equal(table(ids), dense.tok_embeddings(ids))
+    assert torch.equal(table(torch.arange(320)), dense.tok_embeddings.weight)
+    assert table.row_bytes() == 64 // 32 * 34  # two Q8_0 blocks of 32 (34 bytes each) a row
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_gguf_tables_read_by_rows_equal_the_whole_tensors(tmp_path, monkeypatch, fmt, tie):
+    """A GGUF file's vocabulary tables reach the quantizer a block of rows at a time (never whole in bf16);
+    the model is the one the same weights make from a Hugging Face directory, read whole."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = tiny_hf_config("qwen2", vocab=320)
+    cfg.hidden_size, cfg.num_attention_heads, cfg.tie_word_embeddings = 128, 4, tie  # int4 tables: width % 128
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    engine = EngineConfig(device="cpu", dtype="bfloat16", weights=fmt)
+    blocks = []
+    read_rows = gguf_io.FileRows.__getitem__
+    monkeypatch.setattr(gguf_io.FileRows, "__getitem__", lambda self, s: blocks.append(s) or read_rows(self, s))
+    monkeypatch.setattr(embedding, "ROWS", 128)
+    from_gguf = load_model(str(write_gguf_from_hf(hf, tmp_path / "m.gguf")), engine, progress=False).model
+    from_hf = load_model(str(save_hf_dir(hf, tmp_path / "hf")), engine, progress=False).model
+    assert isinstance(from_gguf.tok_embeddings, embedding.QuantEmbedding)
+    assert slice(256, 384) in blocks  # the table was read by blocks of rows
+    assert isinstance(from_gguf.output, int4.Int4Linear if fmt == "int4" else int8.Int8Linear)  # tied or not
+    a, b = from_gguf.state_dict(), from_hf.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -171,6 +171,15 @@ class Transformer(nn.Module):
     def max_context(self) -> int:
         return self.rope_cos.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embedding table may be quantized: see quant/embedding.py)."""
+        return self.norm.weight.dtype
+
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Run tokens (B, S) at positions cache.length .. cache.length + S - 1.
 

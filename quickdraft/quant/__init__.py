@@ -1,10 +1,9 @@
-"""Runtime weight formats: weight-only int8 and int4 linear layers, converted once at load."""
+"""Runtime weight formats: weight-only int8 and int4 linear layers and embedding tables, converted once at load."""
 
 from __future__ import annotations
 
-from torch import nn
-
 FORMATS = ("auto", "bf16", "int8", "int4")
+QUANTIZED = ("int8", "int4")
 
 
 def resolve(fmt: str, device, dtype, role: str = "target") -> str:
@@ -31,23 +30,3 @@ def layer(fmt: str, weight, bias):
 
     kind, supported = {"int4": (int4.Int4Linear, int4.supported), "int8": (int8.Int8Linear, int8.supported)}[fmt]
     return kind(weight, bias) if supported(weight) else None
-
-
-def convert(model: nn.Module, fmt: str) -> int:
-    """Replace the model's linear layers (and its output head, a quantized copy when tied to the embedding)
-    with fmt's layers where its kernel applies; returns how many."""
-    from quickdraft.models.transformer import Linear
-    from quickdraft.quant import int4, int8
-
-    kind = {"int4": int4.Int4Linear, "int8": int8.Int8Linear}[fmt]
-    supported = {"int4": int4.supported, "int8": int8.supported}[fmt]
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear) and supported(child.weight):
-                setattr(parent, name, kind(child.weight.data, child.bias.data if child.bias is not None else None))
-                count += 1
-    if getattr(model, "output", None) is None and supported(model.tok_embeddings.weight):
-        model.output = kind(model.tok_embeddings.weight.data, None)  # tied: a quantized copy
-        count += 1
-    return count

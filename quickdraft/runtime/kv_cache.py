@@ -23,9 +23,8 @@ class KVCache:
     @classmethod
     def for_model(cls, model, capacity: int | None = None, batch: int = 1) -> "KVCache":
         cfg = model.cfg
-        weight = model.tok_embeddings.weight
         return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or model.max_context,
-                   batch=batch, dtype=weight.dtype, device=weight.device)
+                   batch=batch, dtype=model.dtype, device=model.device)
 
     @property
     def capacity(self) -> int:

@@ -46,7 +46,7 @@ def load_draft(draft: str, target: LoadedModel, engine: EngineConfig, capacity: 
                progress: bool | None = None, weights: str = "auto") -> LoadedModel:
     """The draft model, in the target's dtype, on draft_device or the target's device."""
     device = draft_device or str(target.device)
-    dtype = str(target.model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    dtype = str(target.model.dtype).removeprefix("torch.")
     weights = quant.resolve(weights, device, getattr(torch, dtype), role="draft")
     return load_model(draft, replace(engine, device=device, dtype=dtype, weights=weights, max_context=capacity),
                       progress)

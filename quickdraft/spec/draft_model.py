@@ -17,7 +17,7 @@ class DraftModelDrafter:
 
     def __init__(self, model, target_vocab: int, capacity: int, p_min: float = 0.0):
         self.model = model
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self.target_vocab = target_vocab
         self.p_min = p_min
         self.cache = KVCache.for_model(model, capacity)

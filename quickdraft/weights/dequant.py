@@ -115,6 +115,7 @@ _BLOCK_FORMATS = {
 }
 _PLAIN_FORMATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 SUPPORTED_TYPES = tuple(_PLAIN_FORMATS) + tuple(_BLOCK_FORMATS)
+BLOCK_TYPES = tuple(_BLOCK_FORMATS)
 
 
 def _as_torch(a: np.ndarray) -> torch.Tensor:
@@ -144,3 +145,10 @@ def dequantize(raw: np.ndarray, qtype: T, shape: tuple[int, ...], dtype: torch.d
 
 
 CHUNK_BLOCKS = 1 << 14
+
+
+def dequantize_rows(rows: torch.Tensor, qtype: T, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a block-format matrix, (n, bytes per row) uint8 -> (n, row length) in dtype: the values
+    `dequantize` gives those rows."""
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    return _BLOCK_FORMATS[qtype](rows.reshape(-1, block_bytes)).to(dtype).reshape(rows.shape[0], -1)

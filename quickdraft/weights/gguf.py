@@ -86,15 +86,23 @@ def check_tensor_types(reader: GGUFReader) -> None:
             )
 
 
-def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None):
+def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None, lazy: bool = False):
     """Dequantize every tensor the model uses into `dtype`, one at a time: yields (model name, tensor).
 
+    lazy: the vocabulary-sized tables come as FileRows, dequantized by the consumer a block of rows at a time
+    (for a loader that quantizes them: they are never in full precision in full).
     `progress(nbytes)` is called after each tensor with the bytes it covered.
     """
     for t in reader.tensors:
         name = gguf_to_model(t.name)
         if name is not None:
             shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+            if lazy and name in FileRows.NAMES:
+                yield name, FileRows(t.data, t.tensor_type, shape, dtype)
+                _release(reader, t)
+                if progress is not None:
+                    progress(int(t.n_bytes))
+                continue
             w = dequantize(t.data, t.tensor_type, shape, dtype)
             if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
                 heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
@@ -103,6 +111,30 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
         _release(reader, t)
         if progress is not None:
             progress(int(t.n_bytes))
+
+
+class FileRows:
+    """A 2-D tensor still in the file that slicing rows dequantizes: `rows[i:j]` is a (j - i, K) tensor.
+
+    Used only while the consumer runs (before the reader moves on), by quantized layers that read their
+    weight a block of rows at a time, and by embedding tables that keep the raw blocks."""
+
+    NAMES = ("tok_embeddings.weight", "output.weight")
+    device = torch.device("cpu")
+
+    def __init__(self, raw, qtype, shape: tuple[int, int], dtype: torch.dtype):
+        self.raw, self.qtype, self.shape, self.dtype = raw, qtype, torch.Size(shape), dtype
+
+    def dim(self) -> int:
+        return 2
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, step = rows.indices(self.shape[0])
+        assert step == 1, "FileRows slices whole blocks of rows"
+        return dequantize(self.raw[start:stop], self.qtype, (stop - start, self.shape[1]), self.dtype)
+
+    def full(self) -> torch.Tensor:
+        return self[:]
 
 
 def _release(reader: GGUFReader, t) -> None:

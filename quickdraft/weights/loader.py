@@ -12,6 +12,7 @@ from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.transformer import Transformer, rotary_tables
+from quickdraft.quant import embedding
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.ui import progress_bar
 from quickdraft.weights import gguf as gguf_io, hub, safetensors as st_io
@@ -30,7 +31,7 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.tok_embeddings.weight.device
+        return self.model.device
 
 
 def resolve(spec: str) -> Path:
@@ -107,8 +108,8 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
         context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with progress_bar(f"loading {path.name}", total, progress) as update:
-            model = build_model(cfg, gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update)), device, context,
-                                weights, dtype)
+            tensors = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update), lazy=weights in quant.QUANTIZED)
+            model = build_model(cfg, tensors, device, context, weights, dtype)
     return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights)
 
 
@@ -140,30 +141,41 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
     if missing:
         raise QuickdraftError(f"the checkpoint does not match its config: missing {missing[:3]}")
     model.rope_cos, model.rope_sin = (t.to(device) for t in rotary_tables(cfg, max_context))
-    if weights in ("int8", "int4") and model.output is None:
-        quant.convert(model, weights)  # a tied output head: a quantized copy of the embedding
     return model.eval().requires_grad_(False)
 
 
 def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.device, weights: str) -> None:
-    """Put one complete module's tensors on the device, as a quantized layer where the format asks."""
+    """Put one complete module's tensors on the device, as a quantized layer where the format asks (on the
+    CPU: _check_format saw to it). A tensor may be the file's rows (gguf.FileRows), read here and only here."""
     from quickdraft.models.transformer import Linear
 
-    if weights in ("int8", "int4") and isinstance(module, Linear):
-        layer = quant.layer(weights, tensors["weight"].to(device), tensors.get("bias"))
+    if weights in quant.QUANTIZED and isinstance(module, Linear):
+        layer = quant.layer(weights, tensors["weight"], tensors.get("bias"))
         if layer is not None:
             parent, _, attr = owner.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, layer)
             return
+    if weights in quant.QUANTIZED and owner == "tok_embeddings":
+        table = tensors["weight"]
+        if model.output is None:  # tied: the head is a quantized copy, made before the table is converted
+            model.output = quant.layer(weights, table, None)
+        compact = embedding.table(weights, table) if model.output is not None else None
+        if compact is not None:
+            model.tok_embeddings = compact
+            return
     for leaf, w in tensors.items():
-        module._parameters[leaf] = torch.nn.Parameter(w.to(device), requires_grad=False)
+        module._parameters[leaf] = torch.nn.Parameter(_full(w).to(device), requires_grad=False)
+
+
+def _full(w):
+    return w.full() if isinstance(w, gguf_io.FileRows) else w
 
 
 def _check_format(fmt: str, device: torch.device, dtype: torch.dtype | None) -> None:
 
     if fmt not in quant.FORMATS:
         raise QuickdraftError(f"--weights {fmt!r}: choose {', '.join(quant.FORMATS)}")
-    if fmt in ("int8", "int4") and (device.type != "cpu" or dtype != torch.bfloat16):
+    if fmt in quant.QUANTIZED and (device.type != "cpu" or dtype != torch.bfloat16):
         raise QuickdraftError(f"--weights {fmt} runs on the CPU with bfloat16 activations: add --device cpu "
                               "--dtype bfloat16, or use --weights bf16")
 

@@ -1,0 +1,95 @@
+"""Embedding tables kept small: a vocabulary-sized table is the largest tensor of a small model (a third of the
+1.5B target's bytes in bf16), yet one step reads one row of it. In the quantized weight formats the table
+stays compact and a lookup dequantizes only the rows it needs:
+
+- from a GGUF file in a block format (Q4_K, Q5_0, ...): the file's own blocks (`BlockEmbedding`), so the rows
+  are bit for bit those of a bf16 load, in the file's size;
+- otherwise (bf16 safetensors, float GGUF tables): quantized here (`QuantEmbedding`), in groups of 32 with a
+  float16 scale per group: int8 symmetric, or int4 on the grid `int4.quantize` fits, two codes to a byte.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quickdraft.quant import int4, vnni
+from quickdraft.weights import dequant
+
+ROWS = 4096  # rows converted at a time: the table (or the file's rows behind it) is never float32 in full
+GROUP = 32
+
+
+def table(fmt: str, weight) -> nn.Module | None:
+    """The compact table for weight (V, D): a tensor, or the file's rows (gguf.FileRows); None where neither
+    kind applies (the table then stays in the model's dtype)."""
+    if getattr(weight, "qtype", None) in dequant.BLOCK_TYPES:
+        return BlockEmbedding(weight.raw, weight.qtype, weight.shape)
+    if weight.shape[1] % (GROUP if fmt == "int8" else 128) == 0:  # int4 packs codes in chunks of 128
+        return QuantEmbedding(fmt, weight)
+    return None
+
+
+class _Rows(nn.Module):
+    dtype = torch.bfloat16  # the quantized formats run bf16 activations
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.rows(tokens.reshape(-1)).reshape(*tokens.shape, self.embedding_dim)
+
+    def row_bytes(self) -> int:
+        """Bytes one lookup of one token reads."""
+        return sum(b[0].numel() * b.element_size() for b in self.buffers())
+
+
+class BlockEmbedding(_Rows):
+    def __init__(self, raw, qtype, shape: tuple[int, int]):
+        """raw: the file's (V, bytes per row) uint8 array, copied here (the file is closed after loading)."""
+        super().__init__()
+        self.qtype = qtype
+        self.num_embeddings, self.embedding_dim = shape
+        blocks = torch.empty(raw.shape, dtype=torch.uint8)
+        for i in range(0, raw.shape[0], ROWS):
+            blocks[i:i + ROWS] = torch.from_numpy(raw[i:i + ROWS].copy())
+        self.register_buffer("blocks", blocks)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequant.dequantize_rows(self.blocks[ids], self.qtype, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"
+
+
+class QuantEmbedding(_Rows):
+    def __init__(self, fmt: str, weight):
+        """weight: (V, D), a tensor or anything that gives float rows by slicing."""
+        super().__init__()
+        self.fmt = fmt
+        self.num_embeddings, self.embedding_dim = weight.shape
+        parts: list[tuple[torch.Tensor, ...]] = []
+        for i in range(0, self.num_embeddings, ROWS):
+            rows = weight[i:i + ROWS]
+            if fmt == "int8":
+                groups = rows.float().reshape(rows.shape[0], -1, GROUP)
+                scale = (groups.abs().amax(-1) / 127).clamp_min(1e-8).to(torch.float16)
+                q = (groups / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+                parts.append((q.reshape(rows.shape), scale))
+            else:
+                q, s, lo = int4.quantize(rows, torch.float16)
+                parts.append((vnni.pack_int4(q), s, lo))
+        names = ("codes", "scales") if fmt == "int8" else ("codes", "scales", "lows")
+        for j, name in enumerate(names):
+            self.register_buffer(name, torch.cat([p[j] for p in parts]))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows ids (n,) -> (n, D): exactly what the codes stand for."""
+        n = ids.shape[0]
+        if self.fmt == "int8":
+            codes = self.codes[ids].float().reshape(n, -1, GROUP)
+            w = codes * self.scales[ids].float()[..., None]
+        else:
+            codes = vnni.unpack_int4(self.codes[ids]).float().reshape(n, -1, int4.GROUP)
+            w = codes * self.scales[ids].float()[..., None] + self.lows[ids].float()[..., None]
+        return w.reshape(n, self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"

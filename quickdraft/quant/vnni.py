@@ -112,16 +112,17 @@ def int8_reference(x, u, scales, bias) -> torch.Tensor:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """(N, K) codes 0..15 -> (N, K / 2) uint8: in each chunk of 128, byte j holds j (low) and j + 64 (high)."""
+    """(N, K) codes 0..15 -> (N, K / 2) uint8: in each chunk of 128 (4 groups of 32), byte 16g + i holds
+    elements 32g + i (low nibble) and 32g + 16 + i (high nibble): a byte's two codes share a group."""
     n, k = codes.shape
-    c = codes.to(torch.uint8).reshape(n, k // 128, 2, 64)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+    c = codes.to(torch.uint8).reshape(n, k // 128, 4, 2, 16)
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     n, half = packed.shape
-    p = packed.reshape(n, half // 64, 64)
-    return torch.stack([p & 15, p >> 4], dim=2).reshape(n, half * 2)
+    p = packed.reshape(n, half // 64, 4, 16)
+    return torch.stack([p & 15, p >> 4], dim=3).reshape(n, half * 2)
 
 
 def int4_reference(x, packed, scales, lows, bias) -> torch.Tensor:

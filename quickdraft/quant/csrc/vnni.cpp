@@ -9,7 +9,9 @@
 // int8: weights u = q + 128 in 0..255 (q in -127..127, one scale per output row).
 //       y[m][n] = d[m] * s[n] * (sum_k u[n][k] x[m][k] - 128 * sum_k x[m][k])
 // int4: weights q in 0..15 in groups of 32 along K, w = q * scale + lo (fp16 scale and lo per group),
-//       packed in chunks of 128: byte j holds element j (low nibble) and element j + 64 (high nibble).
+//       packed in chunks of 128 (4 groups): byte 16g + i holds elements 32g + i (low nibble) and 32g + 16 + i
+//       (high nibble), so both vpdpbusd of a chunk (low nibbles, high nibbles) add into the same group's
+//       lanes and a chunk needs one conversion to float and one multiply-add per activation row.
 //       y[m][n] = d[m] * sum_g (scale[n][g] * sum_{k in g} q[n][k] x[m][k] + lo[n][g] * sum_{k in g} x[m][k])
 // where x are the int8 activations and d their row scales (a row of massive activations gets a second level
 // of codes for its remainder, and its output sums both). Weights are tiled: each 4 output rows are
@@ -202,15 +204,15 @@ void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, c
   for (int i = 0; i < kTileN; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  const __m512i first = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i second = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);  // lanes 4g..4g+3: g
   const uint8_t* wt = w + n0 * (K / 2);  // the tile's 4 rows, interleaved in 64-byte pieces
   const uint16_t* st = scales + n0 * G;   // and their scales, 4 per row per piece
   for (int64_t k = 0; k < K; k += 128) {
-    __m512i xlo[MT], xhi[MT];
+    __m512i xlo[MT], xhi[MT];  // the activations facing the low nibbles (x[32g .. 32g + 15]) and the high ones
     for (int j = 0; j < MT; ++j) {
-      xlo[j] = _mm512_loadu_si512(q + (m0 + j) * K + k);
-      xhi[j] = _mm512_loadu_si512(q + (m0 + j) * K + k + 64);
+      const __m512i a = _mm512_loadu_si512(q + (m0 + j) * K + k), b = _mm512_loadu_si512(q + (m0 + j) * K + k + 64);
+      xlo[j] = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+      xhi[j] = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1));
     }
     if (prefetch) {  // the next tile's same piece and scales, into L2
       for (int i = 0; i < kTileN; ++i)
@@ -222,12 +224,10 @@ void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, c
       __m512i lo = _mm512_and_si512(packed, nibble);
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       __m512 s4 = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(st + (k / 32) * kTileN + i * 4))));
-      __m512 s01 = _mm512_permutexvar_ps(first, s4), s23 = _mm512_permutexvar_ps(second, s4);
+      __m512 s = _mm512_permutexvar_ps(spread, s4);
       for (int j = 0; j < MT; ++j) {
-        __m512i dlo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[j]);
-        __m512i dhi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi[j]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), s01, acc[i][j]);
-        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), s23, acc[i][j]);
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[j]), hi, xhi[j]);
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[i][j]);
       }
     }
   }

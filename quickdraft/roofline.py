@@ -74,9 +74,11 @@ def median_seconds(run, device: torch.device, reps: int, before=None) -> float:
 
 
 @torch.inference_mode()
-def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 3) -> tuple[float, dict[int, float]]:
+def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 5) -> tuple[float, dict[int, float]]:
     """Seconds of one target pass over one token after the prompt, and v(k) = (pass over k + 1 tokens) / that,
-    for k = 1..kmax (the cache rolled back between passes)."""
+    for k = 1..kmax (the cache rolled back between passes). Each v(k) is the median of reps ratios of a
+    k + 1-token pass to a one-token pass timed just before it: on a shared, noisy machine a pair of
+    neighbouring passes sees the same conditions, where one baseline for the whole curve would skew it all."""
     model, device = target.model, target.device
     cache = KVCache.for_model(model, len(prompt) + kmax + 2)
     model(torch.tensor([prompt], device=device), cache, last_only=True)
@@ -84,10 +86,23 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 3) -> tuple[f
     feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)
 
     def seconds(k: int) -> float:
-        return median_seconds(lambda: model(feed[:, : k + 1], cache), device, reps, lambda: cache.rollback(n))
+        cache.rollback(n)
+        sync(device)
+        t0 = time.perf_counter()
+        model(feed[:, : k + 1], cache)
+        sync(device)
+        return time.perf_counter() - t0
 
-    t1 = seconds(0)
-    return t1, {k: seconds(k) / t1 for k in range(1, kmax + 1)}
+    for k in (0, kmax):  # warm-up: one-off setup of both shapes
+        seconds(k)
+    ones, v = [], {}
+    for k in range(1, kmax + 1):
+        ratios = []
+        for _ in range(reps):
+            ones.append(seconds(0))
+            ratios.append(seconds(k) / ones[-1])
+        v[k] = statistics.median(ratios)
+    return statistics.median(ones), v
 
 
 def report(target, draft, rows: list[dict], prompt: list[int], kmax: int = 16) -> dict:

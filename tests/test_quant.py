@@ -319,3 +319,24 @@ def test_gguf_tables_read_by_rows_equal_the_whole_tensors(tmp_path, monkeypatch,
     assert isinstance(from_gguf.output, int4.Int4Linear if fmt == "int4" else int8.Int8Linear)  # tied or not
     a, b = from_gguf.state_dict(), from_hf.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path, monkeypatch):
+    """PyTorch's builder waits forever on the lock of a build that was killed (Ctrl-C during the first
+    run): every later run would hang. An old lock is removed; a fresh one (a build under way) is kept."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "quickdraft_vnni_test" / "lock"
+    assert cpp_extension._get_build_directory("quickdraft_vnni_test", False) == str(lock.parent)
+    lock.parent.mkdir(exist_ok=True)  # (the helper made it)
+    lock.touch()
+    vnni._clear_stale_lock("quickdraft_vnni_test")
+    assert lock.exists()
+    old = time.time() - vnni.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    vnni._clear_stale_lock("quickdraft_vnni_test")
+    assert not lock.exists()

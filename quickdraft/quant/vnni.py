@@ -56,6 +56,7 @@ def _load() -> str | None:
         start = time.perf_counter()
         # named by the source's and flags' hash: two versions (two checkouts) never rebuild over each other
         digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
+        _clear_stale_lock(f"quickdraft_vnni_{digest}")
         cpp_extension.load(name=f"quickdraft_vnni_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if time.perf_counter() - start > 3 and sys.stderr.isatty():  # compiled now, not loaded from the cache
@@ -65,6 +66,23 @@ def _load() -> str | None:
         lines = str(e).strip().splitlines() or [repr(e)]
         return f"building {SOURCE.name} failed: {next((ln for ln in lines if 'error' in ln), lines[-1]).strip()}"
     return None
+
+
+STALE_LOCK_S = 180  # a build takes 15-60 s; a lock older than this was left by a build that was killed
+
+
+def _clear_stale_lock(name: str) -> None:
+    """Remove the build lock a killed build left behind: PyTorch's builder would wait on it forever (every
+    later run hangs at its first layer)."""
+    from torch.utils import cpp_extension
+
+    try:
+        lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            print(f"removed a stale build lock ({lock}) left by an interrupted build", file=sys.stderr)
+    except (OSError, AttributeError, TypeError):  # no lock (the usual case), or a PyTorch without the helper
+        pass
 
 
 def available() -> bool:

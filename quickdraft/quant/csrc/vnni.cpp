@@ -113,13 +113,30 @@ int64_t quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t group, in
   return levels;
 }
 
-// out[m] = bf16(sum of m's levels (+ bias)): the levels' float results res (levels, N) combined.
+inline __m256i float_to_bf16x16(__m512 v) {  // round to nearest even (no NaN handling: finite inputs)
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+// out[m] = bf16(sum of m's levels (+ bias)): the levels' float results res (levels, N) combined, 16 at a time
+// (the same additions and rounding as the scalar tail).
 void combine_levels(const float* res, const int64_t* owner, int64_t levels, int64_t N, const uint16_t* bias,
                     uint16_t* out) {
   for (int64_t v = 0; v < levels; ++v) {
     const bool two = v + 1 < levels && owner[v + 1] == owner[v];
     uint16_t* o = out + owner[v] * N;
-    for (int64_t n = 0; n < N; ++n) {
+    int64_t n = 0;
+    for (; n + 16 <= N; n += 16) {
+      __m512 y = _mm512_loadu_ps(res + v * N + n);
+      if (two) y = _mm512_add_ps(y, _mm512_loadu_ps(res + (v + 1) * N + n));
+      if (bias) y = _mm512_add_ps(y, load_bf16x16(bias + n));
+      __m256i h = float_to_bf16x16(y);
+      const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+      _mm256_storeu_si256((__m256i*)(o + n), _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7fc0)));
+    }
+    for (; n < N; ++n) {
       float y = res[v * N + n];
       if (two) y += res[(v + 1) * N + n];
       if (bias) y += bf16_to_float(bias[n]);
@@ -483,13 +500,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 // Small fused steps of a decode pass, each the same arithmetic as the PyTorch code it replaces
 // (models/transformer.py), one call instead of 5-10 small ops.
-
-inline __m256i float_to_bf16x16(__m512 v) {  // round to nearest even (no NaN handling: finite inputs)
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
-}
 
 inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 and back
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16x16(v)), 16));

@@ -60,17 +60,19 @@ def sync(device: torch.device) -> None:
 def median_seconds(run, device: torch.device, reps: int, before=None) -> float:
     """Median wall time of run() over reps calls after one warm-up call (one-off setup), the device synced
     around each; before() (e.g. a cache rollback) runs untimed ahead of every call."""
-    times = []
-    for i in range(reps + 1):
-        if before is not None:
-            before()
-        sync(device)
-        t0 = time.perf_counter()
-        run()
-        sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = [timed(run, device, before) for _ in range(reps + 1)]
+    return statistics.median(times[1:])
+
+
+def timed(run, device: torch.device, before=None) -> float:
+    """Wall time of one run() (before() first, untimed), the device synced around it."""
+    if before is not None:
+        before()
+    sync(device)
+    t0 = time.perf_counter()
+    run()
+    sync(device)
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()
@@ -86,12 +88,7 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 5) -> tuple[f
     feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)
 
     def seconds(k: int) -> float:
-        cache.rollback(n)
-        sync(device)
-        t0 = time.perf_counter()
-        model(feed[:, : k + 1], cache)
-        sync(device)
-        return time.perf_counter() - t0
+        return timed(lambda: model(feed[:, : k + 1], cache), device, lambda: cache.rollback(n))
 
     for k in (0, kmax):  # warm-up: one-off setup of both shapes
         seconds(k)

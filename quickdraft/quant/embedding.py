@@ -48,8 +48,8 @@ class BlockEmbedding(_Rows):
         self.qtype = qtype
         self.num_embeddings, self.embedding_dim = shape
         blocks = torch.empty(raw.shape, dtype=torch.uint8)
-        for i in range(0, raw.shape[0], ROWS):
-            blocks[i:i + ROWS] = torch.from_numpy(raw[i:i + ROWS].copy())
+        for i in range(0, raw.shape[0], ROWS):  # straight from the mapped file into the buffer
+            blocks.numpy()[i:i + ROWS] = raw[i:i + ROWS]
         self.register_buffer("blocks", blocks)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -82,13 +82,10 @@ class QuantEmbedding(_Rows):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ids (n,) -> (n, D): exactly what the codes stand for."""
+        if self.fmt == "int4":
+            return int4.dequantize(vnni.unpack_int4(self.codes[ids]), self.scales[ids], self.lows[ids]).to(self.dtype)
         n = ids.shape[0]
-        if self.fmt == "int8":
-            codes = self.codes[ids].float().reshape(n, -1, GROUP)
-            w = codes * self.scales[ids].float()[..., None]
-        else:
-            codes = vnni.unpack_int4(self.codes[ids]).float().reshape(n, -1, int4.GROUP)
-            w = codes * self.scales[ids].float()[..., None] + self.lows[ids].float()[..., None]
+        w = self.codes[ids].float().reshape(n, -1, GROUP) * self.scales[ids].float()[..., None]
         return w.reshape(n, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:

@@ -77,6 +77,12 @@ def quantize(weight: torch.Tensor, dtype=torch.bfloat16) -> tuple[torch.Tensor, 
     return q, scale[..., 0].to(dtype), lo[..., 0].to(dtype)
 
 
+def dequantize(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Codes q (N, K) on their grids (scale, lo: (N, K / GROUP)) -> the float32 weight q s + lo."""
+    n = q.shape[0]
+    return (q.reshape(n, -1, GROUP).float() * scale.float()[..., None] + lo.float()[..., None]).reshape(n, -1)
+
+
 ROWS = 1024  # rows quantized and packed at a time: a vocabulary-sized head never has float32 copies in full
 
 
@@ -125,8 +131,7 @@ class Int4Linear(nn.Module):
         else:
             sz = self.scales_and_zeros.float()  # (K / GROUP, N, 2)
             scale, lo = sz[..., 0].t(), sz[..., 1].t() - 8 * sz[..., 0].t()
-        w = q.reshape(n, -1, GROUP).float() * scale[..., None] + lo[..., None]
-        return w.reshape(n, self.in_features)
+        return dequantize(q.reshape(n, self.in_features), scale, lo)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """What forward computes, in plain PyTorch (on PyTorch's kernel, this needs the vnni path)."""

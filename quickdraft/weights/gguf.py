@@ -98,15 +98,12 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
         if name is not None:
             shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
             if lazy and name in FileRows.NAMES:
-                yield name, FileRows(t.data, t.tensor_type, shape, dtype)
-                _release(reader, t)
-                if progress is not None:
-                    progress(int(t.n_bytes))
-                continue
-            w = dequantize(t.data, t.tensor_type, shape, dtype)
-            if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
-                heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
-                w = unpermute_rotary(w, heads)
+                w = FileRows(t.data, t.tensor_type, shape, dtype)
+            else:
+                w = dequantize(t.data, t.tensor_type, shape, dtype)
+                if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                    heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
+                    w = unpermute_rotary(w, heads)
             yield name, w
         _release(reader, t)
         if progress is not None:

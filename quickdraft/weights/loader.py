@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,10 +120,18 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
 def _return_freed_memory() -> None:
     """Hand the heap that loading freed (parsed metadata, conversion buffers: ~0.15 GB a model) back to the
     system: glibc keeps freed memory in the process otherwise, and peak memory is what a user meets."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, opened once (it runs after every quantized module of a load); None elsewhere."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+        return None
 
 
 def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: int, weights: str = "auto",

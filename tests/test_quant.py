@@ -340,3 +340,47 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path, monkeypatch):
     os.utime(lock, (old, old))
     vnni._clear_stale_lock("quickdraft_vnni_test")
     assert not lock.exists()
+
+
+@pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_fused_layer_step_equals_the_modules_bit_for_bit(monkeypatch, qkv_bias):
+    """block_step (one C++ call a layer) against the same layer run module by module: a prefill, one-token
+    steps and verification passes give identical logits and identical KV caches, int4 and int8 layers mixed."""
+    from quickdraft.config import ModelConfig
+    from quickdraft.models import transformer as T
+    from quickdraft.runtime.kv_cache import KVCache
+
+    torch.manual_seed(5)
+    cfg = ModelConfig(arch="qwen2", vocab_size=256, dim=256, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64,
+                      ffn_dim=384, norm_eps=1e-6, rope_theta=1e6, max_context=128, qkv_bias=qkv_bias)
+    model = T.Transformer(cfg).to(torch.bfloat16)
+    for p in model.parameters():
+        p.data = torch.randn_like(p) * (0.05 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0.0)
+    model.rope_cos, model.rope_sin = T.rotary_tables(cfg, cfg.max_context)  # float32, as the loader keeps them
+    for i, block in enumerate(model.layers):  # layer 0 all int4, 1 all int8, 2 mixed
+        for j, (parent, attr) in enumerate([(block.attention, "wqkv"), (block.attention, "wo"),
+                                            (block.feed_forward, "w13"), (block.feed_forward, "w2")]):
+            old = getattr(parent, attr)
+            kind = [int4.Int4Linear, int8.Int8Linear][(i + j * (i == 2)) % 2]
+            setattr(parent, attr, kind(old.weight.data, None if old.bias is None else old.bias.data))
+    assert all(block._fused() is not None for block in model.layers)
+
+    def run(fused):
+        monkeypatch.setattr(T, "FUSED_LAYERS", fused)
+        cache = KVCache.for_model(model, 128)
+        outs = [model(torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1)), cache)]
+        for s in (1, 1, 5, 8, 1):
+            outs.append(model(torch.arange(s).reshape(1, s) * 7 % 256, cache))
+        cache.rollback(74)  # a rejected draft's positions are written over
+        outs.append(model(torch.tensor([[9, 8, 7]]), cache))
+        return outs, cache.k[:, :, :, :cache.length], cache.v[:, :, :, :cache.length]
+
+    with torch.inference_mode():
+        (ref, ref_k, ref_v), (got, got_k, got_v) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert torch.equal(ref_k, got_k) and torch.equal(ref_v, got_v)
+    # the fused step really ran: swapping a layer for a float one drops that block back to its modules
+    block = model.layers[0]
+    block.feed_forward.w2 = T.Linear(384, 256, bias=False).to(torch.bfloat16)
+    assert block._fused() is None and model.layers[1]._fused() is not None

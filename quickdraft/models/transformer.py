@@ -142,6 +142,11 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+# Decode and verification passes (up to ROWWISE_MAX tokens) of layers on quickdraft's int8/int4 kernels run each
+# layer as one C++ call (block_step); False runs them module by module (the reference, for tests and A/B runs).
+FUSED_LAYERS = True
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -151,8 +156,48 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x, cos, sin, cache, layer, mask):
+        if FUSED_LAYERS and x.shape[1] <= ROWWISE_MAX and _cpu_kernels(x):
+            fused = self._fused()
+            if fused is not None:  # the same kernels in the same order, in one call (csrc/vnni.cpp block_step)
+                a = self.attention
+                return torch.ops.quickdraft_vnni.block_step(x, fused[0], fused[1], self.attention_norm.eps, cos, sin,
+                                                            a.n_heads, a.n_kv_heads, cache.k[layer], cache.v[layer],
+                                                            cache.length)
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def _fused(self) -> tuple | None:
+        """(weights, kinds) as block_step takes them, where it can run this layer: every linear layer on
+        quickdraft's int8/int4 kernels, no q/k norms, shapes its steps take; else None. Kept until a linear
+        layer is swapped."""
+        a, f = self.attention, self.feed_forward
+        linears = (a.wqkv, a.wo, f.w13, f.w2)
+        cached = self.__dict__.get("_fused_cache")
+        if cached is None or any(m is not c for m, c in zip(linears, cached[0])):
+            cached = self._fused_cache = (linears, self._fused_weights(linears))
+        return cached[1]
+
+    def _fused_weights(self, linears) -> tuple | None:
+        from quickdraft.quant.int4 import Int4Linear
+        from quickdraft.quant.int8 import Int8Linear
+
+        a, norms = self.attention, (self.attention_norm, self.ffn_norm)
+        if not (a.q_norm is None and a.head_dim % 32 == 0 and a.head_dim <= 256
+                and self.feed_forward.w2.in_features % 16 == 0 and self.attention_norm.eps == self.ffn_norm.eps
+                and all(n.weight.dtype == torch.bfloat16 and n.weight.numel() % 16 == 0 for n in norms)
+                and all(isinstance(m, (Int4Linear, Int8Linear)) and m.vnni for m in linears)):
+            return None
+        none = torch.empty(0, dtype=torch.bfloat16)
+        weights, kinds = [n.weight for n in norms], []
+        for m in linears:
+            bias = none if m.bias is None else m.bias
+            if isinstance(m, Int4Linear):
+                weights += [m.packed, m.scales, m.lows, bias]
+                kinds.append(4)
+            else:
+                weights += [m.q, m.scales, none, bias]
+                kinds.append(8)
+        return weights, kinds
 
 
 class Transformer(nn.Module):

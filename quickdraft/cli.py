@@ -11,6 +11,7 @@ from pathlib import Path
 
 from quickdraft import __version__
 from quickdraft.errors import QuickdraftError
+from quickdraft.quant import FORMATS
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
 
@@ -27,12 +28,14 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="compute and weight dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
                              "else float32)")
-    parser.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+    parser.add_argument("--weights", default="auto", choices=FORMATS,
                         help="runtime weight format, converted once at load from what the file holds: bf16 keeps "
                              "--dtype's weights; int8 (per-row) and int4 (group-wise) are weight-only formats on "
                              "the CPU with bf16 activations: fewer bytes per token, so faster decoding, at a small "
                              "cost in perplexity; auto is int8 on a CPU with bf16 and AVX-512 VNNI (quickdraft's "
-                             "own kernel: ~3x bf16's speed, perplexity +0.2%%), else bf16 (default: %(default)s)")
+                             "own kernel: ~3x bf16's speed, perplexity +0.2%%), else bf16; mixed follows a GGUF file: int4 "
+                             "where it holds 4-bit blocks (kept almost exactly), int8 where it holds more bits "
+                             "(default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
@@ -47,7 +50,7 @@ def _spec_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram", action="store_true",
                    help="with a draft model: use prompt lookup when it has a match, the draft model otherwise")
     s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
-    s.add_argument("--draft-weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+    s.add_argument("--draft-weights", default="auto", choices=FORMATS,
                    help="the draft model's weight format (as --weights): auto is int4 where the CPU int4 kernel "
                         "applies (a draft decodes one token at a time, where int4 is ~3x faster), else bf16")
     s.add_argument("--draft-max", type=int, default=16,
@@ -196,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--draft", action="append", dest="drafts", metavar="CANDIDATE",
                     help="a candidate: a draft model, 'ngram', or MODEL+ngram (repeat the flag; default: the default "
                          "draft, ngram, and the default draft + ngram)")
-    tu.add_argument("--draft-weights", default="auto", choices=["auto", "bf16", "int8", "int4"],
+    tu.add_argument("--draft-weights", default="auto", choices=FORMATS,
                     help="the draft models' weight format (as for generate)")
     tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
     tu.add_argument("--draft-p-min", type=float, default=0.5,

@@ -85,12 +85,14 @@ def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors=(),
-                       chat_template: str | None = None, eos: bool = False, table_type=None) -> Path:
+                       chat_template: str | None = None, eos: bool = False, table_type=None,
+                       layer_types: dict | None = None) -> Path:
     """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama).
 
     extra_tensors: (name, raw array, gguf type) triples added as they are; eos: the last id becomes the
     control token <|endoftext|>, the end-of-generation token; table_type: a block type (e.g. Q8_0) the
-    embedding table is quantized to with gguf's own quantizer.
+    embedding table is quantized to with gguf's own quantizer; layer_types: {a layer tensor's GGUF name
+    suffix ("ffn_down.weight"): block type} for tensors quantized the same way (the rest stay F32).
     """
     cfg = model.config
     arch = arch or cfg.model_type
@@ -134,8 +136,9 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
             if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
                 t = converter_permute(t, heads)
-        if gname == "token_embd.weight" and table_type is not None:
-            w.add_tensor(gname, quants.quantize(np.ascontiguousarray(t), table_type), raw_dtype=table_type)
+        qtype = table_type if gname == "token_embd.weight" else (layer_types or {}).get(gname.split(".", 2)[-1])
+        if qtype is not None:
+            w.add_tensor(gname, quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
             continue
         w.add_tensor(gname, np.ascontiguousarray(t, dtype=np.float32))
     for name, raw, qtype in extra_tensors:

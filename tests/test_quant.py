@@ -384,3 +384,54 @@ def test_fused_layer_step_equals_the_modules_bit_for_bit(monkeypatch, qkv_bias):
     block = model.layers[0]
     block.feed_forward.w2 = T.Linear(384, 256, bias=False).to(torch.bfloat16)
     assert block._fused() is None and model.layers[1]._fused() is not None
+
+
+def test_mixed_follows_the_file_int4_where_it_holds_4_bits(tmp_path, monkeypatch, backend):
+    """`mixed`: a module whose every part the file holds in 4-bit blocks is int4 (and holds their values almost
+    exactly, far closer than int8 does); a module with any part in more bits is int8; a float checkpoint is
+    int8 throughout."""
+    from gguf import GGMLQuantizationType as T
+
+    from quickdraft.weights.dequant import dequantize
+
+    import transformers
+
+    config = tiny_hf_config("qwen2")
+    config.hidden_size, config.intermediate_size = 128, 256  # rows of 128: int4 on quickdraft's kernel
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    four, eight = T.Q4_0, T.Q8_0
+    types = {"attn_q.weight": four, "attn_k.weight": four, "attn_v.weight": eight, "attn_output.weight": four,
+             "ffn_gate.weight": four, "ffn_up.weight": four, "ffn_down.weight": eight}
+    path = str(write_gguf_from_hf(hf, tmp_path / "m.gguf", layer_types=types))
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
+    mixed = load_model(path, EngineConfig(**{**cfg.__dict__, "weights": "mixed"}), progress=False)
+    layer = mixed.model.layers[1]
+    kinds = {name: type(m) for name, m in [("wqkv", layer.attention.wqkv), ("wo", layer.attention.wo),
+                                            ("w13", layer.feed_forward.w13), ("w2", layer.feed_forward.w2)]}
+    assert kinds == {"wqkv": int8.Int8Linear, "wo": int4.Int4Linear, "w13": int4.Int4Linear, "w2": int8.Int8Linear}
+    assert isinstance(mixed.model.output, int8.Int8Linear)  # the head is F32 in the file
+    assert mixed.weights == "mixed"
+
+    reader = gguf_io.open_gguf(path)
+    raw = next(t for t in reader.tensors if t.name == "blk.1.attn_output.weight")
+    exact = dequantize(raw.data, raw.tensor_type, tuple(int(n) for n in reversed(raw.shape)), torch.float32)
+    as_int8 = load_model(path, EngineConfig(**{**cfg.__dict__, "weights": "int8"}), progress=False)
+    err4 = (layer.attention.wo.dequantized(_codes_of(layer.attention.wo, exact)) - exact).pow(2).mean().sqrt()
+    err8 = (as_int8.model.layers[1].attention.wo.dequantized() - exact).pow(2).mean().sqrt()
+    bf16 = (exact.to(torch.bfloat16).float() - exact).pow(2).mean().sqrt()  # what a bf16 load is off by
+    if layer.attention.wo.vnni:  # float16 grids (PyTorch's op takes bfloat16 ones, which round the grid)
+        assert err4 < 0.3 * err8 and err4 < bf16, (err4, err8, bf16)  # closer to the file than a bf16 load
+
+    hf_dir = load_model(str(save_hf_dir(hf, tmp_path / "hf")), EngineConfig(**{**cfg.__dict__, "weights": "mixed"}),
+                        progress=False)
+    assert all(isinstance(m, int8.Int8Linear) for m in hf_dir.model.modules() if isinstance(m, (int4.Int4Linear,
+                                                                                                 int8.Int8Linear)))
+
+
+def _codes_of(layer, weight):
+    """The codes of weight on layer's grids, for `dequantized` on PyTorch's opaque int4 packing."""
+    if layer.vnni:
+        return None
+    q, _, _ = int4.quantize(weight)
+    return q

@@ -116,6 +116,7 @@ _BLOCK_FORMATS = {
 _PLAIN_FORMATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 SUPPORTED_TYPES = tuple(_PLAIN_FORMATS) + tuple(_BLOCK_FORMATS)
 BLOCK_TYPES = tuple(_BLOCK_FORMATS)
+FOUR_BIT_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)  # 16 levels on a grid per block of 32: what int4 holds
 
 
 def _as_torch(a: np.ndarray) -> torch.Tensor:

@@ -86,8 +86,10 @@ def check_tensor_types(reader: GGUFReader) -> None:
             )
 
 
-def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None, lazy: bool = False):
+def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None, lazy: bool = False,
+                 types: dict | None = None):
     """Dequantize every tensor the model uses into `dtype`, one at a time: yields (model name, tensor).
+    types: filled with each model name's GGUF tensor type as it is read.
 
     lazy: the vocabulary-sized tables come as FileRows, dequantized by the consumer a block of rows at a time
     (for a loader that quantizes them: they are never in full precision in full).
@@ -96,6 +98,8 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
     for t in reader.tensors:
         name = gguf_to_model(t.name)
         if name is not None:
+            if types is not None:
+                types[name] = t.tensor_type
             shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
             if lazy and name in FileRows.NAMES:
                 w = FileRows(t.data, t.tensor_type, shape, dtype)

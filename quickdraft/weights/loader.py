@@ -17,8 +17,7 @@ from quickdraft.models.transformer import Transformer, rotary_tables
 from quickdraft.quant import embedding
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.ui import progress_bar
-from quickdraft.weights import gguf as gguf_io, hub, safetensors as st_io
-from quickdraft.weights.names import fused
+from quickdraft.weights import gguf as gguf_io, hub, names, safetensors as st_io
 
 
 @dataclass
@@ -111,8 +110,10 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
         context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with progress_bar(f"loading {path.name}", total, progress) as update:
-            tensors = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update), lazy=weights in quant.QUANTIZED)
-            model = build_model(cfg, tensors, device, context, weights, dtype)
+            types: dict = {}  # each tensor's type in the file, for the `mixed` format
+            tensors = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update), lazy=weights in quant.QUANTIZED,
+                                           types=types)
+            model = build_model(cfg, tensors, device, context, weights, dtype, types)
     _return_freed_memory()
     return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights)
 
@@ -135,9 +136,10 @@ def _malloc_trim():
 
 
 def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: int, weights: str = "auto",
-                dtype: torch.dtype | None = None) -> Transformer:
+                dtype: torch.dtype | None = None, source_types: dict | None = None) -> Transformer:
     """A Transformer on `device` from (model name, tensor) pairs (a dict's items or a reader's stream), with
-    rotary tables for max_context and its linear layers in the runtime weight format.
+    rotary tables for max_context and its linear layers in the runtime weight format (`mixed`: per module, as
+    source_types, the file's tensor types by model name, say: quant.for_source).
 
     Module by module: each tensor goes to the device (and into its format) as soon as its module is complete,
     so a quantized model never exists in full precision: peak memory stays near the final model's size."""
@@ -148,7 +150,7 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
     modules = dict(model.named_modules())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     items = tensors.items() if isinstance(tensors, dict) else tensors
-    for name, w in fused(items):
+    for name, w in names.fused(items):
         owner, _, leaf = name.rpartition(".")
         module = modules.get(owner)
         if module is None or leaf not in module._parameters:
@@ -156,7 +158,7 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
         got = pending.setdefault(owner, {})
         got[leaf] = w
         if set(got) == {n for n, p in module._parameters.items() if p is not None}:
-            _place(model, owner, module, pending.pop(owner), device, weights)
+            _place(model, owner, module, pending.pop(owner), device, weights, source_types or {})
             if weights in quant.QUANTIZED:  # the float copies and conversion buffers just freed: give them back
                 _return_freed_memory()  # (else glibc keeps them, and the peak grows by ~0.5 GB for the 1.5B)
     missing = [f"{m}.{n}" for m, mod in model.named_modules() for n, p in mod._parameters.items()
@@ -167,11 +169,15 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
     return model.eval().requires_grad_(False)
 
 
-def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.device, weights: str) -> None:
+def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.device, weights: str,
+           source_types: dict) -> None:
     """Put one complete module's tensors on the device, as a quantized layer where the format asks (on the
     CPU: _check_format saw to it). A tensor may be the file's rows (gguf.FileRows), read here and only here."""
     from quickdraft.models.transformer import Linear
 
+    if weights in quant.QUANTIZED:
+        sources = [source_types.get(part) for part in names.parts(f"{owner}.weight")]
+        weights = quant.for_source(weights, sources)
     if weights in quant.QUANTIZED and isinstance(module, Linear):
         layer = quant.layer(weights, tensors["weight"], tensors.get("bias"))
         if layer is not None:

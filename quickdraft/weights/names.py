@@ -116,6 +116,14 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 FUSED = {"wq": ("wqkv", 0), "wk": ("wqkv", 1), "wv": ("wqkv", 2), "w1": ("w13", 0), "w3": ("w13", 1)}
 
 
+def parts(name: str) -> list[str]:
+    """The checkpoint names a model tensor is made of: layers.3.attention.wqkv.weight -> its wq, wk and wv."""
+    prefix, _, kind = name.rpartition(".")
+    module, _, leaf = prefix.rpartition(".")
+    got = [f"{module}.{p}.{kind}" for p, (target, _) in FUSED.items() if target == leaf]
+    return got or [name]
+
+
 def fused(tensors):
     """Concatenate q/k/v (weights and biases) and gate/up row-wise as their parts arrive: yields (name, tensor)
     under the model's fused names, holding back only the parts of a group not yet complete."""

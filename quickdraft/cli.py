@@ -32,10 +32,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="runtime weight format, converted once at load from what the file holds: bf16 keeps "
                              "--dtype's weights; int8 (per-row) and int4 (group-wise) are weight-only formats on "
                              "the CPU with bf16 activations: fewer bytes per token, so faster decoding, at a small "
-                             "cost in perplexity; auto is int8 on a CPU with bf16 and AVX-512 VNNI (quickdraft's "
-                             "own kernel: ~3x bf16's speed, perplexity +0.2%%), else bf16; mixed follows a GGUF file: int4 "
-                             "where it holds 4-bit blocks (kept almost exactly), int8 where it holds more bits "
-                             "(default: %(default)s)")
+                             "cost in quality; mixed follows a GGUF file: int4 where it holds 4-bit blocks (kept almost "
+                             "exactly), int8 where it holds more bits (a float checkpoint: int8); auto is mixed on a "
+                             "CPU with bf16 and AVX-512 VNNI (quickdraft's own kernels: ~5x bf16's speed on the "
+                             "default Q4_K_M target, as close to bf16 as int8), else bf16 (default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")

@@ -145,7 +145,7 @@ class EngineConfig:
 
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    weights: str = "auto"  # auto | bf16 (the dtype's) | int8 | int4 (weight-only, CPU)
+    weights: str = "auto"  # auto | bf16 (the dtype's) | int8 | int4 | mixed (weight-only, CPU)
     max_context: int | None = None  # None: the model's own, capped at DEFAULT_MAX_CONTEXT
     threads: int | None = None
 

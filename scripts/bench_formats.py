@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The runtime weight formats side by side on this machine, in one run: for the target in bf16, int8 and int4,
+"""The runtime weight formats side by side on this machine, in one run: for the target in bf16, int8, int4 and mixed,
 plain decode tok/s, bytes read per token, the share of the memory bandwidth measured in the same run,
 v(k) for k = 1..16, perplexity on the same text, and peak memory; then the pair loaded for speculation
 (target and draft both int4) against the size of the two GGUF files.
@@ -7,7 +7,7 @@ v(k) for k = 1..16, perplexity on the same text, and peak memory; then the pair 
 Each format is measured in its own process (so that its peak memory is its own); the formats take turns
 --runs times and medians are reported.
 
-Usage: .venv/bin/python scripts/bench_formats.py [--formats bf16,int8,int4] [-n 64] [--runs 3] [--ppl-chunks 4]
+Usage: .venv/bin/python scripts/bench_formats.py [--formats bf16,int8,int4,mixed] [-n 64] [--runs 3] [--ppl-chunks 4]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def run_child(what: str, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="bf16,int8,int4")
+    ap.add_argument("--formats", default="bf16,int8,int4,mixed")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ppl-chunks", type=int, default=4, help="256-token windows scored (0: skip perplexity)")

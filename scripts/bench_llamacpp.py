@@ -6,8 +6,9 @@ venv first, `.venv/bin/pip install llama-cpp-python`, which compiles llama.cpp f
 bundled prompts (chat template applied, the same token ids) greedily for -n tokens, end-of-generation
 ignored; decode tok/s is counted from the first generated token on (prompt processing excluded), medians
 of --runs with the engines taking turns. llama.cpp runs plain and with prompt-lookup speculation (the
-speculation llama-cpp-python offers); quickdraft runs plain in int8 (the default target format) and int4,
-and speculative with the default pair (int8 target, int4 draft, n-gram lookup in front): with the adaptive
+speculation llama-cpp-python offers); quickdraft runs plain in its default target format (`mixed`: int4 where
+the file holds 4-bit blocks, int8 elsewhere) and in int4, and speculative with the default pair (that target,
+int4 draft, n-gram lookup in front): with the adaptive
 policy as `generate` and `serve` run it, and at a fixed --k; and the same pair with the int4 target
 (`--weights int4`), adaptive.
 
@@ -62,7 +63,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     path = str(hub.model_path(hub.DEFAULT_TARGET))
     cfg = EngineConfig(device="cpu", dtype="bfloat16", max_context=1024)
-    target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)  # weights auto: int8 where the kernel runs
+    target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)  # weights auto: mixed where the kernels run
     target4 = load_model(hub.DEFAULT_TARGET, EngineConfig(**{**cfg.__dict__, "weights": "int4"}), progress=False)
     draft = load_draft(hub.DEFAULT_DRAFT, target, cfg, 1024, progress=False)
     adaptive, fixed = SpecConfig(), SpecConfig(draft_max=args.k, adaptive=False)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Foundation figures: load time and peak memory for the default pair, plain decode tok/s of each.
 
-Usage: .venv/bin/python scripts/bench_plain.py [--dtype auto] [--weights auto|bf16|int8|int4] [--runs 3] [-n 64] [--device auto]
+Usage: .venv/bin/python scripts/bench_plain.py [--dtype auto] [--weights auto|bf16|int8|int4|mixed] [--runs 3] [-n 64] [--device auto]
 Decode tok/s is measured from the first token on (prefill excluded), median of --runs after one warm-up.
 """
 
@@ -42,7 +42,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4"])
+    ap.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4", "mixed"])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=64)
     args = ap.parse_args()

@@ -28,7 +28,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     load_seconds: float
-    weights: str = "bf16"  # the runtime weight format: bf16 (the dtype's), int8 or int4
+    weights: str = "bf16"  # the runtime weight format: bf16 (the dtype's), int8, int4 or mixed
 
     @property
     def device(self) -> torch.device:

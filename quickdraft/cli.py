@@ -34,7 +34,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "the CPU with bf16 activations: fewer bytes per token, so faster decoding, at a small "
                              "cost in quality; mixed follows a GGUF file: int4 where it holds 4-bit blocks (kept almost "
                              "exactly), int8 where it holds more bits (a float checkpoint: int8); auto is mixed on a "
-                             "CPU with bf16 and AVX-512 VNNI (quickdraft's own kernels: ~5x bf16's speed on the "
+                             "CPU with bf16 and AVX-512 VNNI (quickdraft's own kernels: ~4x bf16's speed on the "
                              "default Q4_K_M target, as close to bf16 as int8), else bf16 (default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length in tokens (default: the model's, at most 4096)")

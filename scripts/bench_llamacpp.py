@@ -8,9 +8,8 @@ ignored; decode tok/s is counted from the first generated token on (prompt proce
 of --runs with the engines taking turns. llama.cpp runs plain and with prompt-lookup speculation (the
 speculation llama-cpp-python offers); quickdraft runs plain in its default target format (`mixed`: int4 where
 the file holds 4-bit blocks, int8 elsewhere) and in int4, and speculative with the default pair (that target,
-int4 draft, n-gram lookup in front): with the adaptive
-policy as `generate` and `serve` run it, and at a fixed --k; and the same pair with the int4 target
-(`--weights int4`), adaptive.
+int4 draft, n-gram lookup in front): with the adaptive policy as `generate` and `serve` run it, at a fixed
+--k, and with the int4 target (`--weights int4`), adaptive.
 
 Usage: .venv/bin/python scripts/bench_llamacpp.py [--prompts code-en,qa-en] [-n 96] [--runs 3] [--k 8]
 """

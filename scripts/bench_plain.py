@@ -18,6 +18,7 @@ import torch
 from quickdraft.cli import DEMO_PROMPT
 from quickdraft.config import EngineConfig, SamplingParams
 from quickdraft.engine import Engine
+from quickdraft.quant import FORMATS
 from quickdraft.weights import hub
 from quickdraft.weights.loader import load_model
 
@@ -42,7 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--weights", default="auto", choices=["auto", "bf16", "int8", "int4", "mixed"])
+    ap.add_argument("--weights", default="auto", choices=FORMATS)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=64)
     args = ap.parse_args()

@@ -31,10 +31,10 @@ def log_probs(fmt: str, tokens: int) -> torch.Tensor:
     lm = load_model(hub.DEFAULT_TARGET, EngineConfig(device="cpu", dtype="bfloat16", weights=fmt, max_context=1024),
                     progress=False)
     ids = lm.tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_bos=False)[:tokens]
-    out = []
+    out, cache = [], KVCache.for_model(lm.model, WINDOW)
     with torch.inference_mode():
         for i in range(0, len(ids), WINDOW):
-            cache = KVCache.for_model(lm.model, WINDOW)
+            cache.reset()
             out.append(torch.log_softmax(lm.model(torch.tensor([ids[i:i + WINDOW]]), cache)[0], -1))
     return torch.cat(out)
 

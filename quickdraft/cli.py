@@ -39,6 +39,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="on CUDA, launch every kernel of a decoding step from Python instead of replaying "
+                             "captured CUDA graphs (slower; for comparison and debugging)")
 
 
 def _spec_args(parser: argparse.ArgumentParser) -> None:
@@ -286,7 +289,8 @@ def _engine_config(args):
     from quickdraft.config import EngineConfig
 
     return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
-                        weights=getattr(args, "weights", "auto"), max_context=getattr(args, "ctx", None))
+                        weights=getattr(args, "weights", "auto"), max_context=getattr(args, "ctx", None),
+                        cuda_graphs=getattr(args, "cuda_graphs", True))
 
 
 def _load(args, spec: str | None = None):

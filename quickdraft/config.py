@@ -148,6 +148,7 @@ class EngineConfig:
     weights: str = "auto"  # auto | bf16 (the dtype's) | int8 | int4 | mixed (weight-only, CPU)
     max_context: int | None = None  # None: the model's own, capped at DEFAULT_MAX_CONTEXT
     threads: int | None = None
+    cuda_graphs: bool = True  # on CUDA, replay decode and verification passes as CUDA graphs (runtime/graphs.py)
 
 
 DEFAULT_MAX_CONTEXT = 4096

@@ -4,9 +4,10 @@ draft against the memory roofline, and v(k) for k = 1..16.
 
 The models are the default pair when their GGUF files are in the cache (`quickdraft pull`), else random
 weights of exactly their shapes (a GPU machine without network has no models; a pass's speed depends on
-the shapes, not the values). Decoding is timed two ways: each token's argmax read back to the host before
-the next step (what the engine does today) and with the next token kept on the device (no host sync: the
-launch overhead hidden behind the GPU's work). Prints one table last.
+the shapes, not the values). Decoding is timed three ways: eager (each kernel launched from Python) and
+replaying CUDA graphs (runtime/graphs.py: what the engine does on CUDA), each with every token's argmax
+read back to the host before the next step (as the engine does); and graphs with the next token kept on
+the device (no host sync). Prints one table last.
 
 Usage: python scripts/gpu_bench.py [-n 256] [--device cuda]
 """
@@ -24,6 +25,7 @@ import torch
 from quickdraft import roofline
 from quickdraft.config import EngineConfig, ModelConfig
 from quickdraft.models.transformer import Transformer, rotary_tables
+from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.weights import hub
 
@@ -46,13 +48,23 @@ def load(alias: str, device: torch.device, context: int):
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rotary_tables(cfg, context))
+    model.graphs = StepGraphs(model) if device.type == "cuda" else None
     return SimpleNamespace(model=model.eval().requires_grad_(False), device=device, source="random weights")
 
 
 @torch.inference_mode()
-def decode_tok_s(lm, n: int, host_sync: bool, prompt_len: int = 64) -> float:
+def decode_tok_s(lm, n: int, host_sync: bool, graphs: bool, prompt_len: int = 64) -> float:
     model, device = lm.model, lm.device
-    cache = KVCache.for_model(model, prompt_len + n + 8)
+    saved = model.graphs
+    model.graphs = saved if graphs else None
+    try:
+        return _decode_tok_s(model, device, n, host_sync, prompt_len)
+    finally:
+        model.graphs = saved
+
+
+def _decode_tok_s(model, device, n: int, host_sync: bool, prompt_len: int) -> float:
+    cache = KVCache.for_model(model, prompt_len + n + 32)  # room for a graph's padded rows at every step
     prompt = torch.randint(0, 1000, (1, prompt_len), device=device)
     token = model(prompt, cache, last_only=True)[0, -1].argmax().reshape(1, 1)
     for _ in range(4):  # warm-up steps, then back to the prompt
@@ -87,22 +99,27 @@ def main() -> int:
     for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
         lm = load(alias, device, 1024)
         per_pass = roofline.pass_bytes(lm.model, 64 + args.n // 2)
-        sync = statistics.median(decode_tok_s(lm, args.n, True) for _ in range(args.runs))
-        free = statistics.median(decode_tok_s(lm, args.n, False) for _ in range(args.runs))
+        eager = statistics.median(decode_tok_s(lm, args.n, True, False) for _ in range(args.runs))
+        sync = statistics.median(decode_tok_s(lm, args.n, True, True) for _ in range(args.runs))
+        free = statistics.median(decode_tok_s(lm, args.n, False, True) for _ in range(args.runs))
+        graphs = lm.model.graphs
+        if graphs is not None and graphs.disabled:
+            print(f"gpu_bench: CUDA graphs off for {alias}: {graphs.disabled}", file=sys.stderr)
         limit = bw / per_pass
-        rows.append((f"{alias} ({lm.source})", per_pass / 1e6, sync, free, limit))
+        rows.append((f"{alias} ({lm.source})", per_pass / 1e6, eager, sync, free, limit))
         if alias == hub.DEFAULT_TARGET:
             prompt = torch.randint(0, 1000, (64,)).tolist()
             t1, v = roofline.v_curve(lm, prompt, 16)
         del lm
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{'model (bf16)':44} {'MB/pass':>8} {'tok/s sync':>10} {'no sync':>8} {'limit':>7} {'% sync':>7} "
-          f"{'% no sync':>9}")
-    for label, mb, sync, free, limit in rows:
-        print(f"{label:44} {mb:8.0f} {sync:10.1f} {free:8.1f} {limit:7.0f} {100 * sync / limit:6.0f}% "
-              f"{100 * free / limit:8.0f}%")
-    print("v(k) of the target: " + ", ".join(f"{k}: {x:.2f}" for k, x in v.items()))
+    print(f"\n{'model (bf16), tok/s':44} {'MB/pass':>8} {'eager':>7} {'graphs':>7} {'no sync':>8} {'limit':>7} "
+          f"{'% eager':>7} {'% graphs':>8} {'% no sync':>9}")
+    for label, mb, eager, sync, free, limit in rows:
+        print(f"{label:44} {mb:8.0f} {eager:7.1f} {sync:7.1f} {free:8.1f} {limit:7.0f} {100 * eager / limit:6.0f}% "
+              f"{100 * sync / limit:7.0f}% {100 * free / limit:8.0f}%")
+    print("v(k) of the target (graphs: every pass of up to 17 tokens is padded to 17 rows): "
+          + ", ".join(f"{k}: {x:.2f}" for k, x in v.items()))
     return 0
 
 

@@ -121,3 +121,26 @@ def test_cpu_weight_formats_say_so_on_cuda(tmp_path):
     path = str(save_hf_dir(tiny_hf_model("qwen2"), tmp_path))
     with pytest.raises(QuickdraftError, match="int4 runs on the CPU"):
         load_model(path, EngineConfig(device="cuda", dtype="bfloat16", weights="int4"), progress=False)
+
+
+def test_cuda_graphs_replay_what_the_eager_passes_compute(models):
+    """Loading on CUDA turns graphs on; a prefill, steps and a verification replayed as graphs give the eager
+    logits (to bf16 rounding: the graph pads every pass to the same rows), and the check that guards each
+    captured graph passed."""
+    target, _ = models
+    m = target.model
+    assert m.graphs is not None
+    tokens = torch.tensor([PROMPT], device="cuda")
+    runs = []
+    with torch.no_grad():
+        for graphs in (m.graphs, None):
+            saved, m.graphs = m.graphs, graphs
+            try:
+                cache = KVCache.for_model(m, 128)
+                runs.append([m(tokens[:, :10], cache), m(tokens[:, 10:11], cache), m(tokens[:, 11:16], cache)])
+            finally:
+                m.graphs = saved
+    assert m.graphs.disabled is None and m.graphs.graphs
+    for got, want in zip(*runs):
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())

@@ -113,10 +113,10 @@ class Attention(nn.Module):
         return self._attend(q, k, v, cache, layer, mask, B, S)
 
     def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int) -> torch.Tensor:
-        keys, values = cache.write(layer, k, v)  # (B, Hkv, start + S, D)
-        if S <= ROWWISE_MAX and _cpu_kernel(q):  # every row alone, in one call: quickdraft's own CPU kernel
+        keys, values = cache.write(layer, k, v)  # (B, Hkv, start + S, D), or (B, Hkv, span, D) at positions
+        if mask is None and S <= ROWWISE_MAX and _cpu_kernel(q):  # every row alone, in one call: our CPU kernel
             out = torch.ops.quickdraft_vnni.decode_attention(q.contiguous(), keys, values, keys.shape[2] - S)
-        elif S == 1 or S > ROWWISE_MAX:
+        elif mask is not None or S == 1 or S > ROWWISE_MAX:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:
             start = keys.shape[2] - S
@@ -156,7 +156,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x, cos, sin, cache, layer, mask):
-        if FUSED_LAYERS and x.shape[1] <= ROWWISE_MAX and _cpu_kernels(x):
+        if FUSED_LAYERS and mask is None and x.shape[1] <= ROWWISE_MAX and _cpu_kernels(x):
             fused = self._fused()
             if fused is not None:  # the same kernels in the same order, in one call (csrc/vnni.cpp block_step)
                 a = self.attention
@@ -211,6 +211,7 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg, max_context or cfg.max_context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.graphs = None  # runtime.graphs.StepGraphs where decode and verification passes replay CUDA graphs
 
     @property
     def max_context(self) -> int:
@@ -235,14 +236,30 @@ class Transformer(nn.Module):
         start, end = cache.length, cache.length + S
         if end > min(cache.capacity, self.max_context):
             raise ValueError(f"positions up to {end} exceed the context of {cache.capacity}")
+        if self.graphs is not None and self.graphs.applies(tokens, cache):  # a captured CUDA graph's replay
+            return self.graphs.run(tokens, cache, last_only)
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         mask = None
         if S > ROWWISE_MAX:  # query i (at position start + i) sees keys 0 .. start + i
             mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
+        logits = self._run(tokens, cos, sin, cache, mask, last_only)
+        cache.length = end
+        return logits
+
+    def forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,
+                   last_only: bool = False) -> torch.Tensor:
+        """forward with shapes that do not depend on where the pass is, for a CUDA graph to capture once
+        and replay at any position: tokens (B, S) at positions (S,) (a tensor on the model's device), each
+        attending to the cache's first `span` positions up to its own (masked). Writes the keys and values
+        at those positions; leaves cache.length to the caller."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]  # (S, span)
+        return self._run(tokens, cos, sin, cache.at(positions, span), mask, last_only)
+
+    def _run(self, tokens, cos, sin, cache, mask, last_only: bool) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, mask)
-        cache.length = end
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)

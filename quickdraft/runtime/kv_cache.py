@@ -37,6 +37,11 @@ class KVCache:
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def at(self, positions: torch.Tensor, span: int) -> "PositionedWrites":
+        """This cache as a pass at `positions` (a device tensor) writes and reads it, with shapes that do not
+        depend on where the pass is (for CUDA graphs: Transformer.forward_at)."""
+        return PositionedWrites(self, positions, span)
+
     def rollback(self, length: int) -> None:
         """Forget every position from `length` on."""
         assert 0 <= length <= self.length, (length, self.length)
@@ -44,3 +49,17 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+
+class PositionedWrites:
+    """A cache seen by one pass at given positions: writes go to those positions (index_copy_, no host
+    value needed), reads give the first `span` positions, which the pass masks to each row's own."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor, span: int):
+        self.cache, self.positions, self.span = cache, positions, span
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        c = self.cache
+        c.k[layer].index_copy_(2, self.positions, k)
+        c.v[layer].index_copy_(2, self.positions, v)
+        return c.k[layer, :, :, :self.span], c.v[layer, :, :, :self.span]

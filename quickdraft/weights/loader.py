@@ -115,6 +115,10 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
                                            types=types)
             model = build_model(cfg, tensors, device, context, weights, dtype, types)
     _return_freed_memory()
+    if device.type == "cuda" and engine.cuda_graphs:
+        from quickdraft.runtime.graphs import StepGraphs
+
+        model.graphs = StepGraphs(model)
     return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights)
 
 

@@ -1,10 +1,12 @@
-"""Builders for tiny random models: Hugging Face directories and GGUF files written with the gguf writer."""
+"""Builders for tiny random models (Hugging Face directories and GGUF files written with the gguf writer), and
+checks shared by tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGUFWriter, quants
 
@@ -163,3 +165,13 @@ def target_and_noisy_draft(directory: Path, config):
         for p in draft_hf.parameters():
             p.add_(0.2 * p.std() * torch.randn_like(p))
     return target, load_model(str(save_hf_dir(draft_hf, directory / "d")), config, False)
+
+
+def check_speedups(rows, row):
+    """The row's speed-ups follow from its own measurements (no speed is asserted: these machines are shared):
+    measured = its tok/s over plain's on the prompt; predicted = E[L] / (v(k) + k r), E[L] within 1 .. k + 1."""
+    plain = next(r for r in rows if r["prompt"] == row["prompt"] and r["source"] == "none")
+    assert row["speedup"] == pytest.approx(row["decode_tok_s"] / plain["decode_tok_s"])
+    m = row["model"]
+    assert 1 <= m["expected_tokens_per_round"] <= m["k"] + 1 and row["v_k"] > 0 and row["r"] > 0
+    assert row["predicted_speedup"] == pytest.approx(m["expected_tokens_per_round"] / (row["v_k"] + m["k"] * row["r"]))

@@ -12,7 +12,7 @@ from quickdraft.spec.combined import CombinedDrafter
 from quickdraft.spec.draft_model import DraftModelDrafter
 from quickdraft.spec.ngram import NgramDrafter
 from quickdraft.weights.loader import load_model
-from tests.helpers import tiny_hf_model, write_gguf_from_hf
+from tests.helpers import check_speedups, tiny_hf_model, write_gguf_from_hf
 from tests.test_cli import run
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -39,7 +39,8 @@ def test_bench_reports_every_field_and_draws_valid_plots(tmp_path):
     result = bench.run(target, drafters, configs, prompts, n=12, runs=2)
     assert len(result["rows"]) == 10 and ROW_FIELDS <= set(result["rows"][0])
     k4 = next(r for r in result["rows"] if r["config"] == "draft k=4" and r["prompt"] == "a")
-    assert k4["same_as_plain"] and k4["acceptance"] > 0.9 and k4["predicted_speedup"] > 0 and "v_k" in k4
+    assert k4["same_as_plain"] and k4["acceptance"] > 0.9
+    check_speedups(result["rows"], k4)
     assert [s["config"] for s in result["summary"]] == [c.name for c in configs]
     assert all(s["all_same_as_plain"] for s in result["summary"])
     assert "medians over prompts" in bench.table(result)

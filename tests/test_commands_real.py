@@ -11,6 +11,7 @@ from quickdraft.spec.build import load_draft, model_drafter
 from quickdraft.spec.ngram import NgramDrafter
 from quickdraft.verify import verify
 from quickdraft.weights.loader import load_model
+from tests.helpers import check_speedups
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,8 @@ def test_bench_on_the_default_pair(pair, tmp_path):
     result = bench.run(target, {"draft": drafter}, bench.parse_configs("plain,draft:k=4"),
                        {"code-en": prompts["code-en"]}, n=24, runs=1)
     row = next(r for r in result["rows"] if r["config"] == "draft k=4")
-    assert row["same_as_plain"] and row["acceptance"] > 0.3 and row["predicted_speedup"] > 0 and row["speedup"] > 0
+    assert row["same_as_plain"] and row["acceptance"] > 0.3
+    check_speedups(result["rows"], row)
     assert all(p.read_bytes()[:8] == PNG for p in bench.plots(result, tmp_path))
 
 

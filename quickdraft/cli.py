@@ -39,6 +39,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length in tokens (default: the model's, at most 4096)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
+                        help="convert the weights again instead of reading back the conversion kept on disk from an "
+                             "earlier load (under the cache directory's converted/, one file per model and format)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="on CUDA, launch every kernel of a decoding step from Python instead of replaying "
                              "captured CUDA graphs (slower; for comparison and debugging)")
@@ -290,7 +293,7 @@ def _engine_config(args):
 
     return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
                         weights=getattr(args, "weights", "auto"), max_context=getattr(args, "ctx", None),
-                        cuda_graphs=getattr(args, "cuda_graphs", True))
+                        cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True))
 
 
 def _load(args, spec: str | None = None):

@@ -149,6 +149,7 @@ class EngineConfig:
     max_context: int | None = None  # None: the model's own, capped at DEFAULT_MAX_CONTEXT
     threads: int | None = None
     cuda_graphs: bool = True  # on CUDA, replay decode and verification passes as CUDA graphs (runtime/graphs.py)
+    weight_cache: bool = True  # keep quantized conversions on disk for the next load (weights/converted.py)
 
 
 DEFAULT_MAX_CONTEXT = 4096

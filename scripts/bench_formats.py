@@ -2,7 +2,8 @@
 """The runtime weight formats side by side on this machine, in one run: for the target in bf16, int8, int4 and mixed,
 plain decode tok/s, bytes read per token, the share of the memory bandwidth measured in the same run,
 v(k) for k = 1..16, perplexity on the same text, and peak memory; then the pair loaded for speculation
-(target and draft both int4) against the size of the two GGUF files.
+(target and draft both int4) against the size of the two GGUF files. Every load converts (no conversion
+kept on disk is read back): the peaks are those of a first load.
 
 Each format is measured in its own process (so that its peak memory is its own); the formats take turns
 --runs times and medians are reported.
@@ -39,8 +40,8 @@ def measure(fmt: str, n: int, ppl_chunks: int) -> dict:
     from quickdraft.weights import hub
     from quickdraft.weights.loader import load_model
 
-    lm = load_model(hub.DEFAULT_TARGET, EngineConfig(device="cpu", dtype="bfloat16", weights=fmt, max_context=1024),
-                    progress=False)
+    lm = load_model(hub.DEFAULT_TARGET, EngineConfig(device="cpu", dtype="bfloat16", weights=fmt, max_context=1024,
+                                                     weight_cache=False), progress=False)
     load_peak = peak_rss_gib()
     prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}]))
     engine = Engine(lm, 1024)
@@ -60,7 +61,8 @@ def pair_peak() -> dict:
     from quickdraft.weights import hub
     from quickdraft.weights.loader import load_model
 
-    cfg = EngineConfig(device="cpu", dtype="bfloat16", weights="int4", max_context=4096)
+    # converting, not reading back a kept conversion (weights/converted.py): the larger peak of the two
+    cfg = EngineConfig(device="cpu", dtype="bfloat16", weights="int4", max_context=4096, weight_cache=False)
     target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)
     draft = load_model(hub.DEFAULT_DRAFT, cfg, progress=False)
     caches = [KVCache.for_model(lm.model, cfg.max_context) for lm in (target, draft)]  # what speculation holds

@@ -17,7 +17,7 @@ from quickdraft.models.transformer import Transformer, rotary_tables
 from quickdraft.quant import embedding
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.ui import progress_bar
-from quickdraft.weights import gguf as gguf_io, hub, names, safetensors as st_io
+from quickdraft.weights import converted, gguf as gguf_io, hub, names, safetensors as st_io
 
 
 @dataclass
@@ -29,6 +29,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     load_seconds: float
     weights: str = "bf16"  # the runtime weight format: bf16 (the dtype's), int8, int4 or mixed
+    kept_from: Path | None = None  # the kept conversion it was read from (weights/converted.py), if it was
 
     @property
     def device(self) -> torch.device:
@@ -91,6 +92,16 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
     device = resolve_device(engine.device)
     dtype = resolve_dtype(engine.dtype, device)
     weights = quant.resolve(engine.weights, device, dtype)
+    kept = None  # where the conversion is kept on disk (quantized formats: weights/converted.py)
+    if weights in quant.QUANTIZED and engine.weight_cache:
+        _check_format(weights, device, dtype)
+        kept = converted.location(path, weights, dtype)
+        restored = kept and converted.load(kept, lambda cfg: engine.max_context or min(cfg.max_context,
+                                                                                           DEFAULT_MAX_CONTEXT))
+        if restored:
+            cfg, model, tokenizer = restored
+            _return_freed_memory()
+            return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights, kept)
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
@@ -115,6 +126,8 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
                                            types=types)
             model = build_model(cfg, tensors, device, context, weights, dtype, types)
     _return_freed_memory()
+    if kept is not None:
+        converted.save(kept, model, cfg, tokenizer)
     if device.type == "cuda" and engine.cuda_graphs:
         from quickdraft.runtime.graphs import StepGraphs
 

@@ -1,0 +1,175 @@
+"""Converted weights kept on disk: a model's second load in a quantized format reads back what the first
+converted, with its config and tokenizer, instead of parsing the file and converting again.
+
+The 1.5B target in `mixed` takes ~24 s to load from its GGUF file (7 s of them parsing the file's
+151,936-token vocabulary in the gguf library, the rest fitting int4 grids); read back, about a second.
+One file per (model file, format), under <cache>/converted/ (`quickdraft pull`'s cache; $QUICKDRAFT_CACHE
+moves both); it is replaced when the model file changes (size or modification time) or quickdraft's
+conversion code does, and a load that cannot read it converts again. Small models (under MIN_BYTES, such as
+the tests' tiny ones) convert in well under a second and are not kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quickdraft.config import ModelConfig
+from quickdraft.models.transformer import Transformer, rotary_tables
+from quickdraft.tokenizer import BackendTokenizer, Tokenizer
+
+log = logging.getLogger("quickdraft")
+
+VERSION = 1
+MIN_BYTES = 32 * 2**20  # sources smaller than this are converted on every load
+
+
+def directory() -> Path:
+    from quickdraft.weights import hub
+
+    return hub.cache_dir() / "converted"
+
+
+@functools.cache
+def _code_digest() -> str:
+    """The conversion code's digest: a change to it (formats, layouts, names) invalidates every kept file."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted([*root.glob("quant/**/*.py"), *root.glob("quant/csrc/*"), *root.glob("weights/*.py"),
+                        root / "config.py", root / "tokenizer.py", root / "models" / "transformer.py"]):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _source_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+
+
+def location(path: Path, fmt: str, dtype: torch.dtype) -> Path | None:
+    """Where the conversion of the model at path into fmt is kept; None for sources too small to keep."""
+    from quickdraft.quant import vnni
+
+    files = _source_files(path)
+    size = sum(p.stat().st_size for p in files)
+    if size < MIN_BYTES:
+        return None
+    stamp = [VERSION, _code_digest(), fmt, str(dtype), vnni.available(),
+             [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
+    digest = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
+    return directory() / f"{_stem(path, fmt)}-{digest}.pt"
+
+
+def _stem(path: Path, fmt: str) -> str:
+    """The file name's part shared by every version of this model's conversion into fmt."""
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:8]
+    return f"{path.name}-{where}-{fmt}"
+
+
+def _quantized_classes() -> dict[str, type]:
+    from quickdraft.quant.embedding import BlockEmbedding, QuantEmbedding
+    from quickdraft.quant.int4 import Int4Linear
+    from quickdraft.quant.int8 import Int8Linear
+
+    return {c.__name__: c for c in (Int4Linear, Int8Linear, BlockEmbedding, QuantEmbedding)}
+
+
+def _plain(value):
+    if isinstance(value, bool) or value is None or isinstance(value, (str, float)):
+        return value
+    return int(value)  # ints and IntEnums (a GGUF block type)
+
+
+def save(file: Path, model: Transformer, cfg: ModelConfig, tokenizer: Tokenizer) -> None:
+    """Keep a converted model (best effort: a failure to write is logged, and the load goes on)."""
+    classes = tuple(_quantized_classes().values())
+    modules = {}
+    for name, module in model.named_modules():
+        if isinstance(module, classes):
+            attrs = {k: _plain(v) for k, v in vars(module).items()
+                     if not k.startswith("_") and k != "training" and (v is None or isinstance(v, (int, float, str)))}
+            modules[name] = {"class": type(module).__name__, "attrs": attrs}
+    tok = {f.name: getattr(tokenizer, f.name) for f in dataclasses.fields(tokenizer) if f.name != "backend"}
+    tok["eos_ids"] = sorted(tok["eos_ids"])
+    tok["backend"] = tokenizer.backend.to_str()
+    blob = {"version": VERSION, "config": dataclasses.asdict(cfg), "modules": modules, "tokenizer": tok,
+            "state": model.state_dict()}
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(blob, tmp)
+        os.replace(tmp, file)
+    except OSError as e:
+        log.warning("could not keep the converted weights in %s (%s): the next load converts again", file.parent, e)
+        tmp.unlink(missing_ok=True)
+        return
+    for old in file.parent.glob(f"{glob.escape(_stem_of(file))}-*.pt"):  # earlier versions of the same conversion
+        if old != file:
+            old.unlink(missing_ok=True)
+
+
+def _stem_of(file: Path) -> str:
+    return file.name.rsplit("-", 1)[0]
+
+
+def load(file: Path, context_for) -> tuple[ModelConfig, Transformer, Tokenizer] | None:
+    """(config, model on the CPU, tokenizer) from a kept conversion, the model's context as context_for(config)
+    says; None where there is none, or it cannot be read (then it is removed, and the load converts)."""
+    if not file.exists():
+        return None
+    try:
+        blob = torch.load(file, map_location="cpu", weights_only=True)
+        if blob.get("version") != VERSION:
+            raise ValueError(f"version {blob.get('version')}")
+        cfg = ModelConfig(**blob["config"])
+        model = _model(blob, cfg, context_for(cfg))
+        tok = dict(blob["tokenizer"])
+        backend = BackendTokenizer.from_str(tok.pop("backend"))
+        tokenizer = Tokenizer(backend=backend, **{**tok, "eos_ids": frozenset(tok["eos_ids"])})
+    except Exception as e:  # noqa: BLE001: a damaged or foreign file is only a missed shortcut
+        log.warning("the kept conversion %s is unreadable (%s: %s): converting again", file, type(e).__name__, e)
+        file.unlink(missing_ok=True)
+        return None
+    return cfg, model, tokenizer
+
+
+def _model(blob: dict, cfg: ModelConfig, context: int) -> Transformer:
+    classes = _quantized_classes()
+    with torch.device("meta"):
+        model = Transformer(cfg, context)
+    restored = set()
+    for name, spec in blob["modules"].items():
+        cls = classes[spec["class"]]
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.__dict__.update(spec["attrs"])
+        if "qtype" in spec["attrs"]:  # a GGUF block type
+            from gguf import GGMLQuantizationType
+
+            module.qtype = GGMLQuantizationType(module.qtype)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, module)
+        restored.add(name)
+    for key, tensor in blob["state"].items():
+        owner, _, leaf = key.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        if leaf in module._parameters or (owner in restored and leaf == "bias"):
+            module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        elif owner in restored or leaf in module._buffers:
+            module._buffers[leaf] = tensor
+        else:
+            raise ValueError(f"unexpected tensor {key}")
+    model.rope_cos, model.rope_sin = rotary_tables(cfg, context)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"tensors missing: {left[:3]}")
+    return model.eval().requires_grad_(False)

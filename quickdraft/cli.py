@@ -625,7 +625,8 @@ def cmd_doctor(args) -> int:
     findings = [doctor.placement(target.model, target.device, "target")]
     if draft is not None:
         findings.append(doctor.placement(draft.model, draft.device, "draft"))
-    findings += [doctor.kernels(*[m for m in (target, draft) if m is not None]),
+    loaded = [m for m in (target, draft) if m is not None]
+    findings += [doctor.kernels(*loaded), doctor.loading(*loaded),
                  doctor.draft_device(target.device, draft.device if draft else None), doctor.tokenizers(target, draft)]
     drafter = None
     if args.draft == "ngram":

@@ -76,6 +76,31 @@ def kernels(*models) -> Finding:
                    {"reason": reason})
 
 
+def loading(*models) -> Finding:
+    """How each model was loaded: converted now (and kept on disk for the next load), or its kept conversion read
+    back; on CUDA, whether its passes replay CUDA graphs."""
+    parts, figures = [], {"models": []}
+    for m in models:
+        name = m.name.split("/")[-1]
+        if m.kept_from is not None:
+            how = f"read back its kept {m.weights} conversion"
+        elif m.weights in ("int8", "int4", "mixed"):
+            how = f"converted to {m.weights}"
+        else:
+            how = f"loaded in {m.weights}"
+        graphs = getattr(m.model, "graphs", None)
+        if m.device.type == "cuda":
+            how += ", CUDA graphs " + ("on" if graphs is not None and graphs.disabled is None else "off")
+        parts.append(f"{name} {how} in {m.load_seconds:.1f} s")
+        figures["models"].append({"model": name, "load_s": round(m.load_seconds, 2),
+                                  "kept_from": str(m.kept_from) if m.kept_from else None})
+    off = [m for m in models if getattr(m.model, "graphs", None) is not None and m.model.graphs.disabled]
+    if off:
+        return Finding("loading", "warn", "; ".join(parts) + f" (graphs off: {off[0].model.graphs.disabled}; decoding "
+                       "runs eagerly, slower; please report it)", figures)
+    return Finding("loading", "ok", "; ".join(parts), figures)
+
+
 def draft_device(target: torch.device, draft: torch.device | None) -> Finding:
     if draft is None:
         return Finding("draft device", "ok", "no draft model (n-gram lookup runs on the host)")

@@ -127,3 +127,28 @@ def test_cpu_kernels_off_are_reported_with_the_fix(models, monkeypatch):
     assert finding.level == "warn" and "install a C++ compiler" in finding.message
     monkeypatch.setattr(vnni, "unavailable_reason", lambda: "this CPU lacks avx512_vnni")
     assert "nothing to install" in doctor.kernels(target).message
+
+
+def test_loading_says_converted_or_read_back_and_warns_when_graphs_are_off(paths, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from quickdraft.weights import converted
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(converted, "MIN_BYTES", 0)
+    int8 = EngineConfig(**{**BF16.__dict__, "weights": "int8"})
+    first, second = load_model(str(paths[0]), int8, False), load_model(str(paths[0]), int8, False)
+    finding = doctor.loading(first, second)
+    assert finding.level == "ok" and "converted to int8" in finding.message
+    assert "read back its kept int8 conversion" in finding.message
+    assert [m["kept_from"] is not None for m in finding.figures["models"]] == [False, True]
+
+    class Graphs:  # what runtime.graphs.StepGraphs holds once its check turned it off
+        disabled = "RuntimeError: its logits differ"
+
+    second.model.graphs = Graphs()
+    try:
+        finding = doctor.loading(replace(second, name="on-gpu"))
+    finally:
+        second.model.graphs = None
+    assert finding.level == "warn" and "its logits differ" in finding.message

@@ -112,3 +112,14 @@ def test_no_copy_without_the_cache_or_for_small_models(tmp_path, kept_dir, monke
     monkeypatch.setattr(converted, "MIN_BYTES", 32 * 2**20)
     load_model(path, EngineConfig(**{**CPU.__dict__, "weights": "int4"}), progress=False)
     assert not kept_dir.exists() or not any(kept_dir.iterdir())
+
+
+def test_a_cache_that_cannot_be_written_only_costs_the_shortcut(tmp_path, kept_dir, caplog):
+    kept_dir.parent.mkdir(parents=True)
+    kept_dir.write_text("a file where the directory should be")
+    path = str(gguf_file(tmp_path))
+    config = EngineConfig(**{**CPU.__dict__, "weights": "int4"})
+    with caplog.at_level(logging.WARNING, logger="quickdraft"):
+        lm = load_model(path, config, progress=False)
+    assert lm.kept_from is None and "could not keep the converted weights" in caplog.text
+    assert load_model(path, config, progress=False).kept_from is None

@@ -11,6 +11,7 @@ the tests' tiny ones) convert in well under a second and are not kept.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -108,9 +109,10 @@ def save(file: Path, model: Transformer, cfg: ModelConfig, tokenizer: Tokenizer)
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(blob, tmp)
         os.replace(tmp, file)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001: disk full, no permission (torch's writer raises RuntimeError): not fatal
         log.warning("could not keep the converted weights in %s (%s): the next load converts again", file.parent, e)
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return
     for old in file.parent.glob(f"{glob.escape(_stem_of(file))}-*.pt"):  # earlier versions of the same conversion
         if old != file:

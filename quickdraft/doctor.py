@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from quickdraft import quant
 from quickdraft.config import SamplingParams, SpecConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.spec.build import draft_model_of
@@ -84,7 +85,7 @@ def loading(*models) -> Finding:
         name = m.name.split("/")[-1]
         if m.kept_from is not None:
             how = f"read back its kept {m.weights} conversion"
-        elif m.weights in ("int8", "int4", "mixed"):
+        elif m.weights in quant.QUANTIZED:
             how = f"converted to {m.weights}"
         else:
             how = f"loaded in {m.weights}"

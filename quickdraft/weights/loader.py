@@ -96,8 +96,7 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
     if weights in quant.QUANTIZED and engine.weight_cache:
         _check_format(weights, device, dtype)
         kept = converted.location(path, weights, dtype)
-        restored = kept and converted.load(kept, lambda cfg: engine.max_context or min(cfg.max_context,
-                                                                                           DEFAULT_MAX_CONTEXT))
+        restored = kept and converted.load(kept, lambda cfg: _context(engine, cfg))
         if restored:
             cfg, model, tokenizer = restored
             _return_freed_memory()
@@ -105,7 +104,7 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
-        context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
+        context = _context(engine, cfg)
         with progress_bar(f"loading {path.name}", st_io.shard_bytes(path), progress) as update:
             model = build_model(cfg, st_io.read_tensors(path, cfg, dtype, _accumulate(update)), device, context,
                                 weights, dtype)
@@ -118,7 +117,7 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
         del meta
         gguf_io.drop_metadata(reader)  # ~0.3 GB of parsed fields for a 151k vocabulary, not needed from here
         _return_freed_memory()
-        context = engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
+        context = _context(engine, cfg)
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with progress_bar(f"loading {path.name}", total, progress) as update:
             types: dict = {}  # each tensor's type in the file, for the `mixed` format
@@ -133,6 +132,11 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
 
         model.graphs = StepGraphs(model)
     return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights)
+
+
+def _context(engine: EngineConfig, cfg: ModelConfig) -> int:
+    """The context a load gives the model: --ctx, else the model's own, capped at DEFAULT_MAX_CONTEXT."""
+    return engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
 
 
 def _return_freed_memory() -> None:

@@ -60,12 +60,18 @@ def test_greedy_speculative_equals_plain_on_real_pair(target, draft, prompts, pl
     spec = SpecConfig(draft_max=8)
     drafter = {"draft-model": draft, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), draft)}[kind]
     engine = Engine(target, 1024, drafter, spec)
+    accepted = {}
     for name, prompt in prompts.items():
         tokens, stats = _tokens(engine, prompt)
         expected, _ = plain[name]
         assert len(tokens) == N
         assert tokens == expected, f"{name}: first difference at {_first_difference(tokens, expected)}"
-        assert stats.rounds > 0 and stats.draft_n_accepted > 0, name
+        assert stats.rounds > 0, f"{name}: nothing was verified, so nothing was tested"
+        accepted[name] = stats.draft_n_accepted
+    # Rejected drafts test the rollback; accepted ones the commit. Whether n-grams match free Chinese prose
+    # depends on the exact greedy text, which differs between CPUs (their kernels round differently), so
+    # acceptance is required on the prompt built to be copied from, not on every prompt.
+    assert accepted["summary"] > 0, accepted
 
 
 def _first_difference(a, b):

@@ -690,17 +690,24 @@ def cmd_serve(args) -> int:
     apply_profile(args)
     _default_draft(args)  # the default target speculates with its default draft; other models do not
     sock = _listen(args.host, args.port)
-    target = _load(args)
-    engine = make_engine(args, target)
-    for _ in engine.generate(target.tokenizer.encode("Hello"), SamplingParams(max_tokens=4), SpecConfig(draft_max=0)):
-        pass  # warm-up: one-off kernel setup is paid here, not by the first request
-    try:  # llguidance's view of the vocabulary (about 1 s for 150k tokens), built before the first request
-        engine.grammars.ll_tokenizer
-    except QuickdraftError as e:  # plain requests are unaffected; constrained ones get this message as a 400
-        print(f"warning: {e}", file=sys.stderr)
+
+    def serving_engine():
+        target = _load(args)
+        engine = make_engine(args, target)
+        for _ in engine.generate(target.tokenizer.encode("Hello"), SamplingParams(max_tokens=4),
+                                 SpecConfig(draft_max=0)):
+            pass  # warm-up: one-off kernel setup is paid here, not by the first request
+        try:  # llguidance's view of the vocabulary (about 1 s for 150k tokens), built before the first request
+            engine.grammars.ll_tokenizer
+        except QuickdraftError as e:  # plain requests are unaffected; constrained ones get this message as a 400
+            print(f"warning: {e}", file=sys.stderr)
+        return engine
+
+    # Loaded on the thread that will run it (see EngineWorker.build): running it on another costs a quarter
+    worker = EngineWorker.build(serving_engine, args.max_queue, Metrics())
+    engine, target = worker.engine, worker.engine.target
     model_id = args.model if args.model in hub.DEFAULT_MODELS else target.name
-    state = ServerState(EngineWorker(engine, args.max_queue, Metrics()), model_id,
-                        frozenset({args.model, target.name}), args.api_key)
+    state = ServerState(worker, model_id, frozenset({args.model, target.name}), args.api_key)
     host, port = sock.getsockname()[:2]
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}) at {url}/v1",

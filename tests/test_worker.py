@@ -1,0 +1,59 @@
+"""The server's engine worker: the engine is made and run on one thread, and a failure to make it is the
+caller's error."""
+
+import asyncio
+import threading
+
+import pytest
+
+from quickdraft.config import EngineConfig, SamplingParams
+from quickdraft.engine import Engine
+from quickdraft.errors import QuickdraftError
+from quickdraft.server.metrics import Metrics
+from quickdraft.server.worker import Done, EngineWorker, Job
+from quickdraft.weights.loader import load_model
+from tests.helpers import save_hf_dir, tiny_hf_model
+
+CONFIG = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=64)
+
+
+def test_built_worker_runs_the_engine_on_the_thread_that_made_it(tmp_path):
+    path = save_hf_dir(tiny_hf_model("llama"), tmp_path / "tiny")
+    threads = {}
+
+    def make_engine():
+        threads["made"] = threading.current_thread()
+        engine = Engine(load_model(str(path), CONFIG, progress=False), 64)
+        generate = engine.generate
+
+        def recorded(*args, **kw):
+            threads["ran"] = threading.current_thread()
+            yield from generate(*args, **kw)
+
+        engine.generate = recorded
+        return engine
+
+    worker = EngineWorker.build(make_engine, 4, Metrics())
+    worker.start()  # what the app's startup does: nothing more for a built worker
+
+    async def one_request():
+        job = Job([5, 17, 250, 3], SamplingParams(max_tokens=6, stop_at_eos=False), None, [],
+                  asyncio.get_running_loop())
+        worker.submit(job)
+        while not isinstance(item := await asyncio.wait_for(job.events.get(), 60), Done):
+            pass
+        return item
+
+    done = asyncio.run(one_request())
+    worker.stop()
+    assert done.completion_n == 6
+    assert threads["ran"] is threads["made"] is not threading.current_thread()
+    assert not worker.thread.is_alive()
+
+
+def test_building_raises_what_making_the_engine_raised():
+    def make_engine():
+        raise QuickdraftError("model 'x' not found")
+
+    with pytest.raises(QuickdraftError, match="not found"):
+        EngineWorker.build(make_engine, 4, Metrics())

@@ -703,8 +703,8 @@ def cmd_serve(args) -> int:
             print(f"warning: {e}", file=sys.stderr)
         return engine
 
-    # Loaded on the thread that will run it (see EngineWorker.build): running it on another costs a quarter
-    worker = EngineWorker.build(serving_engine, args.max_queue, Metrics())
+    # Made on the thread that will run it (see server/worker.py): running it on another costs a quarter
+    worker = EngineWorker(serving_engine, args.max_queue, Metrics())
     engine, target = worker.engine, worker.engine.target
     model_id = args.model if args.model in hub.DEFAULT_MODELS else target.name
     state = ServerState(worker, model_id, frozenset({args.model, target.name}), args.api_key)

@@ -17,7 +17,7 @@ from tests.helpers import save_hf_dir, tiny_hf_model
 CONFIG = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=64)
 
 
-def test_built_worker_runs_the_engine_on_the_thread_that_made_it(tmp_path):
+def test_worker_runs_the_engine_on_the_thread_that_made_it(tmp_path):
     path = save_hf_dir(tiny_hf_model("llama"), tmp_path / "tiny")
     threads = {}
 
@@ -33,8 +33,7 @@ def test_built_worker_runs_the_engine_on_the_thread_that_made_it(tmp_path):
         engine.generate = recorded
         return engine
 
-    worker = EngineWorker.build(make_engine, 4, Metrics())
-    worker.start()  # what the app's startup does: nothing more for a built worker
+    worker = EngineWorker(make_engine, 4, Metrics())
 
     async def one_request():
         job = Job([5, 17, 250, 3], SamplingParams(max_tokens=6, stop_at_eos=False), None, [],
@@ -56,4 +55,4 @@ def test_building_raises_what_making_the_engine_raised():
         raise QuickdraftError("model 'x' not found")
 
     with pytest.raises(QuickdraftError, match="not found"):
-        EngineWorker.build(make_engine, 4, Metrics())
+        EngineWorker(make_engine, 4, Metrics())

@@ -43,8 +43,7 @@ class ServerState:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        state.worker.start()
-        yield
+        yield  # the worker runs from its construction
         await asyncio.to_thread(state.worker.stop)
 
     app = FastAPI(title="quickdraft", description="OpenAI-compatible API with exact speculative decoding",

@@ -1,7 +1,7 @@
 """One thread owns the engine; requests wait for it in a bounded queue and get their tokens back on their
 own asyncio queue. A request that is cancelled (client gone) frees the engine after its current token.
 
-The thread that runs the engine should be the one that loaded it (EngineWorker.build): PyTorch's CPU thread
+The thread that runs the engine is the one that made it (EngineWorker's constructor): PyTorch's CPU thread
 pool (OpenMP) belongs to the first thread that runs parallel work. Another thread that runs ops while that pool
 lives gets a second pool, and with no core to spare its threads may not spin-wait: every op then pays a sleep
 and a wake-up (measured on 2 cores: a small add 4.6 -> 67 us, the default pair 28 -> 21 tok/s).
@@ -79,42 +79,31 @@ class QueueFull(Exception):
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine | None, max_queue: int, metrics: Metrics):
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], Engine], max_queue: int, metrics: Metrics):
+        """Make the engine on the worker's own thread, which then serves with it (see the module's note);
+        return once it is made. What make_engine raises is raised here."""
         self.metrics = metrics
         self.pending: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.running: Job | None = None
         self.mean_request_s = 5.0  # moving average, for Retry-After
-        self.thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
-
-    @classmethod
-    def build(cls, make_engine: Callable[[], Engine], max_queue: int, metrics: Metrics) -> EngineWorker:
-        """Make the engine on the worker's own thread, which then serves with it; return once it is made.
-        What make_engine raises is raised here."""
-        worker = cls(None, max_queue, metrics)
         made = threading.Event()
         failed: list[BaseException] = []
 
         def own_thread() -> None:
             try:
-                worker.engine = make_engine()
+                self.engine = make_engine()
             except BaseException as e:  # noqa: BLE001 -- handed to the caller, on its thread
                 failed.append(e)
                 return
             finally:
                 made.set()
-            worker._run()
+            self._run()
 
-        worker.thread = threading.Thread(target=own_thread, name="quickdraft-engine", daemon=True)
-        worker.thread.start()
+        self.thread = threading.Thread(target=own_thread, name="quickdraft-engine", daemon=True)
+        self.thread.start()
         made.wait()
         if failed:
             raise failed[0]
-        return worker
-
-    def start(self) -> None:
-        if self.thread.ident is None:  # built ones run already
-            self.thread.start()
 
     def submit(self, job: Job) -> None:
         try:

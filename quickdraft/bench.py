@@ -4,19 +4,20 @@ The bundled prompts (quickdraft.prompts), a fixed number of generated tokens (gr
 ignored so every run decodes the same length), warm-up runs first, then several measured runs with the
 configurations interleaved (drift on a shared machine hits them all alike). Decode tok/s is measured from
 the first token on (steady state), end-to-end tok/s separately (prefill included); medians with min and
-max. Each configuration's figures include the speed model of DESIGN.md: v(k), r and acceptance per
+max. Each configuration's figures include the speed model (speculative/speed.py): v(k), r and acceptance per
 position as measured, and the speed-up they predict, beside the speed-up measured against plain decoding.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from quickdraft.config import SamplingParams, SpecConfig
-from quickdraft.engine import Engine
+from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.speculative import speed
+from quickdraft.speculative.draft import NONE, Draft
 
 SOURCES = ("draft", "ngram", "ngram+draft")
 DEFAULT_CONFIGS = "plain,draft:k=2,draft:k=4,draft:k=8,draft:adaptive,ngram:adaptive,ngram+draft:adaptive"
@@ -24,51 +25,71 @@ DEFAULT_CONFIGS = "plain,draft:k=2,draft:k=4,draft:k=8,draft:adaptive,ngram:adap
 
 @dataclass(frozen=True)
 class BenchConfig:
-    source: str  # none | draft | ngram | ngram+draft
+    source: str  # the row's label: none (plain), draft, ngram, ngram+draft, or a tune candidate's name
+    draft: Draft = NONE
     k: int | None = None  # None: the adaptive policy (up to draft_max)
 
     @property
     def name(self) -> str:
-        if self.source == "none":
+        if self.draft.kind == "none":
             return "plain"
         return f"{self.source} {'adaptive' if self.k is None else f'k={self.k}'}"
 
 
-def parse_configs(text: str) -> list[BenchConfig]:
+PLAIN = BenchConfig("none")
+
+
+def source_draft(source: str, draft: Draft) -> Draft | None:
+    """What a configuration's source drafts with, given --draft: `draft` is that drafter alone, `ngram` prompt
+    lookup, `ngram+draft` the drafter behind lookup; None where --draft has no drafter for it."""
+    if source == "ngram":
+        return Draft("ngram")
+    if draft.kind in ("none", "ngram"):
+        return None
+    return replace(draft, ngram=source == "ngram+draft")
+
+
+def parse_configs(text: str, draft: Draft = NONE) -> list[BenchConfig]:
     """'plain,draft:k=4,ngram+draft:adaptive' -> configurations (QuickdraftError naming a bad item)."""
     configs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "plain":
-            configs.append(BenchConfig("none"))
+            configs.append(PLAIN)
             continue
         source, _, how = item.partition(":")
         if source not in SOURCES or not (how == "adaptive" or (how.startswith("k=") and how[2:].isdigit()
                                                                 and 1 <= int(how[2:]) <= 63)):
             raise QuickdraftError(f"bad configuration {item!r}: use plain, or SOURCE:k=N (1..63) or SOURCE:adaptive "
                                   f"with SOURCE one of {', '.join(SOURCES)}")
-        configs.append(BenchConfig(source, None if how == "adaptive" else int(how[2:])))
+        drafted = source_draft(source, draft)
+        if drafted is None:
+            raise QuickdraftError(f"configuration {item!r} needs a draft: give --draft")
+        configs.append(BenchConfig(source, drafted, None if how == "adaptive" else int(how[2:])))
     if not configs:
         raise QuickdraftError("no configuration to benchmark: give --configs, e.g. plain,draft:adaptive")
     return configs
 
 
-def _spec(config: BenchConfig, draft_max: int) -> SpecConfig:
-    if config.source == "none":
-        return SpecConfig(draft_max=0)
+def default_configs(draft: Draft) -> str:
+    """Plain and every configuration the draft allows."""
+    if draft.kind == "ngram":
+        return "plain,ngram:adaptive"
+    return "plain" if draft.kind == "none" else DEFAULT_CONFIGS
+
+
+def _speculation(config: BenchConfig, base: SpeculationConfig) -> SpeculationConfig:
+    if config.draft.kind == "none":
+        return replace(base, draft_max=0, draft_min=0)
     if config.k is None:
-        return SpecConfig(draft_max=draft_max)
-    return SpecConfig(draft_max=config.k, adaptive=False)  # drafts up to k (a draft model's p_min still applies)
+        return replace(base, adaptive=True)
+    return replace(base, draft_max=config.k, draft_min=0, adaptive=False)  # up to k (a draft model's p_min applies)
 
 
-def run(target, drafters: dict, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, runs: int,
-        warmup: int = 1, draft_max: int = 16, progress=None) -> dict:
-    """Every configuration on every prompt; drafters maps a source to its drafter."""
-    engines = {}
-    for c in configs:
-        drafter = drafters.get(c.source) if c.source != "none" else None
-        if c.source != "none" and drafter is None:
-            raise QuickdraftError(f"configuration {c.name!r} needs a draft: give --draft")
-        engines[c] = Engine(target, target.model.max_context, drafter, _spec(c, draft_max), c.source)
+def run(llm, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, runs: int, warmup: int = 1,
+        speculation: SpeculationConfig = SpeculationConfig(), progress=None) -> dict:
+    """Every configuration on every prompt, each on an engine of its own over llm's target; speculation: the
+    settings every configuration starts from (adaptive ones draft up to its draft_max)."""
+    engines = {c: llm.engine_for(c.draft, _speculation(c, speculation)) for c in configs}
     params = SamplingParams(max_tokens=n, stop_at_eos=False)
     rows = []
     for pname, prompt in prompts.items():
@@ -82,7 +103,7 @@ def run(target, drafters: dict, configs: list[BenchConfig], prompts: dict[str, l
                 measured[c].append(([e.token for e in events if e.token is not None], events[-1]))
                 if progress:
                     progress(1)
-        plain_tokens = next((m[0][0] for c, m in measured.items() if c.source == "none"), None)
+        plain_tokens = next((m[0][0] for c, m in measured.items() if c.draft.kind == "none"), None)
         for c in configs:
             rows.append(_row(pname, c, measured[c], plain_tokens, engines[c]))
     _speedups(rows)
@@ -94,15 +115,15 @@ def _row(prompt: str, c: BenchConfig, measured, plain_tokens, engine) -> dict:
     decode = [final.timings.decode_tok_s for _, final in measured]
     e2e = [(final.timings.n_decoded + 1) / (final.timings.ttft_s + final.timings.decode_s) for _, final in measured]
     tokens, final = measured[-1]
-    s = final.spec
+    s = final.stats
     source = s.sources.most_common(1)[0][0] if s.sources else None
     return {
         "prompt": prompt, "config": c.name, "source": c.source, "k": c.k,
         "decode_tok_s": statistics.median(decode), "decode_min": min(decode), "decode_max": max(decode),
         "e2e_tok_s": statistics.median(e2e), "ttft_s": statistics.median(f.timings.ttft_s for _, f in measured),
-        "acceptance": statistics.median(f.spec.acceptance_rate for _, f in measured),
-        "tokens_per_round": statistics.median(f.spec.mean_accepted_length for _, f in measured),
-        "k_mean": statistics.median(f.spec.k_mean for _, f in measured),
+        "acceptance": statistics.median(f.stats.acceptance_rate for _, f in measured),
+        "tokens_per_round": statistics.median(f.stats.mean_accepted_length for _, f in measured),
+        "k_mean": statistics.median(f.stats.k_mean for _, f in measured),
         "accept_per_position": s.accept_per_position,
         "same_as_plain": None if plain_tokens is None else tokens == plain_tokens,
         # what the last run did, for the roofline: target passes and draft-model passes (about one per token)
@@ -124,7 +145,7 @@ def _speed_model(policy, source: str | None, c: BenchConfig, k_mean: float) -> d
 
 def _speedups(rows: list[dict]) -> None:
     """Measured speed-up against plain on the same prompt, and the speed-up the measured model predicts:
-    E[L](k) t_plain / (t_verify(k) + k t_draft), t_plain from the plain configuration's median step."""
+    speed.speedup with v(k) and r relative to t_plain, the plain configuration's median step."""
     for r in rows:
         plain = next((x for x in rows if x["prompt"] == r["prompt"] and x["source"] == "none"), None)
         r["speedup"] = r["decode_tok_s"] / plain["decode_tok_s"] if plain else None
@@ -134,9 +155,9 @@ def _speedups(rows: list[dict]) -> None:
             t_plain = 1.0 / plain["decode_tok_s"]
             t_verify = m["t_verify_s"].get(m["k"])
             if t_verify is not None:
-                r["predicted_speedup"] = m["expected_tokens_per_round"] * t_plain / (t_verify + m["k"] * m["t_draft_s"])
                 r["v_k"] = t_verify / t_plain
                 r["r"] = m["t_draft_s"] / t_plain
+                r["predicted_speedup"] = speed.speedup(m["expected_tokens_per_round"], r["v_k"], m["k"], r["r"])
 
 
 def _summary(rows: list[dict], configs: list[BenchConfig]) -> list[dict]:

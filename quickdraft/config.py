@@ -120,7 +120,7 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpeculationConfig:
     """How much to speculate. Flags mirror llama.cpp: --draft-max, --draft-min, --draft-p-min."""
 
     draft_max: int = 16  # most tokens drafted in a round

@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quickdraft import quant
-from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec.build import draft_model_of
-from quickdraft.spec.vocab import check_compatible
+from quickdraft.speculative.draft import NONE
+from quickdraft.speculative.vocab import check_compatible
 
 WARN_SHARE = 0.9  # of the device's memory
 
@@ -62,19 +63,26 @@ def placement(model: torch.nn.Module, intended: torch.device, role: str) -> Find
 
 
 def kernels(*models) -> Finding:
-    """On a CPU with bf16 activations: whether quickdraft's own kernels run the models' weights, or why not."""
+    """On a CPU with bf16 activations: whether quickdraft's own kernels run the models' weights (and each decoder
+    layer as one fused step), or why not."""
     from quickdraft.quant import vnni
 
     formats = ", ".join(f"{m.name.split('/')[-1]} {m.weights}" for m in models)
+    figures = {"formats": formats, "plans": {m.name: m.plan for m in models}}
     if not any(m.device.type == "cpu" and m.model.dtype == torch.bfloat16 for m in models):
-        return Finding("kernels", "ok", f"not on a bf16 CPU path ({formats})")
+        return Finding("kernels", "ok", f"not on a bf16 CPU path ({formats})", figures)
     if vnni.available():
-        return Finding("kernels", "ok", f"quickdraft's AVX-512 VNNI kernels ({formats})", {"formats": formats})
+        steps = [(m, m.plan.get("fused_layers", 0), m.plan.get("layers", 0)) for m in models]
+        fused = "; ".join(f"{m.name.split('/')[-1]}: {f} of {n} layers as one fused step" for m, f, n in steps)
+        slow = [m.name.split("/")[-1] for m, f, n in steps if m.weights in quant.QUANTIZED and f < n]
+        tail = (f" (the other layers of {', '.join(slow)} run module by module, on the same kernels: their shapes or "
+                "parts are not the fused step's)") if slow else ""
+        return Finding("kernels", "ok", f"quickdraft's AVX-512 VNNI kernels ({formats}); {fused}{tail}", figures)
     reason = vnni.unavailable_reason()
     fix = ("install a C++ compiler (g++) and ninja, then run again" if "build" in reason
            else "PyTorch's slower ops are used; nothing to install")
     return Finding("kernels", "warn", f"quickdraft's CPU kernels are off: {reason}; {fix} ({formats})",
-                   {"reason": reason})
+                   {**figures, "reason": reason})
 
 
 def loading(*models) -> Finding:
@@ -89,15 +97,15 @@ def loading(*models) -> Finding:
             how = f"converted to {m.weights}"
         else:
             how = f"loaded in {m.weights}"
-        graphs = getattr(m.model, "graphs", None)
+        graphs = m.graphs
         if m.device.type == "cuda":
             how += ", CUDA graphs " + ("on" if graphs is not None and graphs.disabled is None else "off")
         parts.append(f"{name} {how} in {m.load_seconds:.1f} s")
         figures["models"].append({"model": name, "load_s": round(m.load_seconds, 2),
                                   "kept_from": str(m.kept_from) if m.kept_from else None})
-    off = [m for m in models if getattr(m.model, "graphs", None) is not None and m.model.graphs.disabled]
+    off = [m for m in models if m.graphs is not None and m.graphs.disabled]
     if off:
-        return Finding("loading", "warn", "; ".join(parts) + f" (graphs off: {off[0].model.graphs.disabled}; decoding "
+        return Finding("loading", "warn", "; ".join(parts) + f" (graphs off: {off[0].graphs.disabled}; decoding "
                        "runs eagerly, slower; please report it)", figures)
     return Finding("loading", "ok", "; ".join(parts), figures)
 
@@ -126,16 +134,13 @@ def kv_bytes(cache) -> int:
     return cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()
 
 
-def memory(target, draft, engine, available: int) -> Finding:
-    """Weights of both models, both KV caches for the context, and the activations of a round, against
-    `available` bytes; warn above 90%, error above 100%."""
-    weights = sum(_bytes(target.model).values()) + (sum(_bytes(draft.model).values()) if draft else 0)
-    kv = kv_bytes(engine.cache)
-    drafter = draft_model_of(engine.drafter)
-    if drafter is not None:
-        kv += kv_bytes(drafter.cache)
+def memory(target, drafts: list, engine, available: int) -> Finding:
+    """Weights of the target and the draft models, the KV caches of the engine and its drafter for the context, and
+    the activations of a round, against `available` bytes; warn above 90%, error above 100%."""
+    weights = sum(sum(_bytes(m.model).values()) for m in [target, *drafts])
+    kv = kv_bytes(engine.cache) + (engine.drafter.cache_bytes() if engine.drafter is not None else 0)
     cfg = target.config
-    k = engine.spec.draft_max + 1
+    k = engine.speculation.draft_max + 1
     # a prefill of the whole context (hidden states, the MLP's widest tensors) and a round's logits (float32)
     activations = engine.context * (cfg.dim + 2 * cfg.ffn_dim) * 4 + 3 * k * cfg.vocab_size * 4
     total = weights + kv + activations
@@ -167,13 +172,13 @@ def tokenizers(target, draft) -> Finding:
 def sampler(drafter, vocab: int) -> Finding:
     """The draft samples from the same processed distribution as the target: propose under top-k 3 and
     temperature 0.7 and check that each drafted position has at most 3 candidates, summing to 1."""
-    model_drafter = draft_model_of(drafter)
-    if model_drafter is None:
-        return Finding("sampler", "ok", "n-gram drafts are deterministic: verification treats them as one-hot")
+    if not drafter.samples:
+        return Finding("sampler", "ok", f"{drafter.name} drafts deterministically: verification treats its drafts "
+                                        "as one-hot")
     params = SamplingParams(temperature=0.7, top_k=3, max_tokens=8)
-    seq = [1, 2, 3, 4]
-    model_drafter.begin(seq)
-    proposal = model_drafter.propose(seq, lambda source: 3, params, torch.Generator().manual_seed(0))
+    seq = [1, 2, 3, 4]  # no repeats: a drafter with n-gram lookup in front leaves the proposal to its model
+    drafter.begin(seq)
+    proposal = drafter.propose(seq, lambda source: 3, params, torch.Generator().manual_seed(0))
     q = proposal.q_draft
     candidates = (q > 0).sum(-1).tolist() if q is not None else []
     ok = q is not None and max(candidates) <= 3 and torch.allclose(q.sum(-1), torch.ones(len(q)), atol=1e-4)
@@ -189,14 +194,14 @@ def speculation(engine, prompt: list[int], n: int = 32) -> Finding:
     """A short greedy run with speculation: acceptance above zero, and the policy's predicted speed-up."""
     if engine.drafter is None:
         return Finding("speculation", "warn", "no draft: speculation is off; give --draft")
-    spec = SpecConfig(draft_max=engine.spec.draft_max, adaptive=True, draft_min=1)
+    spec = SpeculationConfig(draft_max=engine.speculation.draft_max, adaptive=True, draft_min=1)
     n = min(n, engine.context // 2)
     prompt = prompt[-(engine.context - n):]  # a small --ctx still gets its check
     params = SamplingParams(max_tokens=n, stop_at_eos=False)
-    for _ in engine.generate(prompt, SamplingParams(max_tokens=6), SpecConfig(draft_max=0)):
+    for _ in engine.generate(prompt, SamplingParams(max_tokens=6), SpeculationConfig(draft_max=0)):
         pass  # plain steps: the policy's measure of a target step, for the prediction
     events = list(engine.generate(prompt, params, spec))
-    stats = events[-1].spec
+    stats = events[-1].stats
     policy = engine.policy
     figures = {"acceptance_rate": stats.acceptance_rate, "tokens_per_round": stats.mean_accepted_length,
                "rounds": stats.rounds, "policy": stats.policy}
@@ -208,7 +213,7 @@ def speculation(engine, prompt: list[int], n: int = 32) -> Finding:
     measured = [s for s, _ in stats.sources.most_common() if s in policy.t_draft]
     if policy.t_plain and measured:
         source = measured[0]  # the source that drafted most rounds
-        best = max(range(1, engine.spec.draft_max + 1), key=lambda k: policy.predicted_rate(source, k))
+        best = max(range(1, engine.speculation.draft_max + 1), key=lambda k: policy.predicted_rate(source, k))
         predicted = policy.predicted_rate(source, best) * policy.t_plain
         figures.update(predicted_speedup=predicted, best_k=best, source=source)
     tail = f"; predicted speed-up {predicted:.2f}x ({figures['source']}, k = {figures['best_k']})" if predicted else ""
@@ -216,3 +221,30 @@ def speculation(engine, prompt: list[int], n: int = 32) -> Finding:
     advice = " (below 1x: the policy will decode plainly; try a smaller draft)" if level == "warn" else ""
     return Finding("speculation", level, f"active: {100 * stats.acceptance_rate:.0f}% of drafts accepted, "
                                          f"{stats.mean_accepted_length:.2f} tokens per round{tail}{advice}", figures)
+
+
+def run(llm, draft, available: int | None = None, prompt: list[int] | None = None) -> tuple[list[Finding], Engine]:
+    """Every check for llm's target with `draft` (a Draft), the memory budget against `available` bytes (else the
+    device's); the engine the checks ran (its drafter None when the draft cannot speak for the target)."""
+    from quickdraft.prompts import encoded
+
+    target = llm.target
+    drafts = llm.draft_models(draft)
+    first = drafts[0] if drafts else None
+    tokenizer = tokenizers(target, first)
+    findings = [placement(target.model, target.device, "target")]
+    findings += [placement(m.model, m.device, "draft") for m in drafts]
+    findings += [kernels(target, *drafts), loading(target, *drafts),
+                 draft_device(target.device, first.device if first else None), tokenizer]
+    resolved = llm.drafts.resolve(draft)
+    engine = llm.engine_for(resolved if tokenizer.level != "error" else NONE, llm.engine.speculation)
+    drafter = engine.drafter
+    findings.append(memory(target, drafts, engine, available or device_memory(target.device)))
+    if drafter is not None:
+        findings.append(sampler(drafter, target.config.vocab_size))
+        findings.append(speculation(engine, prompt or encoded(target.tokenizer, ["code-en"])["code-en"]))
+    else:
+        usable = resolved.kind == "none"
+        findings.append(Finding("speculation", "warn" if usable else "error",
+                                "no usable draft: speculation is off" + ("" if usable else " (see the tokenizer check)")))
+    return findings, engine

@@ -10,15 +10,21 @@ from typing import Iterator
 import torch
 
 from quickdraft import grammar, sampling
-from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.grammar import Constraint, GrammarCompiler, GrammarSpec
+from quickdraft.grammar import Constraint, Grammar, GrammarCompiler
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.spec.accept import accept_greedy, accept_sampled
-from quickdraft.spec.base import Drafter, Proposal
-from quickdraft.spec.policy import AdaptivePolicy
-from quickdraft.spec.stats import SpecStats
+from quickdraft.speculative.accept import accept_greedy, accept_sampled
+from quickdraft.speculative.base import Drafter, Proposal
+from quickdraft.speculative.policy import AdaptivePolicy
+from quickdraft.speculative.stats import SpeculationStats
 from quickdraft.weights.loader import LoadedModel
+
+
+def draft_budget(max_tokens: int, generated: int, room: int) -> int:
+    """Most tokens a round may draft: one fewer than the tokens still to generate (the round's last token is the
+    target's), and no more than the cache has room for. tune's replay follows the same rule."""
+    return min(max_tokens - generated - 1, room)
 
 
 @dataclass
@@ -50,7 +56,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None  # "stop" (end-of-generation token) or "length"
     timings: Timings | None = None
-    spec: SpecStats | None = None
+    stats: SpeculationStats | None = None
 
 
 @dataclass
@@ -99,21 +105,23 @@ class Engine:
     """
 
     def __init__(self, target: LoadedModel, context: int | None = None, drafter: Drafter | None = None,
-                 spec: SpecConfig = SpecConfig(), drafter_name: str | None = None):
+                 speculation: SpeculationConfig = SpeculationConfig()):
         self.target = target
         self.cache = KVCache.for_model(target.model, context)
         self.drafter = drafter
-        if drafter is None:
-            drafter_name = "none"
-        self.drafter_name = drafter_name or "+".join(drafter.sources)
-        self.spec = spec
-        self.policy = AdaptivePolicy(spec)  # its timings describe this machine: kept across generations
+        self.speculation = speculation
+        self.policy = AdaptivePolicy(speculation)  # its timings describe this machine: kept across generations
         self.grammars = GrammarCompiler(target.tokenizer, target.config.vocab_size)
         self._masker: ThreadPoolExecutor | None = None  # computes verification masks during the target pass
 
     @property
     def context(self) -> int:
         return self.cache.capacity
+
+    @property
+    def drafter_name(self) -> str:
+        """The draft as users write it (speculative/draft.py), "none" without one."""
+        return self.drafter.name if self.drafter is not None else "none"
 
     @property
     def vocab(self) -> int:
@@ -128,22 +136,23 @@ class Engine:
                 f"{self.context} tokens: shorten the prompt, lower -n, or raise --ctx"
             )
 
-    def constraint(self, spec: GrammarSpec | None) -> Constraint | None:
-        """A matcher for one generation (QuickdraftError, with the library's message, if spec is invalid)."""
-        return self.grammars.constraint(spec) if spec is not None else None
+    def constraint(self, grammar: Grammar | None) -> Constraint | None:
+        """A matcher for one generation (QuickdraftError, with the library's message, if the grammar is invalid)."""
+        return self.grammars.constraint(grammar) if grammar is not None else None
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], params: SamplingParams, spec: SpecConfig | None = None,
+    def generate(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
                  halt: Halt | None = None, constraint: Constraint | None = None) -> Iterator[Event]:
-        """Yield an Event per generated token, then a final Event with finish_reason, timings and spec stats.
+        """Yield an Event per generated token, then a final Event with finish_reason, timings and speculation
+        stats.
 
-        spec overrides the engine's speculation settings for this generation (draft_max 0: none);
-        halt ends the generation early with halt.reason as its finish reason; constraint (from
-        self.constraint) restricts the output to a grammar: it ends with "stop" once the output is complete.
+        speculation overrides the engine's settings for this generation (draft_max 0: none); halt ends the
+        generation early with halt.reason as its finish reason; constraint (from self.constraint) restricts the
+        output to a grammar: it ends with "stop" once the output is complete.
         """
         self.check_fits(len(prompt), params.max_tokens)
-        spec = spec or self.spec
-        drafter = self.drafter if spec.draft_max > 0 else None
+        speculation = speculation or self.speculation
+        drafter = self.drafter if speculation.draft_max > 0 else None
         halt = halt or Halt()
         eos = self.target.tokenizer.eos_ids if params.stop_at_eos else frozenset()
         if constraint is not None:  # the output ends where the grammar allows an end and the model takes it
@@ -151,7 +160,7 @@ class Engine:
         generator = sampling.make_generator(params.seed, self.target.device)
         detok = Detokenizer(self.target.tokenizer)
         timings = Timings(prompt_n=len(prompt))
-        stats = SpecStats(drafter=self.drafter_name if drafter else "none",
+        stats = SpeculationStats(drafter=self.drafter_name if drafter else "none",
                           draft_device=str(drafter.device) if drafter and drafter.device else None)
         start = time.perf_counter()
         seq = list(prompt)
@@ -183,16 +192,16 @@ class Engine:
                 if len(seq) - len(prompt) == params.max_tokens:
                     break
             else:
-                new_tokens = self._step(seq, params, generator, len(prompt), stats, drafter, spec, constraint)
+                new_tokens = self._step(seq, params, generator, len(prompt), stats, drafter, speculation, constraint)
                 continue
             break
         if first is None:  # max_tokens == 0
             timings.prefill_s = timings.ttft_s = time.perf_counter() - start
         stats.policy = self.policy.snapshot() if drafter is not None else {}
         if constraint is not None:
-            stats.constraint = constraint.spec.kind
+            stats.constraint = constraint.grammar.kind
             stats.mask_s, stats.masks_computed = constraint.seconds, constraint.masks_computed
-        yield Event(None, detok.flush(), finish_reason=finish, timings=timings, spec=stats)
+        yield Event(None, detok.flush(), finish_reason=finish, timings=timings, stats=stats)
 
     # ---- the pieces of the loop -------------------------------------------------------------
 
@@ -201,7 +210,7 @@ class Engine:
             return []
         self.cache.reset()
         tokens = torch.tensor(seq, device=self.target.device)
-        logits = self.target.model(tokens[None], self.cache, last_only=True)[0]
+        logits = self.target.forward(tokens[None], self.cache, last_only=True)[0]
         return [self._choose(logits, seq, params, generator, constraint)]
 
     def _choose(self, logits, seq, params, generator, constraint) -> int:
@@ -211,21 +220,21 @@ class Engine:
         return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
                                        generator, len(seq)))
 
-    def _step(self, seq, params, generator, prompt_n: int, stats: SpecStats, drafter: Drafter | None,
-              spec: SpecConfig, constraint: Constraint | None) -> list[int]:
+    def _step(self, seq, params, generator, prompt_n: int, stats: SpeculationStats, drafter: Drafter | None,
+              speculation: SpeculationConfig, constraint: Constraint | None) -> list[int]:
         """One plain step or one speculative round; returns the tokens it adds to seq."""
-        budget = min(params.max_tokens - (len(seq) - prompt_n) - 1, self.context - len(seq))
+        budget = draft_budget(params.max_tokens, len(seq) - prompt_n, self.context - len(seq))
 
         def k_for(source: str) -> int:
-            return max(0, min(self.policy.k_for(source, spec), budget))
+            return max(0, min(self.policy.k_for(source, speculation), budget))
 
         proposal = Proposal([], "none")
         draft_s = 0.0
         if drafter is not None and budget > 0:
             t0 = time.perf_counter()
-            # spec.constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
+            # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
             proposal = drafter.propose(seq, k_for, params, generator,
-                                       constraint if spec.constrain_draft else None)
+                                       constraint if speculation.constrain_draft else None)
             draft_s = time.perf_counter() - t0
         if not proposal.tokens:
             t0 = time.perf_counter()
@@ -243,7 +252,7 @@ class Engine:
         return tokens
 
     def _plain(self, seq, params, generator, constraint) -> int:
-        logits = self.target.model(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
+        logits = self.target.forward(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
         return self._choose(logits, seq, params, generator, constraint)
 
     def _verify(self, seq, proposal: Proposal, params, generator, constraint) -> tuple[list[int], int]:
@@ -260,7 +269,7 @@ class Engine:
             masks = self._masker.submit(constraint.lookahead_bitmasks, proposal.tokens)
         drafts = torch.tensor(proposal.tokens, device=device)
         feed = torch.cat([torch.tensor(seq[-1:], device=device), drafts])
-        logits = self.target.model(feed[None], self.cache)[0]  # (k + 1, V)
+        logits = self.target.forward(feed[None], self.cache)[0]  # (k + 1, V)
         if masks is not None:
             logits = grammar.apply(logits, grammar.unpack(masks.result().to(device), logits.shape[-1]))
         k = len(proposal.tokens)

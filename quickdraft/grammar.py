@@ -36,7 +36,7 @@ JSON_WHITESPACE = r"(\x20|\n[\x20\t]{0,20})?"
 
 
 @dataclass(frozen=True)
-class GrammarSpec:
+class Grammar:
     """What the output must match. kind: json_schema (text: the schema as JSON), json_object (any JSON
     object; text unused), regex (text: the expression), grammar (text: GBNF as llama.cpp writes it, or Lark)."""
 
@@ -48,7 +48,7 @@ class GrammarSpec:
             raise QuickdraftError(f"unknown constraint kind {self.kind!r}: use one of {', '.join(KINDS)}")
 
     @classmethod
-    def json_schema(cls, schema: dict | str) -> "GrammarSpec":
+    def json_schema(cls, schema: dict | str) -> "Grammar":
         return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
     def describe(self) -> str:
@@ -97,36 +97,35 @@ class GrammarCompiler:
                     raise QuickdraftError(f"structured output is not available for this tokenizer: {e}") from e
             return self._ll_tokenizer
 
-    def _grammar(self, spec: GrammarSpec) -> str:
-        """spec as llguidance's grammar text (checked when a matcher is built from it)."""
+    def _grammar(self, grammar: Grammar) -> str:
+        """The grammar as llguidance's grammar text (checked when a matcher is built from it)."""
         llg = _llguidance()
         try:
-            if spec.kind == "json_object":
-                grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
-            elif spec.kind == "json_schema":
+            if grammar.kind == "json_object":
+                text = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+            elif grammar.kind == "json_schema":
                 try:
-                    schema = json.loads(spec.text)
+                    schema = json.loads(grammar.text)
                 except json.JSONDecodeError as e:
                     raise QuickdraftError(f"the JSON schema is not valid JSON: {e}") from e
                 if not isinstance(schema, dict):
                     raise QuickdraftError("the JSON schema must be a JSON object, e.g. {\"type\": \"object\"}")
-                grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
-            elif spec.kind == "regex":
-                grammar = llg.LLMatcher.grammar_from_regex(spec.text)
+                text = llg.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+            elif grammar.kind == "regex":
+                text = llg.LLMatcher.grammar_from_regex(grammar.text)
             else:
-                grammar = llg.grammar_from("grammar", spec.text)  # GBNF or Lark, told apart by the library
+                text = llg.grammar_from("grammar", grammar.text)  # GBNF or Lark, told apart by the library
         except ValueError as e:
-            raise QuickdraftError(f"invalid {spec.describe()}: {one_line(str(e))}") from e
-        return grammar
+            raise QuickdraftError(f"invalid {grammar.describe()}: {one_line(str(e))}") from e
+        return text
 
-    def constraint(self, spec: GrammarSpec) -> "Constraint":
-        """A fresh matcher for one generation; a QuickdraftError with the library's message if spec is invalid."""
-        grammar = self._grammar(spec)
-        matcher = _llguidance().LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+    def constraint(self, grammar: Grammar) -> "Constraint":
+        """A fresh matcher for one generation; a QuickdraftError with the library's message if grammar is invalid."""
+        matcher = _llguidance().LLMatcher(self.ll_tokenizer, self._grammar(grammar), log_level=0)
         if matcher.is_error():
-            raise QuickdraftError(f"invalid {spec.describe()}: {one_line(matcher.get_error())}")
+            raise QuickdraftError(f"invalid {grammar.describe()}: {one_line(matcher.get_error())}")
         # a tokenizer without an end-of-generation token gets one chosen by llguidance: it ends outputs too
-        return Constraint(matcher, self.vocab_size, spec, frozenset(self.ll_tokenizer.eos_tokens))
+        return Constraint(matcher, self.vocab_size, grammar, frozenset(self.ll_tokenizer.eos_tokens))
 
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
@@ -154,11 +153,11 @@ class Constraint:
     seconds: time spent computing masks, the share of a generation that structured output costs.
     """
 
-    def __init__(self, matcher, vocab: int, spec: GrammarSpec, eos_ids: frozenset[int] = frozenset()):
+    def __init__(self, matcher, vocab: int, grammar: Grammar, eos_ids: frozenset[int] = frozenset()):
         self.matcher = matcher
         self.eos_ids = eos_ids  # what the matcher takes as the end of the output
         self.vocab = vocab
-        self.spec = spec
+        self.grammar = grammar
         self.words = (vocab + 31) // 32
         self.seconds = 0.0
         self.masks_computed = 0

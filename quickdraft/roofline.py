@@ -83,12 +83,12 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 5) -> tuple[f
     neighbouring passes sees the same conditions, where one baseline for the whole curve would skew it all."""
     model, device = target.model, target.device
     cache = KVCache.for_model(model, len(prompt) + kmax + 2)
-    model(torch.tensor([prompt], device=device), cache, last_only=True)
+    target.forward(torch.tensor([prompt], device=device), cache, last_only=True)
     n = len(prompt)
     feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)
 
     def seconds(k: int) -> float:
-        return timed(lambda: model(feed[:, : k + 1], cache), device, lambda: cache.rollback(n))
+        return timed(lambda: target.forward(feed[:, : k + 1], cache), device, lambda: cache.rollback(n))
 
     for k in (0, kmax):  # warm-up: one-off setup of both shapes
         seconds(k)
@@ -102,14 +102,14 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 5) -> tuple[f
     return statistics.median(ones), v
 
 
-def report(target, draft, rows: list[dict], prompt: list[int], kmax: int = 16) -> dict:
-    """The roofline of a benchmark run: bandwidth, bytes per pass, the plain limit, v(k), and per row the
-    bytes read per emitted token and the GB/s achieved (a row needs rounds, plain_steps, draft_passes,
-    n_decoded and decode_tok_s)."""
+def report(target, drafts: list, rows: list[dict], prompt: list[int], kmax: int = 16) -> dict:
+    """The roofline of a benchmark run: bandwidth, bytes per pass of the target and of the draft (its models,
+    `drafts`), the plain limit, v(k), and per row the bytes read per emitted token and the GB/s achieved (a row
+    needs rounds, plain_steps, draft_passes, n_decoded and decode_tok_s)."""
     bw = bandwidth(target.device)
     context = len(prompt) + 64
     t_bytes = pass_bytes(target.model, context)
-    d_bytes = pass_bytes(draft.model, context) if draft is not None else 0
+    d_bytes = sum(pass_bytes(m.model, context) for m in drafts)
     t1, v = v_curve(target, prompt, kmax)
     for r in rows:
         passes = r["rounds"] + r["plain_steps"]

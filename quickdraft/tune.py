@@ -1,44 +1,37 @@
-"""`quickdraft tune`: measure each candidate draft, fit the speed model, predict the best draft and k,
-check the prediction with a short run, and write a profile that `generate` and `serve` take.
+"""`quickdraft tune`: measure each candidate draft, fit the speed model, predict the best draft and k, check the
+prediction with a short run, and write a profile that `generate` and `serve` take.
 
-The speed model (DESIGN.md): with t_plain one target step, v(k) = t_verify(k) / t_plain the cost of
-verifying k drafts (k + 1 tokens), r = t_draft / t_plain the cost of one drafted token, and a_i the
-acceptance of draft position i given the ones before were accepted, a round emits
-E[L](k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens, so speculation runs at
-speed-up(k) = E[L](k) / (v(k) + k r) times plain decoding.
-
-Acceptance is not the same at every point of a text (a run of boilerplate, then a hard stretch), and a round
-starts where the last one stopped, so a_i measured at one k mispredicts E[L] at another, and acceptance pooled
-over prompts mispredicts each prompt's speed-up (the benchmark's figure is their median). For greedy decoding
-neither guess is needed: tune decodes each prompt once without speculation, finds where each candidate's
-drafts would agree with that output (one teacher-forced pass of the draft; n-gram lookup asked directly),
-and replays the engine's rounds at every k over it: E[L](k), the share of steps with something to draft
-(n-gram lookup needs a match) and the draft passes are counted, not modelled; only the costs v(k), r and
-the engine's per-step work are measured timings.
+The speed model is speculative/speed.py's: a round of k drafts emits E[L](k) tokens at the cost of v(k) + k r
+target steps. Acceptance is not the same at every point of a text (a run of boilerplate, then a hard stretch),
+and a round starts where the last one stopped, so a_i measured at one k mispredicts E[L] at another, and
+acceptance pooled over prompts mispredicts each prompt's speed-up (the benchmark's figure is their median). For
+greedy decoding neither guess is needed: tune decodes each prompt once without speculation, asks each candidate
+what it would propose at every position of that output (Drafter.offers), and replays the engine's rounds at every
+k over it, with the drafter's own rule for what a round costs it (Drafter.replay_round) and the engine's budget
+(engine.draft_budget): E[L](k), the share of steps with something to draft (n-gram lookup needs a match) and the
+draft passes are counted, not modelled; only the costs v(k), r and the engine's per-step work are timings.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
-from quickdraft.config import SamplingParams, SpecConfig
-from quickdraft.engine import Engine
+from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine, draft_budget
 from quickdraft.errors import QuickdraftError
-from quickdraft.roofline import median_seconds
-from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.spec.build import draft_model_of
+from quickdraft.speculative.base import Offer
+from quickdraft.speculative.draft import Draft
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 @dataclass
 class Candidate:
-    name: str  # a draft model spec, "ngram", or "MODEL+ngram"
+    name: str  # the draft as users write it: a draft model, "ngram", or "ngram+MODEL"
     r: float  # drafted token cost / target step
     acceptance: list[float]  # a_1..a_kmax, conditional per position
     coverage: float = 1.0  # share of steps on which the drafter proposed something
@@ -48,26 +41,11 @@ class Candidate:
     why_not: str = ""
 
 
-@torch.inference_mode()
-def draft_cost(drafter, prompt: list[int], reps: int = 3) -> float:
-    """Seconds per drafted token of a draft model (0 for n-gram lookup)."""
-    draft = draft_model_of(drafter)
-    if draft is None:
-        return 0.0
-    model = draft.model
-    device = model.device
-    cache = KVCache.for_model(model, len(prompt) + 2)
-    model(torch.tensor([prompt], device=device), cache, last_only=True)
-    feed = torch.tensor([prompt[-1:]], device=device)
-    return median_seconds(lambda: model(feed, cache, last_only=True), device, reps,
-                          lambda: cache.rollback(len(prompt)))
-
-
 def reference(target, prompts: dict[str, list[int]], n: int) -> tuple[dict[str, list[int]], float]:
     """Each prompt's greedy output without speculation (what every candidate reproduces, so what its drafts
     are judged against) and the engine's median seconds per plain step: the target's pass plus the engine's
     own per-step work (sampling, bookkeeping), which a round pays once for all the tokens it emits."""
-    engine = Engine(target, target.model.max_context, None, SpecConfig(draft_max=0))
+    engine = Engine(target, target.model.max_context, None, SpeculationConfig(draft_max=0))
     outputs, steps = {}, []
     for name, prompt in prompts.items():
         events = list(engine.generate(prompt, SamplingParams(max_tokens=n, stop_at_eos=False)))
@@ -79,66 +57,9 @@ def reference(target, prompts: dict[str, list[int]], n: int) -> tuple[dict[str, 
 
 
 @dataclass
-class Offer:
-    """What a drafter would propose at one position of the reference output, drafting up to kmax."""
-    source: str  # "draft" or "ngram"; "" when it has nothing to propose
-    available: int  # how many tokens it would propose at most (a draft model stops early when unsure)
-    kept: int  # how many of them the target keeps: the agreement with the reference output
-
-
-@torch.inference_mode()
-def offers(drafter, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
-    """The drafter's offer at each decode position t = 1..len(output) - 1 (seq = prompt + output[:t]).
-
-    Exact for greedy decoding without running rounds: a draft model's i-th guess, once the ones before it
-    were kept, sees the reference prefix, so the target keeps the run of positions from t on where the draft's
-    next-token choice on the reference sequence (one teacher-forced pass) is the reference token, and the draft
-    stops early (p_min) at the first position after t where its top probability there is below p_min. (Past
-    a wrong guess the draft sees its own token, not the reference's; its confidence there is taken from the
-    reference sequence: that only moves the cost of drafts the target rejects anyway.) N-gram lookup is
-    deterministic in the sequence: its proposal is asked for directly."""
-    n = len(output)
-    draft, ngram = draft_model_of(drafter), _ngram_of(drafter)
-    agree, sure = [False] * n, [True] * n
-    if draft is not None:
-        seq = prompt + output
-        cache = KVCache.for_model(draft.model, len(seq))
-        logits = draft.model(torch.tensor([seq[:-1]], device=draft.device), cache)[0, len(prompt) - 1:]
-        logits = logits[:, : draft.target_vocab]
-        agree = [g == o for g, o in zip(logits.argmax(-1).tolist(), output)]
-        if draft.p_min > 0:
-            sure = (logits.softmax(-1).amax(-1) >= draft.p_min).tolist()
-    if ngram is not None:
-        ngram.begin(prompt)
-    out = [Offer("", 0, 0)]  # t = 0: the first token comes from the prompt's pass
-    for t in range(1, n):
-        tokens = ngram.propose(prompt + output[:t], lambda s: kmax, None, None).tokens if ngram else []
-        if tokens:
-            kept = next((i for i, (a, b) in enumerate(zip(tokens, output[t:])) if a != b), min(len(tokens), n - t))
-            out.append(Offer("ngram", len(tokens), kept))
-        elif draft is not None:
-            span = min(kmax, n - t)
-            available = next((i for i in range(1, span) if not sure[t + i]), kmax)
-            kept = next((i for i in range(span) if not agree[t + i]), span)
-            out.append(Offer("draft", available, kept))
-        else:
-            out.append(Offer("", 0, 0))
-    return out
-
-
-def _ngram_of(drafter):
-    from quickdraft.spec.combined import CombinedDrafter
-    from quickdraft.spec.ngram import NgramDrafter
-
-    if isinstance(drafter, CombinedDrafter):
-        return drafter.ngram
-    return drafter if isinstance(drafter, NgramDrafter) else None
-
-
-@dataclass
 class Costs:
     """Seconds: the target's pass over one token, and over k + 1 (v(k) of it); the engine's per-step work;
-    one drafted token."""
+    one pass of the drafter."""
     t_plain: float
     v: dict[int, float]
     overhead: float
@@ -151,32 +72,28 @@ class Costs:
         return self.v[k] * self.t_plain + self.overhead
 
 
-def simulate(offers_: list[Offer], k: int, costs: Costs) -> dict:
-    """The engine's rounds at fixed k over the reference output, and their time under the costs.
+def simulate(offers_: list[Offer], k: int, costs: Costs, replay_round) -> dict:
+    """The engine's rounds at fixed k over the known output, and their time under the costs.
 
-    At position t a round drafts min(k, offered, tokens left - 1), the target keeps min(that, agreement), and
-    emits one more; with nothing to draft it is a plain step. A draft model runs one pass per drafted token,
-    one more when it stopped early (the pass that found it unsure), and one catch-up pass when more than two
-    tokens arrived since it last drafted (after plain steps or n-gram rounds)."""
+    At position t a round drafts what the engine's budget allows of the offer, the target keeps min(that,
+    agreement) and emits one more; with nothing to draft it is a plain step. replay_round (Drafter.replay_round)
+    says how many drafter passes each round costs, as the drafter would run it."""
     n = len(offers_)
-    t, seconds, lag = 1, 0.0, 1
+    t, seconds, behind = 1, 0.0, 1
     rounds = plain = 0
     tried, kept_at = [0] * k, [0] * k
     while t < n:
         o = offers_[t]
-        limit = min(k, n - t - 1)
+        limit = min(k, draft_budget(n, t, n))
         drafted = min(limit, o.available)
         if drafted <= 0:
             seconds += costs.step()
-            plain, t, lag = plain + 1, t + 1, lag + 1
+            _, behind = replay_round("", 0, False, 0, behind)
+            plain, t = plain + 1, t + 1
             continue
         kept = min(drafted, o.kept)
-        seconds += costs.verify(drafted)
-        if o.source == "draft":
-            seconds += (drafted + (drafted < limit) + (lag > 2)) * costs.t_draft
-            lag = 2 if kept == drafted else 1
-        else:
-            lag += kept + 1
+        passes, behind = replay_round(o.source, drafted, drafted < limit, kept, behind)
+        seconds += costs.verify(drafted) + passes * costs.t_draft
         rounds += 1
         for i in range(drafted):
             tried[i] += 1
@@ -188,17 +105,18 @@ def simulate(offers_: list[Offer], k: int, costs: Costs) -> dict:
 
 def measure(name: str, drafter, prompts: dict[str, list[int]], outputs: dict[str, list[int]], t_plain: float,
             t_step: float, v: dict[int, float]) -> Candidate:
-    """One candidate: r, its offers on every prompt's reference output, and the speed-up predicted for each k
+    """One candidate: r, its offers on every prompt's known output, and the speed-up predicted for each k
     (the median over prompts of each prompt's predicted speed-up, as the benchmark summarises)."""
     kmax = len(v)
-    r = draft_cost(drafter, next(iter(prompts.values()))) / t_plain
+    r = drafter.pass_seconds(next(iter(prompts.values()))) / t_plain
     costs = Costs(t_plain, v, max(t_step - t_plain, 0.0), r * t_plain)
-    per_prompt = {p: offers(drafter, prompts[p], outputs[p], kmax) for p in prompts}
-    predicted = {k: statistics.median(simulate(o, k, costs)["speedup"] for o in per_prompt.values())
+    per_prompt = {p: drafter.offers(prompts[p], outputs[p], kmax) for p in prompts}
+    replay = drafter.replay_round
+    predicted = {k: statistics.median(simulate(o, k, costs, replay)["speedup"] for o in per_prompt.values())
                  for k in range(1, kmax + 1)}
     tried, kept, rounds, steps = [0] * kmax, [0] * kmax, 0, 0
     for o in per_prompt.values():
-        sim = simulate(o, kmax, costs)
+        sim = simulate(o, kmax, costs, replay)
         tried = [a + b for a, b in zip(tried, sim["tried"])]
         kept = [a + b for a, b in zip(kept, sim["kept"])]
         rounds, steps = rounds + sim["rounds"], steps + sim["rounds"] + sim["plain"]
@@ -212,8 +130,8 @@ def measure(name: str, drafter, prompts: dict[str, list[int]], outputs: dict[str
 SWITCH = 1.10  # a checked alternative replaces the model's pick only when measured this much faster
 
 
-def choose(target, candidates: list[Candidate], drafters: dict, prompts: dict[str, list[int]],
-           v: dict[int, float], n: int) -> tuple[Candidate, float | None, list[dict]]:
+def choose(llm, candidates: list[Candidate], prompts: dict[str, list[int]], v: dict[int, float],
+           n: int) -> tuple[Candidate, float | None, list[dict]]:
     """The winner, its measured speed-up and the checks. The model picks; a short interleaved run against
     plain decoding measures its pick and each other candidate (at its best k) predicted within 15% of it. A
     short run is noisy, so an alternative replaces the pick only when measured more than 10% faster: then the
@@ -228,12 +146,11 @@ def choose(target, candidates: list[Candidate], drafters: dict, prompts: dict[st
             c.why_not = "" if c is best else explain(c, v, best)
         return Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, ""), None, []
     top = [c for c in ranked if c.best_speedup >= 0.85 * ranked[0].best_speedup][:3]
-    check = bench.run(target, {c.name: drafters[c.name] for c in top},
-                      [bench.BenchConfig("none")] + [bench.BenchConfig(c.name, c.best_k) for c in top],
-                      dict(list(prompts.items())[:2]), n, runs=1)
+    configs = [bench.BenchConfig(c.name, Draft.parse(c.name), c.best_k) for c in top]
+    check = bench.run(llm, [bench.PLAIN] + configs, dict(list(prompts.items())[:2]), n, runs=1)
     speedups = {s["config"]: s["speedup"] for s in check["summary"]}
-    checked = [{"candidate": c.name, "k": c.best_k, "predicted": c.best_speedup,
-                "measured": speedups[bench.BenchConfig(c.name, c.best_k).name]} for c in top]
+    checked = [{"candidate": c.name, "k": c.best_k, "predicted": c.best_speedup, "measured": speedups[config.name]}
+               for c, config in zip(top, configs)]
     pick = checked[0]
     fastest = max(checked, key=lambda x: x["measured"])
     if fastest["measured"] > SWITCH * pick["measured"]:
@@ -242,6 +159,51 @@ def choose(target, candidates: list[Candidate], drafters: dict, prompts: dict[st
     for c in candidates:
         c.why_not = "" if c is winner else explain(c, v, winner)
     return winner, pick["measured"], checked
+
+
+def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, p_min: float, n: int,
+        log=lambda message: print(f"tune: {message}", file=sys.stderr)) -> dict:
+    """Measure every candidate draft for llm's target and choose; returns the profile (write_profile keeps it)."""
+    from quickdraft import roofline
+
+    if not 1 <= kmax <= 63:
+        raise QuickdraftError("--kmax must be in 1..63")
+    target = llm.target
+    log(f"decoding the {len(prompts)} prompts without speculation")
+    outputs, t_step = reference(target, prompts, n)
+    name, first = next(iter(prompts.items()))
+    # verification is timed mid-generation: attention over the prompt and half the output
+    log(f"measuring the target's verification cost v(k), k = 1..{kmax}")
+    t_plain, v = roofline.v_curve(target, first + outputs[name][: n // 2], kmax)
+    speculation = SpeculationConfig(draft_max=kmax, p_min=p_min)
+    results = []
+    for draft in candidates:
+        log(f"measuring {draft}")
+        results.append(measure(str(draft), llm.drafter(draft, speculation), prompts, outputs, t_plain, t_step, v))
+    log("checking the best predictions against plain decoding")
+    winner, measured, checked = choose(llm, results, prompts, v, n)
+    return {"version": PROFILE_VERSION, "target": target.name, "draft": winner.name, "draft_max": winner.best_k,
+            "fixed_k": True, "p_min": p_min, "predicted_speedup": winner.best_speedup, "measured_speedup": measured,
+            "t_plain_s": t_plain, "v": v, "candidates": [asdict(c) for c in results], "checked": checked}
+
+
+def report(profile: dict) -> str:
+    """The profile as the tune command prints it."""
+    lines = [f"target step {1000 * profile['t_plain_s']:.0f} ms; v(k): "
+             + ", ".join(f"{k}: {x:.2f}" for k, x in profile["v"].items()),
+             f"{'candidate':30} {'r':>5} {'a1':>5} {'rounds':>6} {'best k':>6} {'predicted':>9}"]
+    for c in profile["candidates"]:
+        lines.append(f"{c['name']:30} {c['r']:5.2f} {100 * c['acceptance'][0]:4.0f}% {100 * c['coverage']:5.0f}% "
+                     f"{c['best_k']:6} {c['best_speedup']:8.2f}x  {c['why_not']}")
+    for x in profile["checked"]:
+        lines.append(f"checked {x['candidate']} k={x['k']}: predicted {x['predicted']:.2f}x, measured "
+                     f"{x['measured']:.2f}x")
+    if profile["draft"] == "none":
+        lines.append("recommendation: no speculation; every candidate is predicted slower than plain decoding")
+    else:
+        lines.append(f"recommendation: {profile['draft']} at k = {profile['draft_max']}: predicted "
+                     f"{profile['predicted_speedup']:.2f}x, measured {profile['measured_speedup']:.2f}x on a short run")
+    return "\n".join(lines)
 
 
 def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
@@ -267,26 +229,20 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
     return f"predicted {c.best_speedup:.2f}x against {winner.best_speedup:.2f}x"
 
 
-def write_profile(path: Path, target_name: str, winner: Candidate, measured: float | None, candidates, v,
-                  checked: list[dict], p_min: float) -> dict:
-    draft, ngram = winner.name, False
-    if draft.endswith("+ngram"):
-        draft, ngram = draft[: -len("+ngram")], True
-    profile = {"version": PROFILE_VERSION, "target": target_name, "draft": draft, "ngram": ngram,
-               "draft_max": winner.best_k, "fixed_k": True, "p_min": p_min, "predicted_speedup": winner.best_speedup,
-               "measured_speedup": measured, "v": v, "candidates": [asdict(c) for c in candidates],
-               "checked": checked}
+def write_profile(path: Path, profile: dict) -> None:
     path.write_text(json.dumps(profile, indent=1))
-    return profile
 
 
 def read_profile(path: Path) -> dict:
+    """A profile tune wrote (its draft in the one spelling: version 1 kept n-gram lookup in a field of its own)."""
     try:
         profile = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QuickdraftError(f"{path}: no such profile; write one with `quickdraft tune --profile {path}`") from None
     except json.JSONDecodeError as e:
         raise QuickdraftError(f"{path} is not a quickdraft profile (not JSON: {e})") from None
-    if not isinstance(profile, dict) or profile.get("version") != PROFILE_VERSION or "draft" not in profile:
+    if not isinstance(profile, dict) or profile.get("version") not in (1, PROFILE_VERSION) or "draft" not in profile:
         raise QuickdraftError(f"{path} is not a quickdraft profile (version {PROFILE_VERSION}); run tune again")
+    if profile["version"] == 1 and profile.pop("ngram", False) and profile["draft"] not in ("none", "ngram"):
+        profile["draft"] = f"ngram+{profile['draft']}"
     return profile

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quickdraft import sampling
-from quickdraft.config import SamplingParams, SpecConfig
+from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.runtime.kv_cache import KVCache
 
@@ -64,10 +64,29 @@ class VerifyReport:
                 "seeded": [asdict(c) for c in self.seeded],
                 "distribution": asdict(self.distribution) if self.distribution else None}
 
+    def text(self, tokenizer) -> str:
+        """The evidence as the verify command prints it, ending in PASS or FAIL."""
+        lines = [f"{'check':9} {'prompt':11} {'config':17} {'tokens':>6} {'accept':>6}  result"]
+        for kind, checks in (("greedy", self.greedy), ("seeded", self.seeded)):
+            for c in checks:
+                result = "identical" if c.identical else f"DIFFERS at token {c.first_difference}"
+                lines.append(f"{kind:9} {c.prompt:11} {c.config:17} {c.tokens:6} {100 * c.acceptance:5.0f}%  {result}")
+        d = self.distribution
+        if d is not None:
+            lines.append(f"sampled distribution (temperature {d.temperature}, top-k {d.top_k}, {d.draws} draws of the "
+                         f"first token a round emits): chi2 {d.chi2:.1f} on {d.dof} dof, p = {d.p_value:.3g} "
+                         f"({'>=' if d.p_value >= P_THRESHOLD else '<'} {P_THRESHOLD:g}), {d.outside_support} draws "
+                         "outside the target's support")
+            for row in d.top:
+                lines.append(f"  token {row['token']:>7} {tokenizer.token_text(row['token'])!r:14} expected "
+                             f"{row['expected']:.3f} observed {row['observed']:.3f}")
+        lines.append("PASS: speculation changed nothing" if self.passed else "FAIL: speculation changed the output")
+        return "\n".join(lines)
+
 
 def _tokens(engine: Engine, prompt, params, spec=None):
     events = list(engine.generate(prompt, params, spec))
-    return [e.token for e in events if e.token is not None], events[-1].spec
+    return [e.token for e in events if e.token is not None], events[-1].stats
 
 
 def _first_difference(a, b) -> int | None:
@@ -77,11 +96,11 @@ def _first_difference(a, b) -> int | None:
 
 
 def identity(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams,
-             specs: dict[str, SpecConfig], progress=None) -> list[IdentityCheck]:
+             specs: dict[str, SpeculationConfig], progress=None) -> list[IdentityCheck]:
     """Each prompt under each speculation setting against the same engine with speculation off."""
     checks = []
     for name, prompt in prompts.items():
-        plain, _ = _tokens(engine, prompt, params, SpecConfig(draft_max=0))
+        plain, _ = _tokens(engine, prompt, params, SpeculationConfig(draft_max=0))
         for config, spec in specs.items():
             ours, stats = _tokens(engine, prompt, params, spec)
             checks.append(IdentityCheck(name, config, len(ours), ours == plain, _first_difference(ours, plain),
@@ -112,7 +131,7 @@ def distribution(engine: Engine, prompt: list[int], temperature: float, top_k: i
     exact = exact_second_token(engine.target, prompt, params)
     counts = torch.zeros_like(exact)
     exercised = 0
-    spec = SpecConfig(draft_max=1, adaptive=False)
+    spec = SpeculationConfig(draft_max=1, adaptive=False)
     for _ in range(draws):
         tokens, stats = _tokens(engine, prompt, params, spec)
         counts[tokens[1]] += 1
@@ -153,9 +172,9 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, f
 def verify(engine: Engine, prompts: dict[str, list[int]], n: int, temperature: float, top_k: int, draws: int,
            distribution_prompt: list[int], k: int = 4, progress=None) -> VerifyReport:
     greedy = identity(engine, prompts, SamplingParams(max_tokens=n, stop_at_eos=False),
-                      {"adaptive": engine.spec, f"k={k}": SpecConfig(draft_max=k, adaptive=False)}, progress)
+                      {"adaptive": engine.speculation, f"k={k}": SpeculationConfig(draft_max=k, adaptive=False)}, progress)
     seeded_params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, stop_at_eos=False, seed=7)
-    seeded = identity(engine, dict(list(prompts.items())[:2]), seeded_params, {"adaptive, seed 7": engine.spec},
+    seeded = identity(engine, dict(list(prompts.items())[:2]), seeded_params, {"adaptive, seed 7": engine.speculation},
                       progress)
     dist = distribution(engine, distribution_prompt, temperature, top_k, draws, progress) if draws else None
     return VerifyReport(greedy, seeded, dist)

@@ -32,21 +32,20 @@ def measure(fmt: str, n: int, ppl_chunks: int) -> dict:
     """In this process: load the target in fmt, decode, time v(k), score perplexity."""
     import torch
 
+    import quickdraft
     from quickdraft import roofline
     from quickdraft.cli import DEMO_PROMPT
-    from quickdraft.config import EngineConfig, SamplingParams
-    from quickdraft.engine import Engine
+    from quickdraft.config import SamplingParams
     from quickdraft.perplexity import perplexity
     from quickdraft.weights import hub
-    from quickdraft.weights.loader import load_model
 
-    lm = load_model(hub.DEFAULT_TARGET, EngineConfig(device="cpu", dtype="bfloat16", weights=fmt, max_context=1024,
-                                                     weight_cache=False), progress=False)
+    llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", weights=fmt, context=1024,
+                          weight_cache=False, progress=False)
+    lm = llm.target
     load_peak = peak_rss_gib()
-    prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}]))
-    engine = Engine(lm, 1024)
-    list(engine.generate(prompt, SamplingParams(max_tokens=8, stop_at_eos=False)))  # warm-up
-    final = list(engine.generate(prompt, SamplingParams(max_tokens=n, stop_at_eos=False)))[-1]
+    prompt = llm.chat_prompt([{"role": "user", "content": DEMO_PROMPT}])
+    list(llm.stream(prompt, params=SamplingParams(max_tokens=8, stop_at_eos=False)))  # warm-up
+    final = list(llm.stream(prompt, params=SamplingParams(max_tokens=n, stop_at_eos=False)))[-1]
     t1, v = roofline.v_curve(lm, prompt, 16)
     text = (ROOT / "tests" / "data" / "ppl.txt").read_text()
     tokens = lm.tokenizer.encode(text, add_bos=False)

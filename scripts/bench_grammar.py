@@ -29,12 +29,10 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
-from quickdraft.engine import Engine
-from quickdraft.grammar import GrammarSpec
-from quickdraft.spec.build import build_drafter
+import quickdraft
+from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.grammar import Grammar
 from quickdraft.weights import hub
-from quickdraft.weights.loader import load_model
 
 CTX = 1024
 SCHEMA = {
@@ -122,7 +120,7 @@ def sample_validity(engine, prompts, grammar, args) -> dict:
         events = list(engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=args.n * 2, seed=seed),
                                       constraint=engine.constraint(grammar)))
         final, text = events[-1], "".join(e.text for e in events)
-        drafted, accepted = drafted + final.spec.draft_n, accepted + final.spec.draft_n_accepted
+        drafted, accepted = drafted + final.stats.draft_n, accepted + final.stats.draft_n_accepted
         if final.finish_reason != "stop":
             length += 1
             continue
@@ -153,25 +151,23 @@ def main() -> int:
                     help="seeded samples at temperature 1 (speculation on) checked against the schema")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    cfg = EngineConfig(device="cpu", dtype="bfloat16", max_context=CTX)
-    target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)
-    tok = target.tokenizer
-    prompts = {k: tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[k].format(text=v)}]))
-               for k, v in TEXTS.items()}
-    spec = SpecConfig(draft_max=16)
-    drafter = build_drafter(hub.DEFAULT_DRAFT, target, cfg, spec, CTX, progress=False)
-    fixed = SpecConfig(draft_max=4, adaptive=False)
+    llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", context=CTX, progress=False)
+    target, tok = llm.target, llm.tokenizer
+    prompts = {k: llm.chat_prompt([{"role": "user", "content": PROMPTS[k].format(text=v)}]) for k, v in TEXTS.items()}
+    spec = SpeculationConfig(draft_max=16)
+    fixed = SpeculationConfig(draft_max=4, adaptive=False)
+    draft = hub.DEFAULT_DRAFT
     configs = {  # name: (engine, speculation settings); each engine keeps its own policy
-        "no speculation": (Engine(target, CTX), spec),
-        "masked draft, adaptive": (Engine(target, CTX, drafter, spec, "draft"), spec),
-        "blind draft, adaptive": (Engine(target, CTX, drafter, spec, "draft"), replace(spec, constrain_draft=False)),
-        "masked draft, k=4": (Engine(target, CTX, drafter, fixed, "draft"), fixed),
-        "blind draft, k=4": (Engine(target, CTX, drafter, fixed, "draft"), replace(fixed, constrain_draft=False)),
+        "no speculation": (llm.engine, spec),
+        "masked draft, adaptive": (llm.engine_for(draft, spec), spec),
+        "blind draft, adaptive": (llm.engine_for(draft, spec), replace(spec, constrain_draft=False)),
+        "masked draft, k=4": (llm.engine_for(draft, fixed), fixed),
+        "blind draft, k=4": (llm.engine_for(draft, fixed), replace(fixed, constrain_draft=False)),
     }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; target bf16, draft int4; greedy, "
           f"at most {args.n} tokens, median of {args.runs} runs after a warm-up, configurations interleaved",
           file=sys.stderr)
-    grammar = GrammarSpec.json_schema(SCHEMA)
+    grammar = Grammar.json_schema(SCHEMA)
 
     def once(cname, prompt, n=args.n):
         engine, engine_spec = configs[cname]
@@ -197,13 +193,13 @@ def main() -> int:
             except (json.JSONDecodeError, jsonschema.ValidationError):
                 valid = False
             answers.setdefault(pname, tokens)
-            s = last.spec
+            s = last.stats
             results.append({
                 "prompt": pname, "config": cname, "decode_tok_s": statistics.median(speeds), "runs": speeds,
                 "tokens": len(tokens), "finish_reason": last.finish_reason, "valid_json": valid,
                 "same_as_plain": tokens == answers[pname],
-                "acceptance": statistics.median(r[1].spec.acceptance_rate for r in runs[cname]),
-                "tokens_per_round": statistics.median(r[1].spec.mean_accepted_length for r in runs[cname]),
+                "acceptance": statistics.median(r[1].stats.acceptance_rate for r in runs[cname]),
+                "tokens_per_round": statistics.median(r[1].stats.mean_accepted_length for r in runs[cname]),
                 "mask_share": s.mask_share, "mask_ms": 1000 * s.mask_s, "text": text,
             })
             print(f"  {pname:9} {cname:24} {statistics.median(speeds):6.2f} tok/s  {text[:60]!r}", file=sys.stderr)
@@ -223,7 +219,7 @@ def main() -> int:
         print(f"{r['prompt']:9} {r['config']:24} {r['decode_tok_s']:6.2f} {r['decode_tok_s'] / base['decode_tok_s']:6.2f} "
               f"{100 * r['acceptance']:5.0f}% {r['tokens_per_round']:9.2f} {100 * r['mask_share']:5.1f}% "
               f"{r['tokens']:6} {'yes' if r['valid_json'] else 'NO':5} {'yes' if r['same_as_plain'] else 'NO'}")
-    print(f"\nmedians over prompts:")
+    print("\nmedians over prompts:")
     for cname in configs:
         rows = [r for r in results if r["config"] == cname]
         ratios = [r["decode_tok_s"] / next(x["decode_tok_s"] for x in results

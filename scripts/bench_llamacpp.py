@@ -52,29 +52,25 @@ def main() -> int:
         return 2
     import torch
 
-    from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
-    from quickdraft.engine import Engine
+    import quickdraft
+    from quickdraft.config import SamplingParams, SpeculationConfig
     from quickdraft.prompts import encoded
-    from quickdraft.spec.build import load_draft, model_drafter
     from quickdraft.weights import hub
-    from quickdraft.weights.loader import load_model
 
     torch.set_num_threads(args.threads)
     path = str(hub.model_path(hub.DEFAULT_TARGET))
-    cfg = EngineConfig(device="cpu", dtype="bfloat16", max_context=1024)
-    target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)  # weights auto: mixed where the kernels run
-    target4 = load_model(hub.DEFAULT_TARGET, EngineConfig(**{**cfg.__dict__, "weights": "int4"}), progress=False)
-    draft = load_draft(hub.DEFAULT_DRAFT, target, cfg, 1024, progress=False)
-    adaptive, fixed = SpecConfig(), SpecConfig(draft_max=args.k, adaptive=False)
+    load = dict(device="cpu", dtype="bfloat16", context=1024, progress=False)
+    llm = quickdraft.load(hub.DEFAULT_TARGET, "none", **load)  # weights auto: mixed where the kernels run
+    llm4 = quickdraft.load(hub.DEFAULT_TARGET, "none", weights="int4", **load)
+    pair = f"ngram+{hub.DEFAULT_DRAFT}"
+    adaptive, fixed = SpeculationConfig(), SpeculationConfig(draft_max=args.k, adaptive=False)
+    target = llm.target
     engines = {
-        f"quickdraft plain {target.weights}": Engine(target, 1024),
-        "quickdraft plain int4": Engine(target4, 1024),
-        "quickdraft ngram+draft adaptive": Engine(target, 1024, model_drafter(draft, target, adaptive, 1024, True),
-                                                  adaptive, "ngram+draft"),
-        f"quickdraft ngram+draft k={args.k}": Engine(target, 1024, model_drafter(draft, target, fixed, 1024, True),
-                                                      fixed, "ngram+draft"),
-        "quickdraft int4 target ngram+draft adaptive": Engine(
-            target4, 1024, model_drafter(draft, target4, adaptive, 1024, True), adaptive, "ngram+draft"),
+        f"quickdraft plain {target.weights}": llm.engine,
+        "quickdraft plain int4": llm4.engine,
+        "quickdraft ngram+draft adaptive": llm.engine_for(pair, adaptive),
+        f"quickdraft ngram+draft k={args.k}": llm.engine_for(pair, fixed),
+        "quickdraft int4 target ngram+draft adaptive": llm4.engine_for(pair, adaptive),
     }
     common = dict(model_path=path, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     llamas = {"llama.cpp plain": Llama(**common),

@@ -15,25 +15,23 @@ import time
 
 import torch
 
+import quickdraft
 from quickdraft.cli import DEMO_PROMPT
-from quickdraft.config import EngineConfig, SamplingParams
-from quickdraft.engine import Engine
+from quickdraft.config import SamplingParams
 from quickdraft.quant import FORMATS
 from quickdraft.weights import hub
-from quickdraft.weights.loader import load_model
 
 
 def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
-def decode_runs(lm, n: int, runs: int) -> list[float]:
-    engine = Engine(lm, 1024)
-    prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}]))
+def decode_runs(llm, n: int, runs: int) -> list[float]:
+    prompt = llm.chat_prompt([{"role": "user", "content": DEMO_PROMPT}])
     params = SamplingParams(max_tokens=n, stop_at_eos=False)
     speeds = []
     for i in range(runs + 1):
-        final = list(engine.generate(prompt, params))[-1]
+        final = list(llm.stream(prompt, params=params))[-1]
         if i > 0:  # the first run warms up
             speeds.append(final.timings.decode_tok_s)
     return speeds
@@ -47,16 +45,16 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=64)
     args = ap.parse_args()
-    cfg = EngineConfig(device=args.device, dtype=args.dtype, weights=args.weights, max_context=1024)
+    options = dict(device=args.device, dtype=args.dtype, weights=args.weights, context=1024, progress=False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype={args.dtype}, "
           f"weights={args.weights}", file=sys.stderr)
     rows = []
     loaded = []
     for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
         start = time.perf_counter()
-        lm = load_model(alias, cfg, progress=False)
-        rows.append([alias, f"{time.perf_counter() - start:.1f}", str(lm.model.dtype)])
-        loaded.append(lm)
+        llm = quickdraft.load(alias, "none", **options)
+        rows.append([alias, f"{time.perf_counter() - start:.1f}", str(llm.target.model.dtype)])
+        loaded.append(llm)
     pair_peak = peak_rss_gib()
     for row, lm in zip(rows, loaded):
         speeds = decode_runs(lm, args.n, args.runs)

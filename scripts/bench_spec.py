@@ -18,11 +18,9 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
-from quickdraft.engine import Engine
-from quickdraft.spec.build import build_drafter
+import quickdraft
+from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.weights import hub
-from quickdraft.weights.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = "\n\n".join((ROOT / "tests" / "data" / "ppl.txt").read_text(encoding="utf-8").split("\n\n")[:2])
@@ -34,18 +32,16 @@ PROMPTS = {
 CTX = 1024
 
 
-def configs(target, cfg):
-    adaptive = SpecConfig(draft_max=16)
-    fixed = SpecConfig(draft_max=4, p_min=0.0, adaptive=False)
-    draft = build_drafter(hub.DEFAULT_DRAFT, target, cfg, adaptive, CTX, progress=False)  # int4 on CPU
-    combined = build_drafter(hub.DEFAULT_DRAFT, target, cfg, adaptive, CTX, ngram=True, progress=False)
-    ngram = build_drafter("ngram", target, cfg, adaptive, CTX)
+def configs(llm):
+    adaptive = SpeculationConfig(draft_max=16)
+    fixed = SpeculationConfig(draft_max=4, p_min=0.0, adaptive=False)
+    draft, combined = hub.DEFAULT_DRAFT, f"ngram+{hub.DEFAULT_DRAFT}"  # the draft in int4 on the CPU
     return {
-        "plain": Engine(target, CTX),
-        "draft k=4": Engine(target, CTX, draft, fixed, "draft"),
-        "draft adaptive": Engine(target, CTX, draft, adaptive, "draft"),
-        "ngram adaptive": Engine(target, CTX, ngram, adaptive, "ngram"),
-        "ngram+draft adaptive": Engine(target, CTX, combined, adaptive, "ngram+draft"),
+        "plain": llm.engine,
+        "draft k=4": llm.engine_for(draft, fixed),
+        "draft adaptive": llm.engine_for(draft, adaptive),
+        "ngram adaptive": llm.engine_for("ngram", adaptive),
+        "ngram+draft adaptive": llm.engine_for(combined, adaptive),
     }
 
 
@@ -60,11 +56,9 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    cfg = EngineConfig(device="cpu", dtype="bfloat16", max_context=CTX)
-    target = load_model(hub.DEFAULT_TARGET, cfg, progress=False)
-    tok = target.tokenizer
-    prompts = {k: tok.encode(tok.apply_chat_template([{"role": "user", "content": v}])) for k, v in PROMPTS.items()}
-    engines = configs(target, cfg)
+    llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", context=CTX, progress=False)
+    prompts = {k: llm.chat_prompt([{"role": "user", "content": v}]) for k, v in PROMPTS.items()}
+    engines = configs(llm)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; target bf16, draft int4; "
           f"{args.n} greedy tokens, median of {args.runs} runs after a warm-up", file=sys.stderr)
     results = []
@@ -77,7 +71,7 @@ def main() -> int:
                 tokens, last = run_once(engine, prompt, args.n)
                 speeds.append(last.timings.decode_tok_s)
             reference = tokens if cname == "plain" else reference
-            s = last.spec
+            s = last.stats
             results.append({
                 "prompt": pname, "config": cname, "decode_tok_s": statistics.median(speeds),
                 "runs": speeds, "same_as_plain": tokens == reference,

@@ -18,7 +18,7 @@ import argparse
 import statistics
 import sys
 import time
-from types import SimpleNamespace
+from pathlib import Path
 
 import torch
 
@@ -27,7 +27,9 @@ from quickdraft.config import EngineConfig, ModelConfig
 from quickdraft.models.transformer import Transformer, rotary_tables
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.runtime.plan import plan
 from quickdraft.weights import hub
+from quickdraft.weights.loader import LoadedModel, load_model
 
 SHAPES = {  # the default pair's shapes (MODELS.md), for random weights
     hub.DEFAULT_TARGET: ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
@@ -35,12 +37,10 @@ SHAPES = {  # the default pair's shapes (MODELS.md), for random weights
 }
 
 
-def load(alias: str, device: torch.device, context: int):
+def load(alias: str, device: torch.device, context: int) -> tuple[LoadedModel, str]:
     if hub.is_pulled(alias):
-        from quickdraft.weights.loader import load_model
-
-        lm = load_model(alias, EngineConfig(device=str(device), dtype="bfloat16", max_context=context), False)
-        return SimpleNamespace(model=lm.model, device=device, source="real weights")
+        return load_model(alias, EngineConfig(device=str(device), dtype="bfloat16", max_context=context), False), \
+            "real weights"
     cfg = SHAPES[alias]
     with torch.device(device):
         model = Transformer(cfg, context).to(torch.bfloat16)
@@ -48,32 +48,33 @@ def load(alias: str, device: torch.device, context: int):
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
     model.rope_cos, model.rope_sin = (t.to(device) for t in rotary_tables(cfg, context))
-    model.graphs = StepGraphs(model) if device.type == "cuda" else None
-    return SimpleNamespace(model=model.eval().requires_grad_(False), device=device, source="random weights")
+    model = model.eval().requires_grad_(False)
+    graphs = StepGraphs(model) if device.type == "cuda" else None
+    return LoadedModel(alias, Path(alias), cfg, model, None, 0.0, plan=plan(model), graphs=graphs), "random weights"
 
 
 @torch.inference_mode()
-def decode_tok_s(lm, n: int, host_sync: bool, graphs: bool, prompt_len: int = 64) -> float:
-    model, device = lm.model, lm.device
-    saved = model.graphs
-    model.graphs = saved if graphs else None
+def decode_tok_s(lm: LoadedModel, n: int, host_sync: bool, graphs: bool, prompt_len: int = 64) -> float:
+    saved = lm.graphs
+    lm.graphs = saved if graphs else None
     try:
-        return _decode_tok_s(model, device, n, host_sync, prompt_len)
+        return _decode_tok_s(lm, n, host_sync, prompt_len)
     finally:
-        model.graphs = saved
+        lm.graphs = saved
 
 
-def _decode_tok_s(model, device, n: int, host_sync: bool, prompt_len: int) -> float:
-    cache = KVCache.for_model(model, prompt_len + n + 32)  # room for a graph's padded rows at every step
+def _decode_tok_s(lm: LoadedModel, n: int, host_sync: bool, prompt_len: int) -> float:
+    device = lm.device
+    cache = KVCache.for_model(lm.model, prompt_len + n + 32)  # room for a graph's padded rows at every step
     prompt = torch.randint(0, 1000, (1, prompt_len), device=device)
-    token = model(prompt, cache, last_only=True)[0, -1].argmax().reshape(1, 1)
+    token = lm.forward(prompt, cache, last_only=True)[0, -1].argmax().reshape(1, 1)
     for _ in range(4):  # warm-up steps, then back to the prompt
-        model(token, cache, last_only=True)
+        lm.forward(token, cache, last_only=True)
     cache.rollback(prompt_len)
     roofline.sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = model(token, cache, last_only=True)
+        logits = lm.forward(token, cache, last_only=True)
         token = logits[0, -1].argmax().reshape(1, 1)
         if host_sync:
             token = torch.tensor([[int(token)]], device=device)
@@ -97,16 +98,16 @@ def main() -> int:
           file=sys.stderr)
     rows, v = [], {}
     for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
-        lm = load(alias, device, 1024)
+        lm, source = load(alias, device, 1024)
         per_pass = roofline.pass_bytes(lm.model, 64 + args.n // 2)
         eager = statistics.median(decode_tok_s(lm, args.n, True, False) for _ in range(args.runs))
         sync = statistics.median(decode_tok_s(lm, args.n, True, True) for _ in range(args.runs))
         free = statistics.median(decode_tok_s(lm, args.n, False, True) for _ in range(args.runs))
-        graphs = lm.model.graphs
+        graphs = lm.graphs
         if graphs is not None and graphs.disabled:
             print(f"gpu_bench: CUDA graphs off for {alias}: {graphs.disabled}", file=sys.stderr)
         limit = bw / per_pass
-        rows.append((f"{alias} ({lm.source})", per_pass / 1e6, eager, sync, free, limit))
+        rows.append((f"{alias} ({source})", per_pass / 1e6, eager, sync, free, limit))
         if alias == hub.DEFAULT_TARGET:
             prompt = torch.randint(0, 1000, (64,)).tolist()
             t1, v = roofline.v_curve(lm, prompt, 16)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install quickdraft into it. Usage: scripts/setup-venv.sh [EXTRAS]
+# Quiet unless something fails: pip's own output goes to .venv/install.log and is shown only then.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
@@ -7,9 +8,18 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 py=.venv/bin/python
-"$py" -m pip install -q --disable-pip-version-check --upgrade pip
+log=.venv/install.log
+: > "$log"
+pip_install() {
+    if ! "$py" -m pip install -q --disable-pip-version-check "$@" >>"$log" 2>&1; then
+        cat "$log" >&2
+        echo "setup-venv: pip install $* failed (the log above is in $log)" >&2
+        exit 1
+    fi
+}
+pip_install --upgrade pip
 # PyTorch first, pinned: an unpinned torch would pull a multi-GB CUDA build where a CPU one will do.
 if ! "$py" -c "import torch" 2>/dev/null; then
-    "$py" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+    pip_install "torch==2.13.0"
 fi
-"$py" -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+pip_install -e ".${extras:+[$extras]}"

@@ -1,14 +1,46 @@
-"""Builders for tiny random models (Hugging Face directories and GGUF files written with the gguf writer), and
-checks shared by tests."""
+"""Helpers shared by the tests (fixtures are in conftest.py): builders for tiny random models (Hugging Face
+directories and GGUF files written with the gguf writer), the command line as a subprocess, and shared checks."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter, quants
+
+# A prompt with repeats, so that n-gram lookup finds matches
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
+
+
+def run(*args, env=None):
+    """`quickdraft ARGS` in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "quickdraft", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def drafter(kind, target, draft, p_min=0.0, capacity=256):
+    """A drafter of each kind over tiny loaded models: draft (the draft model), self (the target drafting for
+    itself), ngram, combined (n-gram lookup, then the draft model)."""
+    from quickdraft.speculative.combined import CombinedDrafter
+    from quickdraft.speculative.draft_model import DraftModelDrafter
+    from quickdraft.speculative.ngram import NgramDrafter
+
+    model = DraftModelDrafter(target if kind == "self" else draft, target.config.vocab_size, capacity, p_min)
+    return {"draft": model, "self": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
 
 
 

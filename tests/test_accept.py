@@ -7,7 +7,7 @@ import torch
 
 from quickdraft import sampling
 from quickdraft.config import SamplingParams
-from quickdraft.spec.accept import accept_greedy, accept_sampled
+from quickdraft.speculative.accept import accept_greedy, accept_sampled
 
 
 def onehot(ids, V=6):

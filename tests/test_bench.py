@@ -3,17 +3,14 @@
 import json
 
 import pytest
-import torch
 
 from quickdraft import bench
-from quickdraft.config import EngineConfig
+from quickdraft.api import LLM
+from quickdraft.config import EngineConfig, SpeculationConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec.combined import CombinedDrafter
-from quickdraft.spec.draft_model import DraftModelDrafter
-from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.speculative.draft import Draft
 from quickdraft.weights.loader import load_model
-from tests.helpers import check_speedups, tiny_hf_model, write_gguf_from_hf
-from tests.test_cli import run
+from tests.helpers import check_speedups, run, tiny_hf_model, write_gguf_from_hf
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROW_FIELDS = {"prompt", "config", "decode_tok_s", "decode_min", "decode_max", "e2e_tok_s", "ttft_s", "acceptance",
@@ -21,22 +18,22 @@ ROW_FIELDS = {"prompt", "config", "decode_tok_s", "decode_min", "decode_max", "e
 
 
 def test_configurations_parse_and_bad_ones_say_how():
-    configs = bench.parse_configs("plain, draft:k=4,ngram+draft:adaptive")
+    configs = bench.parse_configs("plain, draft:k=4,ngram+draft:adaptive", Draft.parse("some-draft"))
     assert [c.name for c in configs] == ["plain", "draft k=4", "ngram+draft adaptive"]
     for bad in ("draft", "draft:k=0", "eagle:k=2", "draft:k=x"):
         with pytest.raises(QuickdraftError, match="bad configuration"):
-            bench.parse_configs(bad)
+            bench.parse_configs(bad, Draft.parse("some-draft"))
 
 
 def test_bench_reports_every_field_and_draws_valid_plots(tmp_path):
     hf = tiny_hf_model("llama", seed=7, logit_scale=6)
-    target = load_model(str(write_gguf_from_hf(hf, tmp_path / "t.gguf")), EngineConfig(device="cpu",
-                        dtype="bfloat16", max_context=128), False)
-    draft = DraftModelDrafter(target.model, target.config.vocab_size, 128)
-    drafters = {"draft": draft, "ngram": NgramDrafter(), "ngram+draft": CombinedDrafter(NgramDrafter(), draft)}
-    configs = bench.parse_configs("plain,draft:k=2,draft:k=4,draft:adaptive,ngram+draft:adaptive")
+    path = write_gguf_from_hf(hf, tmp_path / "t.gguf")
+    config = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
+    llm = LLM(load_model(str(path), config, False), config)
+    draft = Draft.parse(str(path), weights="bf16")  # the target itself drafts
+    configs = bench.parse_configs("plain,draft:k=2,draft:k=4,draft:adaptive,ngram+draft:adaptive", draft)
     prompts = {"a": [5, 17, 250, 3, 99, 5, 17], "b": [42, 7, 11, 64]}
-    result = bench.run(target, drafters, configs, prompts, n=12, runs=2)
+    result = bench.run(llm, configs, prompts, n=12, runs=2, speculation=SpeculationConfig(p_min=0.0))
     assert len(result["rows"]) == 10 and ROW_FIELDS <= set(result["rows"][0])
     k4 = next(r for r in result["rows"] if r["config"] == "draft k=4" and r["prompt"] == "a")
     assert k4["same_as_plain"] and k4["acceptance"] > 0.9

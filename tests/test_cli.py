@@ -1,30 +1,13 @@
 """The command line on tiny models: output shapes, and bad input as one clear line with a non-zero exit."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from tests.helpers import tiny_hf_model, write_gguf_from_hf
-
-
-def run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "quickdraft", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
+from tests.helpers import assert_one_line_error, run, tiny_hf_model, write_gguf_from_hf
 
 
 @pytest.fixture(scope="module")

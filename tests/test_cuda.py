@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from quickdraft import sampling
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.spec.combined import CombinedDrafter
-from quickdraft.spec.draft_model import DraftModelDrafter
-from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.speculative.combined import CombinedDrafter
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
 from tests.helpers import save_hf_dir, target_and_noisy_draft, tiny_hf_model
@@ -51,25 +51,25 @@ def test_cuda_logits_match_the_cpu(tmp_path, arch):
 
 
 @pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
-@pytest.mark.parametrize("spec", [SpecConfig(draft_max=3, adaptive=False), SpecConfig(draft_max=8)])
+@pytest.mark.parametrize("spec", [SpeculationConfig(draft_max=3, adaptive=False), SpeculationConfig(draft_max=8)])
 def test_cuda_greedy_speculative_equals_plain(models, kind, spec):
     target, draft = models
-    model = DraftModelDrafter(draft.model, target.config.vocab_size, 256)
+    model = DraftModelDrafter(draft, target.config.vocab_size, 256)
     drafter = {"draft": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
     params = SamplingParams(max_tokens=48, stop_at_eos=False)
     plain, _ = tokens_of(Engine(target, 256), params)
     ours, final = tokens_of(Engine(target, 256, drafter, spec, kind), params)
     assert ours == plain
-    assert final.spec.rounds > 0 and final.spec.draft_device in (None, "cuda", "cuda:0")
+    assert final.stats.rounds > 0 and final.stats.draft_device in (None, "cuda", "cuda:0")
 
 
 def test_cuda_seeded_sampling_equals_plain(models):
     target, draft = models
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, stop_at_eos=False)
     plain, _ = tokens_of(Engine(target, 256), params)
-    drafter = DraftModelDrafter(draft.model, target.config.vocab_size, 256)
-    ours, final = tokens_of(Engine(target, 256, drafter, SpecConfig(draft_max=4, adaptive=False)), params)
-    assert ours == plain and final.spec.rounds > 0
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    ours, final = tokens_of(Engine(target, 256, drafter, SpeculationConfig(draft_max=4, adaptive=False)), params)
+    assert ours == plain and final.stats.rounds > 0
 
 
 def test_cuda_sampled_output_follows_the_target(tmp_path):
@@ -90,13 +90,13 @@ def test_cuda_sampled_output_follows_the_target(tmp_path):
             cache.rollback(3)
             p2 = sampling.process(target.model(torch.tensor([[t1]], device="cuda"), cache)[0], params)[0]
             exact += p1[t1] * p2.double().cpu()
-    engine = Engine(target, 16, DraftModelDrafter(draft.model, V, 16), SpecConfig(draft_max=1, adaptive=False))
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16), SpeculationConfig(draft_max=1, adaptive=False))
     counts = torch.zeros(V, dtype=torch.float64)
     torch.manual_seed(0)
     for _ in range(draws):
         tokens, final = tokens_of(engine, params, prompt)
         counts[tokens[1]] += 1
-    assert final.spec.rounds >= 1
+    assert final.stats.rounds >= 1
     _, dof, p_value = chi_square(counts, exact)
     assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
 
@@ -129,18 +129,19 @@ def test_cuda_graphs_replay_what_the_eager_passes_compute(models):
     captured graph passed."""
     target, _ = models
     m = target.model
-    assert m.graphs is not None
+    assert target.graphs is not None
     tokens = torch.tensor([PROMPT], device="cuda")
     runs = []
     with torch.no_grad():
-        for graphs in (m.graphs, None):
-            saved, m.graphs = m.graphs, graphs
+        for graphs in (target.graphs, None):
+            saved, target.graphs = target.graphs, graphs
             try:
                 cache = KVCache.for_model(m, 128)
-                runs.append([m(tokens[:, :10], cache), m(tokens[:, 10:11], cache), m(tokens[:, 11:16], cache)])
+                run = target.forward
+                runs.append([run(tokens[:, :10], cache), run(tokens[:, 10:11], cache), run(tokens[:, 11:16], cache)])
             finally:
-                m.graphs = saved
-    assert m.graphs.disabled is None and m.graphs.graphs
+                target.graphs = saved
+    assert target.graphs.disabled is None and target.graphs.graphs
     for got, want in zip(*runs):
         assert got.shape == want.shape
         assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from quickdraft import doctor
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
-from quickdraft.spec.base import Proposal
-from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.speculative.base import Drafter, Proposal
+from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.weights.loader import load_model
 from tests.helpers import save_hf_dir, tiny_hf_model, write_gguf_from_hf
-from tests.test_cli import run
+from tests.helpers import run
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
 CPU = torch.device("cpu")
@@ -51,12 +51,12 @@ def test_a_draft_on_another_device_is_reported():
 
 def test_a_memory_budget_over_the_limit_is_reported(models):
     target, draft, _ = models
-    engine = Engine(target, 128, DraftModelDrafter(draft.model, target.config.vocab_size, 128), SpecConfig())
-    fine = doctor.memory(target, draft, engine, 2**34)
+    engine = Engine(target, 128, DraftModelDrafter(draft, target.config.vocab_size, 128), SpeculationConfig())
+    fine = doctor.memory(target, [draft], engine, 2**34)
     need = fine.figures["total_bytes"]
     assert fine.level == "ok" and fine.figures["kv_cache_bytes"] > 0 and fine.figures["weights_bytes"] > 0
-    assert doctor.memory(target, draft, engine, int(need / 0.95)).level == "warn"
-    over = doctor.memory(target, draft, engine, need // 2)
+    assert doctor.memory(target, [draft], engine, int(need / 0.95)).level == "warn"
+    over = doctor.memory(target, [draft], engine, need // 2)
     assert over.level == "error" and "does not fit" in over.message and "--ctx" in over.message
 
 
@@ -69,9 +69,9 @@ def test_a_draft_with_another_tokenizer_is_reported(models):
 
 def test_a_draft_that_ignores_the_sampler_settings_is_reported(models, monkeypatch):
     target, draft, _ = models
-    drafter = DraftModelDrafter(draft.model, target.config.vocab_size, 128)
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 128)
     assert doctor.sampler(drafter, target.config.vocab_size).level == "ok"
-    import quickdraft.spec.draft_model as dm
+    import quickdraft.speculative.draft_model as dm
 
     monkeypatch.setattr(dm.sampling, "process", lambda logits, params, history=None: logits.float().softmax(-1))
     finding = doctor.sampler(drafter, target.config.vocab_size)
@@ -81,7 +81,7 @@ def test_a_draft_that_ignores_the_sampler_settings_is_reported(models, monkeypat
 def test_speculation_that_never_lands_is_reported(models):
     target, draft, _ = models
     prompt = [5, 17, 250, 3]
-    good = Engine(target, 128, DraftModelDrafter(draft.model, target.config.vocab_size, 128), SpecConfig(draft_max=4))
+    good = Engine(target, 128, DraftModelDrafter(draft, target.config.vocab_size, 128), SpeculationConfig(draft_max=4))
     finding = doctor.speculation(good, prompt)
     assert finding.figures["acceptance_rate"] > 0.9  # the draft is the target...
     assert finding.level != "error" and "predicted_speedup" in finding.figures  # ...but costs as much: maybe warn
@@ -89,16 +89,13 @@ def test_speculation_that_never_lands_is_reported(models):
     plain = [e.token for e in Engine(target, 128).generate(prompt, SamplingParams(max_tokens=40, stop_at_eos=False))]
     never = next(t for t in range(target.config.vocab_size) if t not in plain)
 
-    class Wrong:  # drafts a token the target never chooses here
-        sources, device = ("draft",), None
-
-        def begin(self, prompt):
-            pass
+    class Wrong(Drafter):  # drafts a token the target never chooses here
+        sources, name = ("draft",), "wrong"
 
         def propose(self, seq, k_for, params, generator, constraint=None):
             return Proposal([never] * max(k_for("draft"), 1), "draft")
 
-    finding = doctor.speculation(Engine(target, 128, Wrong(), SpecConfig(draft_max=4)), prompt)
+    finding = doctor.speculation(Engine(target, 128, Wrong(), SpeculationConfig(draft_max=4)), prompt)
     assert finding.level == "error" and "not working" in finding.message
 
 
@@ -146,9 +143,9 @@ def test_loading_says_converted_or_read_back_and_warns_when_graphs_are_off(paths
     class Graphs:  # what runtime.graphs.StepGraphs holds once its check turned it off
         disabled = "RuntimeError: its logits differ"
 
-    second.model.graphs = Graphs()
+    second.graphs = Graphs()
     try:
         finding = doctor.loading(replace(second, name="on-gpu"))
     finally:
-        second.model.graphs = None
+        second.graphs = None
     assert finding.level == "warn" and "its logits differ" in finding.message

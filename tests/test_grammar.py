@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from quickdraft import grammar, sampling
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.grammar import GrammarSpec
+from quickdraft.grammar import Grammar
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.spec.combined import CombinedDrafter
-from quickdraft.spec.draft_model import DraftModelDrafter
-from quickdraft.spec.ngram import NgramDrafter
+from quickdraft.speculative.combined import CombinedDrafter
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
 from tests.helpers import tiny_hf_model, write_gguf_from_hf
@@ -42,11 +42,11 @@ def models(tmp_path_factory):
 
 
 def drafter(kind, target, draft):
-    model = DraftModelDrafter(draft.model, target.config.vocab_size, 256)
+    model = DraftModelDrafter(draft, target.config.vocab_size, 256)
     return {"draft": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
 
 
-def generate(engine, spec: GrammarSpec, params, prompt=None, **kw):
+def generate(engine, spec: Grammar, params, prompt=None, **kw):
     prompt = prompt or engine.target.tokenizer.encode("answer: ")
     events = list(engine.generate(prompt, params, constraint=engine.constraint(spec), **kw))
     tokens = [e.token for e in events if e.token is not None]
@@ -63,15 +63,15 @@ def test_invalid_constraints_name_the_library_message(models):
     target, _ = models
     engine = Engine(target, 256)
     with pytest.raises(QuickdraftError, match="(?s)invalid regular expression: .*unclosed group"):
-        engine.constraint(GrammarSpec("regex", "ab("))
+        engine.constraint(Grammar("regex", "ab("))
     with pytest.raises(QuickdraftError, match="(?s)invalid JSON schema: .*nosuch"):
-        engine.constraint(GrammarSpec("json_schema", '{"type": "nosuch"}'))
+        engine.constraint(Grammar("json_schema", '{"type": "nosuch"}'))
     with pytest.raises(QuickdraftError, match="not valid JSON"):
-        engine.constraint(GrammarSpec("json_schema", "{type: object}"))
+        engine.constraint(Grammar("json_schema", "{type: object}"))
     with pytest.raises(QuickdraftError, match="(?s)invalid grammar: .*undefined"):
-        engine.constraint(GrammarSpec("grammar", "root ::= undefined-rule"))
+        engine.constraint(Grammar("grammar", "root ::= undefined-rule"))
     with pytest.raises(QuickdraftError, match="unknown constraint kind"):
-        GrammarSpec("xml")
+        Grammar("xml")
 
 
 def test_unpack_matches_the_bits():
@@ -83,14 +83,14 @@ def test_unpack_matches_the_bits():
 
 
 @pytest.mark.parametrize("kind,spec,check", [
-    ("draft", GrammarSpec.json_schema(SCHEMA), valid_schema_output),
-    ("combined", GrammarSpec("json_object"), lambda t: isinstance(json.loads(t), dict)),
-    ("draft", GrammarSpec("regex", REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
-    ("combined", GrammarSpec("grammar", GBNF), lambda t: re.fullmatch(r"\(([0-9]|yes|no)(, ([0-9]|yes|no))*\)", t)),
+    ("draft", Grammar.json_schema(SCHEMA), valid_schema_output),
+    ("combined", Grammar("json_object"), lambda t: isinstance(json.loads(t), dict)),
+    ("draft", Grammar("regex", REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
+    ("combined", Grammar("grammar", GBNF), lambda t: re.fullmatch(r"\(([0-9]|yes|no)(, ([0-9]|yes|no))*\)", t)),
 ])
 def test_sampled_outputs_always_match_with_speculation(models, kind, spec, check):
     target, draft = models
-    engine = Engine(target, 256, drafter(kind, target, draft), SpecConfig(draft_max=4, adaptive=False))
+    engine = Engine(target, 256, drafter(kind, target, draft), SpeculationConfig(draft_max=4, adaptive=False))
     finished = 0
     for seed in range(12):
         params = SamplingParams(temperature=1.0, max_tokens=120, seed=seed if seed % 2 else None)
@@ -100,19 +100,19 @@ def test_sampled_outputs_always_match_with_speculation(models, kind, spec, check
         finished += 1
         assert final.finish_reason == "stop"
         assert check(text), text
-        assert final.spec.constraint == spec.kind and final.spec.masks_computed > 0
+        assert final.stats.constraint == spec.kind and final.stats.masks_computed > 0
     assert finished >= 3
-    assert final.spec.rounds > 0  # speculation stayed on under the constraint
+    assert final.stats.rounds > 0  # speculation stayed on under the constraint
 
 
 @pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
-@pytest.mark.parametrize("spec", [SpecConfig(draft_max=3, adaptive=False), SpecConfig(draft_max=8),
-                                  SpecConfig(draft_max=4, adaptive=False, constrain_draft=False)],
+@pytest.mark.parametrize("spec", [SpeculationConfig(draft_max=3, adaptive=False), SpeculationConfig(draft_max=8),
+                                  SpeculationConfig(draft_max=4, adaptive=False, constrain_draft=False)],
                          ids=["fixed-3", "adaptive", "blind-draft"])
 def test_greedy_constrained_speculation_equals_plain(models, kind, spec):
     target, draft = models
     params = SamplingParams(max_tokens=60)
-    for constraint in (GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", REGEX)):
+    for constraint in (Grammar.json_schema(SCHEMA), Grammar("regex", REGEX)):
         plain = generate(Engine(target, 256), constraint, params)
         ours = generate(Engine(target, 256, drafter(kind, target, draft), spec), constraint, params)
         assert ours[0] == plain[0] and ours[1] == plain[1]
@@ -122,12 +122,12 @@ def test_greedy_constrained_speculation_equals_plain(models, kind, spec):
 @pytest.mark.parametrize("constrain_draft", [True, False])
 def test_seeded_constrained_speculation_equals_plain(models, constrain_draft):
     target, draft = models
-    spec = SpecConfig(draft_max=4, adaptive=False, constrain_draft=constrain_draft)
+    spec = SpeculationConfig(draft_max=4, adaptive=False, constrain_draft=constrain_draft)
     for seed in range(3):
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=40, seed=seed)
-        plain = generate(Engine(target, 256), GrammarSpec.json_schema(SCHEMA), params)
+        plain = generate(Engine(target, 256), Grammar.json_schema(SCHEMA), params)
         ours = generate(Engine(target, 256, drafter("draft", target, draft), spec),
-                        GrammarSpec.json_schema(SCHEMA), params)
+                        Grammar.json_schema(SCHEMA), params)
         assert ours[0] == plain[0]
 
 
@@ -137,22 +137,22 @@ def test_constrained_draft_accepts_more_than_a_blind_one(models):
     rates = {}
     for constrain in (True, False):
         engine = Engine(target, 256, drafter("draft", target, draft),
-                        SpecConfig(draft_max=4, adaptive=False, constrain_draft=constrain))
+                        SpeculationConfig(draft_max=4, adaptive=False, constrain_draft=constrain))
         accepted = drafted = 0
         for seed in range(4):
-            _, _, final = generate(engine, GrammarSpec.json_schema(SCHEMA),
+            _, _, final = generate(engine, Grammar.json_schema(SCHEMA),
                                    SamplingParams(temperature=1.0, max_tokens=40, seed=seed))
-            accepted, drafted = accepted + final.spec.draft_n_accepted, drafted + final.spec.draft_n
+            accepted, drafted = accepted + final.stats.draft_n_accepted, drafted + final.stats.draft_n
         rates[constrain] = accepted / drafted
     assert rates[True] > rates[False], rates
 
 
 def test_unsatisfiable_within_max_tokens_ends_with_length(models):
     target, draft = models
-    engine = Engine(target, 256, drafter("draft", target, draft), SpecConfig(draft_max=4, adaptive=False))
+    engine = Engine(target, 256, drafter("draft", target, draft), SpeculationConfig(draft_max=4, adaptive=False))
     long_schema = {"type": "object", "required": ["a"], "additionalProperties": False,
                    "properties": {"a": {"type": "string", "minLength": 40}}}
-    tokens, text, final = generate(engine, GrammarSpec.json_schema(long_schema), SamplingParams(max_tokens=20))
+    tokens, text, final = generate(engine, Grammar.json_schema(long_schema), SamplingParams(max_tokens=20))
     assert final.finish_reason == "length" and len(tokens) == 20
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
@@ -179,14 +179,14 @@ def test_constrained_sampling_follows_the_constrained_target_distribution(models
             cache.rollback(len(prompt))
             p2 = sampling.process(grammar.apply(target.model(torch.tensor([[t1]]), cache)[0], allowed), params)[0]
             exact += p1[t1] * p2
-    engine = Engine(target, 16, DraftModelDrafter(draft.model, V, 16),
-                    SpecConfig(draft_max=1, adaptive=False, constrain_draft=constrain_draft))
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16),
+                    SpeculationConfig(draft_max=1, adaptive=False, constrain_draft=constrain_draft))
     counts = torch.zeros(V)
     torch.manual_seed(0)
     for _ in range(draws):
-        tokens, _, final = generate(engine, GrammarSpec("regex", "[a-d][a-d]"), params, prompt)
+        tokens, _, final = generate(engine, Grammar("regex", "[a-d][a-d]"), params, prompt)
         counts[tokens[1]] += 1
-    assert final.spec.rounds == 1
+    assert final.stats.rounds == 1
     assert counts[exact == 0].sum() == 0
     _, dof, p_value = chi_square(counts.double(), exact.double())
     assert dof >= 3 and p_value > 1e-3, (counts[exact > 0] / draws, exact[exact > 0])

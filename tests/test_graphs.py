@@ -5,11 +5,11 @@ with a stand-in capture that reruns the pass. tests/test_cuda.py runs the same p
 import pytest
 import torch
 
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.runtime import graphs
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.speculative.draft_model import DraftModelDrafter
 from tests.helpers import target_and_noisy_draft
 
 CPU = EngineConfig(device="cpu", dtype="float32", max_context=256)
@@ -41,11 +41,11 @@ def test_forward_at_equals_forward(models):
 
 
 def with_graphs(lm, **kw):
-    lm.model.graphs = graphs.StepGraphs(lm.model, **kw)
-    return lm.model.graphs
+    lm.graphs = graphs.StepGraphs(lm.model, **kw)
+    return lm.graphs
 
 
-@pytest.mark.parametrize("spec", [SpecConfig(draft_max=3, adaptive=False), SpecConfig(draft_max=16)])
+@pytest.mark.parametrize("spec", [SpeculationConfig(draft_max=3, adaptive=False), SpeculationConfig(draft_max=16)])
 def test_graphed_speculative_output_equals_graphed_plain_and_eager(models, spec):
     target, draft = models
     params = SamplingParams(max_tokens=60, stop_at_eos=False)
@@ -54,13 +54,13 @@ def test_graphed_speculative_output_equals_graphed_plain_and_eager(models, spec)
         g = with_graphs(target)
         with_graphs(draft)
         plain, _ = tokens_of(Engine(target, 256), params)
-        drafter = DraftModelDrafter(draft.model, target.config.vocab_size, 256)
+        drafter = DraftModelDrafter(draft, target.config.vocab_size, 256)
         ours, final = tokens_of(Engine(target, 256, drafter, spec), params)
         caches = len(g.graphs)
     finally:
-        target.model.graphs = draft.model.graphs = None
+        target.graphs = draft.graphs = None
     assert ours == plain == eager
-    assert final.spec.rounds > 0 and g.disabled is None
+    assert final.stats.rounds > 0 and g.disabled is None
     assert caches == 2  # one graph for each engine's cache
 
 
@@ -77,7 +77,6 @@ def test_passes_too_wide_or_too_near_the_end_run_eagerly(models):
 
 def test_a_graph_that_disagrees_with_the_eager_pass_is_never_used(models):
     target, _ = models
-    m = target.model
 
     def wrong(fn):
         replay, output = graphs.eager_capture(fn)
@@ -90,5 +89,5 @@ def test_a_graph_that_disagrees_with_the_eager_pass_is_never_used(models):
         with pytest.warns(RuntimeWarning, match="CUDA graphs are off for this model"):
             got, _ = tokens_of(Engine(target, 256), params)
     finally:
-        m.graphs = None
+        target.graphs = None
     assert got == want and "differ from the eager pass" in g.disabled and not g.graphs

@@ -2,14 +2,14 @@
 
 import pytest
 
-from quickdraft.config import SpecConfig
-from quickdraft.spec.policy import AdaptivePolicy
+from quickdraft.config import SpeculationConfig
+from quickdraft.speculative.policy import AdaptivePolicy
 
 
 def trained(acceptance: float, verify_slope: float, draft_cost: float, rounds: int = 60, k: int = 6):
     """A policy fed rounds whose drafts are accepted independently with probability `acceptance`
     (fractional counts), with t_plain = 1, t_verify(k) = 1 + slope * k and draft_cost per draft."""
-    policy = AdaptivePolicy(SpecConfig(draft_max=12))
+    policy = AdaptivePolicy(SpeculationConfig(draft_max=12))
     for _ in range(2):  # the first timing of each kind is a warm-up and is dropped
         policy.record_plain(1.0)
         for kk in (1, k):
@@ -42,7 +42,7 @@ def test_probes_after_a_run_of_plain_steps():
 
 
 def test_first_plain_step_then_probe_of_an_unseen_source():
-    policy = AdaptivePolicy(SpecConfig())
+    policy = AdaptivePolicy(SpeculationConfig())
     assert policy.k_for("ngram") == 0  # nothing measured yet: plain steps first
     policy.record_plain(0.5)  # a warm-up: dropped
     assert policy.k_for("ngram") == 0
@@ -51,14 +51,14 @@ def test_first_plain_step_then_probe_of_an_unseen_source():
 
 
 def test_fixed_and_bounded_k():
-    assert AdaptivePolicy(SpecConfig(draft_max=5, adaptive=False)).k_for("draft") == 5
+    assert AdaptivePolicy(SpeculationConfig(draft_max=5, adaptive=False)).k_for("draft") == 5
     policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
-    policy.cfg = SpecConfig(draft_min=2, draft_max=12)
+    policy.cfg = SpeculationConfig(draft_min=2, draft_max=12)
     assert policy.k_for("draft") >= 2  # draft_min > 0 forbids plain steps
 
 
 def test_verify_cost_interpolates_between_measurements():
-    policy = AdaptivePolicy(SpecConfig())
+    policy = AdaptivePolicy(SpeculationConfig())
     for _ in range(2):
         policy.record_plain(1.0)
         policy.record_round("draft", 4, 2, 0.1, 1.4)

@@ -364,10 +364,12 @@ def test_fused_layer_step_equals_the_modules_bit_for_bit(monkeypatch, qkv_bias):
             old = getattr(parent, attr)
             kind = [int4.Int4Linear, int8.Int8Linear][(i + j * (i == 2)) % 2]
             setattr(parent, attr, kind(old.weight.data, None if old.bias is None else old.bias.data))
-    assert all(block._fused() is not None for block in model.layers)
+    from quickdraft.runtime.plan import plan
+
+    assert plan(model)["fused_layers"] == 3
 
     def run(fused):
-        monkeypatch.setattr(T, "FUSED_LAYERS", fused)
+        plan(model, fused_layers=fused)
         cache = KVCache.for_model(model, 128)
         outs = [model(torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1)), cache)]
         for s in (1, 1, 5, 8, 1):
@@ -383,7 +385,8 @@ def test_fused_layer_step_equals_the_modules_bit_for_bit(monkeypatch, qkv_bias):
     # the fused step really ran: swapping a layer for a float one drops that block back to its modules
     block = model.layers[0]
     block.feed_forward.w2 = T.Linear(384, 256, bias=False).to(torch.bfloat16)
-    assert block._fused() is None and model.layers[1]._fused() is not None
+    plan(model)
+    assert block.step is None and model.layers[1].step is not None
 
 
 def test_mixed_follows_the_file_int4_where_it_holds_4_bits(tmp_path, monkeypatch, backend):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from quickdraft.grammar import GrammarSpec
+from quickdraft.grammar import Grammar
 from quickdraft.server import protocol as p
 from quickdraft.server.stops import StopMatcher
 
@@ -84,18 +84,18 @@ def test_unsupported_features_are_refused_not_ignored(extra, param):
 
 @pytest.mark.parametrize("extra, want", [
     ({}, None), ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object")),
-    ({"response_format": {"type": "json_object", "schema": {"type": "array"}}}, GrammarSpec("json_schema", '{"type": "array"}')),
+    ({"response_format": {"type": "json_object"}}, Grammar("json_object")),
+    ({"response_format": {"type": "json_object", "schema": {"type": "array"}}}, Grammar("json_schema", '{"type": "array"}')),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
-     GrammarSpec("json_schema", '{"type": "integer"}')),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, GrammarSpec("json_schema", '{"type": "object"}')),
-    ({"grammar": 'root ::= "a"'}, GrammarSpec("grammar", 'root ::= "a"')),
-    ({"regex": "a+"}, GrammarSpec("regex", "a+")),
+     Grammar("json_schema", '{"type": "integer"}')),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, Grammar("json_schema", '{"type": "object"}')),
+    ({"grammar": 'root ::= "a"'}, Grammar("grammar", 'root ::= "a"')),
+    ({"regex": "a+"}, Grammar("regex", "a+")),
 ])
 def test_structured_output_fields_become_one_constraint(extra, want):
     req = p.ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
     req.refuse_unsupported()
-    assert req.grammar_spec() == want
+    assert req.requested_grammar() == want
 
 
 def test_valid_chat_request_maps_developer_to_system_and_joins_text_parts():

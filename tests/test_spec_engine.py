@@ -4,30 +4,22 @@ import pytest
 import torch
 
 from quickdraft import sampling
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine, Halt
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.spec.combined import CombinedDrafter
-from quickdraft.spec.draft_model import DraftModelDrafter
-from quickdraft.spec.ngram import NgramDrafter
-from quickdraft.spec.vocab import check_compatible
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.vocab import check_compatible
 from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
-from tests.helpers import save_hf_dir, target_and_noisy_draft, tiny_hf_model
+from tests.helpers import PROMPT, drafter, save_hf_dir, tiny_hf_model
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)  # the n-gram cases need its repeats
-PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]  # repeats: n-gram matches
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return target_and_noisy_draft(tmp_path_factory.mktemp("spec"), BF16)
-
-
-def drafter(kind, target, draft, p_min=0.0):
-    model = DraftModelDrafter((target if kind == "self" else draft).model, target.config.vocab_size, 256, p_min)
-    return {"draft": model, "self": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
+@pytest.fixture
+def models(bf16_pair):
+    return bf16_pair
 
 
 def run(engine, params, prompt=PROMPT):
@@ -35,8 +27,8 @@ def run(engine, params, prompt=PROMPT):
     return [e.token for e in events if e.token is not None], events[-1]
 
 
-SPECS = {"fixed-1": SpecConfig(draft_max=1, adaptive=False), "fixed-3": SpecConfig(draft_max=3, adaptive=False),
-         "fixed-8": SpecConfig(draft_max=8, adaptive=False), "adaptive": SpecConfig(draft_max=8)}
+SPECS = {"fixed-1": SpeculationConfig(draft_max=1, adaptive=False), "fixed-3": SpeculationConfig(draft_max=3, adaptive=False),
+         "fixed-8": SpeculationConfig(draft_max=8, adaptive=False), "adaptive": SpeculationConfig(draft_max=8)}
 
 
 @pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
@@ -45,9 +37,9 @@ def test_greedy_speculative_equals_plain(models, kind, spec):
     target, draft = models
     params = SamplingParams(max_tokens=48, stop_at_eos=False)
     plain, _ = run(Engine(target, 256), params)
-    ours, final = run(Engine(target, 256, drafter(kind, target, draft), SPECS[spec], kind), params)
+    ours, final = run(Engine(target, 256, drafter(kind, target, draft), SPECS[spec]), params)
     assert ours == plain
-    stats = final.spec
+    stats = final.stats
     assert stats.rounds > 0 and stats.draft_n > 0
     assert 0 < stats.draft_n_accepted < stats.draft_n or kind == "ngram"
 
@@ -65,18 +57,18 @@ def test_greedy_with_presence_and_frequency_penalties_equals_plain(models):
     params = SamplingParams(max_tokens=40, stop_at_eos=False, presence_penalty=1.5, frequency_penalty=0.5)
     plain, _ = run(Engine(target, 256), params)
     ours, final = run(Engine(target, 256, drafter("combined", target, draft), SPECS["fixed-3"]), params)
-    assert ours == plain and final.spec.rounds > 0
+    assert ours == plain and final.stats.rounds > 0
 
 
 def test_per_generation_spec_overrides_the_engine(models):
     target, draft = models
     params = SamplingParams(max_tokens=32, stop_at_eos=False)
-    engine = Engine(target, 256, drafter("draft", target, draft), SPECS["adaptive"], "draft")
-    plain, off = run_with(engine, params, SpecConfig(draft_max=0))
-    assert off.spec.drafter == "none" and off.spec.rounds == 0 and off.spec.plain_steps > 0
-    fixed, final = run_with(engine, params, SpecConfig(draft_max=2, adaptive=False))
+    engine = Engine(target, 256, drafter("draft", target, draft), SPECS["adaptive"])
+    plain, off = run_with(engine, params, SpeculationConfig(draft_max=0))
+    assert off.stats.drafter == "none" and off.stats.rounds == 0 and off.stats.plain_steps > 0
+    fixed, final = run_with(engine, params, SpeculationConfig(draft_max=2, adaptive=False))
     assert fixed == plain
-    assert final.spec.rounds > 0 and set(final.spec.k_history) <= {1, 2}  # 1: the budget at the end
+    assert final.stats.rounds > 0 and set(final.stats.k_history) <= {1, 2}  # 1: the budget at the end
 
 
 def run_with(engine, params, spec):
@@ -87,7 +79,7 @@ def run_with(engine, params, spec):
 def test_halt_ends_the_generation_with_its_reason(models):
     target, draft = models
     halt = Halt()
-    engine = Engine(target, 256, drafter("draft", target, draft), SPECS["fixed-8"], "draft")
+    engine = Engine(target, 256, drafter("draft", target, draft), SPECS["fixed-8"])
     tokens = []
     for event in engine.generate(PROMPT, SamplingParams(max_tokens=40, stop_at_eos=False), halt=halt):
         if event.token is None:
@@ -109,18 +101,18 @@ def test_seeded_sampling_with_speculation_equals_plain_seeded_sampling(models, k
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=5, max_tokens=48, stop_at_eos=False,
                             presence_penalty=0.3)
     plain, _ = run(Engine(target, 256), params)
-    ours, final = run(Engine(target, 256, drafter(kind, target, draft), SPECS[spec], kind), params)
+    ours, final = run(Engine(target, 256, drafter(kind, target, draft), SPECS[spec]), params)
     assert ours == plain
-    assert final.spec.rounds > 0 and (final.spec.draft_n_accepted > 0 or kind == "ngram")
+    assert final.stats.rounds > 0 and (final.stats.draft_n_accepted > 0 or kind == "ngram")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_identical_to_target_accepts_everything(models, temperature):
     target, draft = models
     params = SamplingParams(max_tokens=41, stop_at_eos=False, temperature=temperature, seed=3)
-    _, final = run(Engine(target, 256, drafter("self", target, draft), SpecConfig(draft_max=4, adaptive=False)),
+    _, final = run(Engine(target, 256, drafter("self", target, draft), SpeculationConfig(draft_max=4, adaptive=False)),
                    params)
-    stats = final.spec
+    stats = final.stats
     assert stats.draft_n == 32  # 40 tokens after the first: 8 rounds of 4 drafts + 1 target token
     assert stats.draft_n_accepted == stats.draft_n
     assert stats.rounds == 8 and stats.mean_accepted_length == 5.0
@@ -130,9 +122,9 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(models):
     """After rounds with accepts and rejections, the target cache equals that of plain decoding."""
     target, draft = models
     params = SamplingParams(max_tokens=30, stop_at_eos=False)
-    engine = Engine(target, 256, drafter("draft", target, draft), SpecConfig(draft_max=5, adaptive=False))
+    engine = Engine(target, 256, drafter("draft", target, draft), SpeculationConfig(draft_max=5, adaptive=False))
     tokens, final = run(engine, params)
-    assert 0 < final.spec.draft_n_accepted < final.spec.draft_n  # both accepts and rejections happened
+    assert 0 < final.stats.draft_n_accepted < final.stats.draft_n  # both accepts and rejections happened
     plain = KVCache.for_model(target.model, 256)
     with torch.no_grad():
         target.model(torch.tensor([PROMPT]), plain)
@@ -164,13 +156,13 @@ def test_sampled_output_follows_target_distribution(tmp_path, seeded):
                 cache.rollback(3)
                 p2 = sampling.process(target.model(torch.tensor([[t1]]), cache)[0], params)[0]
                 exact += p1[t1] * p2
-    engine = Engine(target, 16, DraftModelDrafter(draft.model, V, 16), SpecConfig(draft_max=1, adaptive=False))
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16), SpeculationConfig(draft_max=1, adaptive=False))
     counts = torch.zeros(V)
     torch.manual_seed(0)  # unseeded generations draw their generator's seed from torch's global one
     for seed in range(draws):
         tokens, final = run(engine, SamplingParams(**{**params.__dict__, "seed": seed if seeded else None}), prompt)
         counts[tokens[1]] += 1
-    assert final.spec.rounds >= 1 and final.spec.k_history[0] == 1
+    assert final.stats.rounds >= 1 and final.stats.k_history[0] == 1
     assert counts[exact == 0].sum() == 0
     _, dof, p_value = chi_square(counts.double(), exact.double())
     assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
@@ -187,7 +179,7 @@ def test_vocabulary_compatibility(models, tmp_path):
 
 def test_draft_with_fewer_rows_never_proposes_missing_ids(models):
     target, draft = models
-    small = DraftModelDrafter(draft.model, 400, 256)  # target vocabulary larger than the draft's rows
+    small = DraftModelDrafter(draft, 400, 256)  # target vocabulary larger than the draft's rows
     proposal = small.propose(PROMPT, lambda s: 4, SamplingParams(temperature=1.0, seed=0),
                              sampling.make_generator(0, torch.device("cpu")))
     assert proposal.q_draft.shape == (4, 400) and proposal.q_draft[:, 320:].sum() == 0
@@ -197,7 +189,7 @@ def test_draft_cache_keeps_only_the_common_prefix(models):
     """Stale drafts that happen to equal later tokens of the sequence must not be kept (a real bug:
     scanning back from the end kept them, and an all-equal cache left nothing to feed)."""
     target, draft = models
-    d = DraftModelDrafter(draft.model, 320, 256)
+    d = DraftModelDrafter(draft, 320, 256)
     d.begin([1, 2, 3])
     with torch.no_grad():
         d._logits([9, 5, 6])  # drafts the target rejected at the first position

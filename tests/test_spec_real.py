@@ -7,13 +7,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from quickdraft.config import EngineConfig, SamplingParams, SpecConfig
+import quickdraft
+from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
-from quickdraft.grammar import GrammarSpec
-from quickdraft.spec.build import build_drafter
-from quickdraft.spec.combined import CombinedDrafter
-from quickdraft.spec.ngram import NgramDrafter
-from quickdraft.weights.loader import load_model
+from quickdraft.grammar import Grammar
+from quickdraft.speculative.combined import CombinedDrafter
+from quickdraft.speculative.ngram import NgramDrafter
 
 pytestmark = pytest.mark.slow
 
@@ -24,17 +23,21 @@ PROMPTS = {
     "summary": "Summarize the following text in a few sentences, reusing its wording:\n\n" + "\n\n".join(ARTICLE),
 }
 N = 96
-CONFIG = EngineConfig(device="cpu", dtype="bfloat16", max_context=1024)
 
 
 @pytest.fixture(scope="module")
-def target():
-    return load_model("qwen2.5-coder-1.5b", CONFIG, progress=False)
+def llm():
+    return quickdraft.load("qwen2.5-coder-1.5b", "none", device="cpu", dtype="bfloat16", context=1024, progress=False)
 
 
 @pytest.fixture(scope="module")
-def draft(target):
-    return build_drafter("qwen2.5-coder-0.5b", target, CONFIG, SpecConfig(draft_max=8), 1024, progress=False)
+def target(llm):
+    return llm.target
+
+
+@pytest.fixture(scope="module")
+def draft(llm):
+    return llm.drafter("qwen2.5-coder-0.5b", SpeculationConfig(draft_max=8))
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +55,12 @@ def plain(target, prompts):
 
 def _tokens(engine, prompt):
     events = list(engine.generate(prompt, SamplingParams(max_tokens=N, stop_at_eos=False)))
-    return [e.token for e in events if e.token is not None], events[-1].spec
+    return [e.token for e in events if e.token is not None], events[-1].stats
 
 
 @pytest.mark.parametrize("kind", ["draft-model", "ngram", "combined"])
 def test_greedy_speculative_equals_plain_on_real_pair(target, draft, prompts, plain, kind):
-    spec = SpecConfig(draft_max=8)
+    spec = SpeculationConfig(draft_max=8)
     drafter = {"draft-model": draft, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), draft)}[kind]
     engine = Engine(target, 1024, drafter, spec)
     accepted = {}
@@ -96,8 +99,8 @@ def test_structured_output_on_real_pair(target, draft):
     greedy constrained output is the same with speculation on and off."""
     tok = target.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": EXTRACT}]))
-    spec = GrammarSpec.json_schema(SCHEMA)
-    engine = Engine(target, 1024, CombinedDrafter(NgramDrafter(), draft), SpecConfig(draft_max=8))
+    spec = Grammar.json_schema(SCHEMA)
+    engine = Engine(target, 1024, CombinedDrafter(NgramDrafter(), draft), SpeculationConfig(draft_max=8))
 
     def run(engine, params):
         events = list(engine.generate(prompt, params, constraint=engine.constraint(spec)))
@@ -108,7 +111,7 @@ def test_structured_output_on_real_pair(target, draft):
         _, text, final = run(engine, SamplingParams(temperature=0.8, max_tokens=80, seed=seed))
         assert final.finish_reason == "stop", text
         assert _valid(json.loads(text)), text
-        accepted += final.spec.draft_n_accepted
+        accepted += final.stats.draft_n_accepted
     assert accepted > 0  # speculation stayed on under the grammar
     greedy = SamplingParams(max_tokens=80)
     tokens, text, final = run(engine, greedy)

@@ -6,13 +6,12 @@ import pytest
 import torch
 
 import quickdraft.engine
-from quickdraft.config import EngineConfig, SpecConfig
+from quickdraft.config import EngineConfig, SpeculationConfig
 from quickdraft.engine import Engine
-from quickdraft.spec.draft_model import DraftModelDrafter
+from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.verify import chi_square, verify
 from quickdraft.weights.loader import load_model
-from tests.helpers import tiny_hf_model, write_gguf_from_hf
-from tests.test_cli import run
+from tests.helpers import run, tiny_hf_model, write_gguf_from_hf
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
 PROMPTS = {"a": [5, 17, 250, 3, 99], "b": [42, 7, 5, 17, 250, 3, 11]}
@@ -33,7 +32,7 @@ def paths(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(paths):
     target, draft = (load_model(str(p), BF16, False) for p in paths)
-    return Engine(target, 128, DraftModelDrafter(draft.model, target.config.vocab_size, 128), SpecConfig(draft_max=6))
+    return Engine(target, 128, DraftModelDrafter(draft, target.config.vocab_size, 128), SpeculationConfig(draft_max=6))
 
 
 def test_an_exact_engine_passes(engine):

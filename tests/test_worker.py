@@ -1,4 +1,4 @@
-"""The server's engine worker: the engine is made and run on one thread, and a failure to make it is the
+"""The server's engine worker: the model is loaded and run on one thread, and a failure to load it is the
 caller's error."""
 
 import asyncio
@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
+from quickdraft.api import LLM
 from quickdraft.config import EngineConfig, SamplingParams
-from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.worker import Done, EngineWorker, Job
@@ -21,19 +21,19 @@ def test_worker_runs_the_engine_on_the_thread_that_made_it(tmp_path):
     path = save_hf_dir(tiny_hf_model("llama"), tmp_path / "tiny")
     threads = {}
 
-    def make_engine():
+    def make_llm():
         threads["made"] = threading.current_thread()
-        engine = Engine(load_model(str(path), CONFIG, progress=False), 64)
-        generate = engine.generate
+        llm = LLM(load_model(str(path), CONFIG, progress=False), CONFIG)
+        generate = llm.engine.generate
 
         def recorded(*args, **kw):
             threads["ran"] = threading.current_thread()
             yield from generate(*args, **kw)
 
-        engine.generate = recorded
-        return engine
+        llm.engine.generate = recorded
+        return llm
 
-    worker = EngineWorker(make_engine, 4, Metrics())
+    worker = EngineWorker(make_llm, 4, Metrics())
 
     async def one_request():
         job = Job([5, 17, 250, 3], SamplingParams(max_tokens=6, stop_at_eos=False), None, [],
@@ -50,9 +50,9 @@ def test_worker_runs_the_engine_on_the_thread_that_made_it(tmp_path):
     assert not worker.thread.is_alive()
 
 
-def test_building_raises_what_making_the_engine_raised():
-    def make_engine():
+def test_building_raises_what_loading_raised():
+    def make_llm():
         raise QuickdraftError("model 'x' not found")
 
     with pytest.raises(QuickdraftError, match="not found"):
-        EngineWorker(make_engine, 4, Metrics())
+        EngineWorker(make_llm, 4, Metrics())

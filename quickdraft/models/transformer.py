@@ -1,7 +1,9 @@
 """The llama / qwen2 / qwen3 decoder as pure tensor math.
 
 No file I/O, no sampling: tokens and a KV cache in, logits out. Loading maps checkpoint names into
-these parameter names (quickdraft.weights.names).
+these parameter names (quickdraft.weights.names). Which kernel runs each step is decided once, at load
+(runtime/plan.py calls `Transformer.plan`): quickdraft's fused CPU kernels (quant/csrc/vnni.cpp, each doing the
+arithmetic of the PyTorch code beside it) where they apply, PyTorch's operators otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.quant import vnni
 from quickdraft.runtime.kv_cache import KVCache
 
 
@@ -38,20 +39,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # quickdraft's rms_norm kernel (plan)
+
+    def plan(self, kernels: bool) -> None:
+        self.fused = kernels and self.weight.dtype == torch.bfloat16 and self.weight.shape[-1] % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _cpu_kernels(x) and x.shape[-1] % 16 == 0 and self.weight.dtype == torch.bfloat16:
+        if self.fused:
             return torch.ops.quickdraft_vnni.rms_norm(x.contiguous(), self.weight, self.eps)  # the same, fused
         # Normalise in float32, scale in the model dtype (as the reference implementations do).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-def _cpu_kernels(x: torch.Tensor) -> bool:
-    """Whether quickdraft's CPU kernels (quant/csrc/vnni.cpp) run this bf16 tensor's step: on an AVX-512 VNNI
-    CPU where the extension builds. Each fused step does the arithmetic of the PyTorch code beside it."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and vnni.available()
 
 
 def rotary_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,12 +75,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 ROWWISE_MAX = 64
 
 
-def _cpu_kernel(q: torch.Tensor) -> bool:
-    """Whether quickdraft's CPU attention kernel takes this pass (per-row SDPA calls cost ~0.15 ms each,
-    30 ms a verification of 8 rows)."""
-    return _cpu_kernels(q) and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -95,10 +88,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.fused_qkv = False  # quickdraft's qkv_rotary kernel: split, rotate, transpose (plan)
+        self.fused_attention = False  # quickdraft's decode_attention kernel for passes of up to ROWWISE_MAX rows
+
+    def plan(self, kernels: bool) -> None:
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.plan(kernels)
+        self.fused_qkv = kernels and self.q_norm is None and self.head_dim % 32 == 0
+        # one call for every row of a pass instead of one SDPA call per row
+        self.fused_attention = kernels and self.head_dim % 16 == 0 and self.head_dim <= 256
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
         B, S, _ = x.shape
-        if self.q_norm is None and _cpu_kernels(x) and self.head_dim % 32 == 0:  # split, rotate, transpose: fused
+        if self.fused_qkv:
             q, k, v = torch.ops.quickdraft_vnni.qkv_rotary(self.wqkv(x).contiguous(), cos, sin, self.n_heads,
                                                            self.n_kv_heads)
             return self._attend(q, k, v, cache, layer, mask, B, S)
@@ -114,7 +117,7 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int) -> torch.Tensor:
         keys, values = cache.write(layer, k, v)  # (B, Hkv, start + S, D), or (B, Hkv, span, D) at positions
-        if mask is None and S <= ROWWISE_MAX and _cpu_kernel(q):  # every row alone, in one call: our CPU kernel
+        if mask is None and S <= ROWWISE_MAX and self.fused_attention:  # every row alone, in one call
             out = torch.ops.quickdraft_vnni.decode_attention(q.contiguous(), keys, values, keys.shape[2] - S)
         elif mask is not None or S == 1 or S > ROWWISE_MAX:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
@@ -133,18 +136,17 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
         self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.fused = False  # quickdraft's silu_mul kernel (plan)
+
+    def plan(self, kernels: bool) -> None:
+        self.fused = kernels and (2 * self.w2.in_features) % 32 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w13(x)
-        if _cpu_kernels(gate_up) and gate_up.shape[-1] % 32 == 0:
+        if self.fused:
             return self.w2(torch.ops.quickdraft_vnni.silu_mul(gate_up.contiguous()))  # the same, fused
         gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
-
-
-# Decode and verification passes (up to ROWWISE_MAX tokens) of layers on quickdraft's int8/int4 kernels run each
-# layer as one C++ call (block_step); False runs them module by module (the reference, for tests and A/B runs).
-FUSED_LAYERS = True
 
 
 class Block(nn.Module):
@@ -154,50 +156,35 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        # Decode and verification passes run the whole layer as one C++ call (block_step) where this holds its
+        # operands: the same kernels in the same order as the modules, without their dispatches (plan).
+        self.step: tuple | None = None
+
+    def plan(self, kernels: bool, fused: bool = True) -> None:
+        for module in (self.attention_norm, self.attention, self.ffn_norm, self.feed_forward):
+            module.plan(kernels)
+        self.step = self._step_operands() if kernels and fused else None
+
+    def _step_operands(self) -> tuple | None:
+        """(weights, kinds) as block_step takes them, where it can run this layer: every linear layer offers its
+        operands (quickdraft's int8/int4 kernels), no q/k norms, shapes its steps take; else None."""
+        a, f, norms = self.attention, self.feed_forward, (self.attention_norm, self.ffn_norm)
+        parts = [getattr(m, "fused_operands", lambda: None)() for m in (a.wqkv, a.wo, f.w13, f.w2)]
+        if any(p is None for p in parts) or not (
+                a.q_norm is None and a.head_dim % 32 == 0 and a.head_dim <= 256 and f.w2.in_features % 16 == 0
+                and self.attention_norm.eps == self.ffn_norm.eps
+                and all(n.weight.dtype == torch.bfloat16 and n.weight.numel() % 16 == 0 for n in norms)):
+            return None
+        return [n.weight for n in norms] + [t for operands, _ in parts for t in operands], [kind for _, kind in parts]
 
     def forward(self, x, cos, sin, cache, layer, mask):
-        if FUSED_LAYERS and mask is None and x.shape[1] <= ROWWISE_MAX and _cpu_kernels(x):
-            fused = self._fused()
-            if fused is not None:  # the same kernels in the same order, in one call (csrc/vnni.cpp block_step)
-                a = self.attention
-                return torch.ops.quickdraft_vnni.block_step(x, fused[0], fused[1], self.attention_norm.eps, cos, sin,
-                                                            a.n_heads, a.n_kv_heads, cache.k[layer], cache.v[layer],
-                                                            cache.length)
+        if self.step is not None and mask is None and x.shape[1] <= ROWWISE_MAX:
+            a = self.attention
+            return torch.ops.quickdraft_vnni.block_step(x, self.step[0], self.step[1], self.attention_norm.eps, cos,
+                                                        sin, a.n_heads, a.n_kv_heads, cache.k[layer], cache.v[layer],
+                                                        cache.length)
         x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
         return x + self.feed_forward(self.ffn_norm(x))
-
-    def _fused(self) -> tuple | None:
-        """(weights, kinds) as block_step takes them, where it can run this layer: every linear layer on
-        quickdraft's int8/int4 kernels, no q/k norms, shapes its steps take; else None. Kept until a linear
-        layer is swapped."""
-        a, f = self.attention, self.feed_forward
-        linears = (a.wqkv, a.wo, f.w13, f.w2)
-        cached = self.__dict__.get("_fused_cache")
-        if cached is None or any(m is not c for m, c in zip(linears, cached[0])):
-            cached = self._fused_cache = (linears, self._fused_weights(linears))
-        return cached[1]
-
-    def _fused_weights(self, linears) -> tuple | None:
-        from quickdraft.quant.int4 import Int4Linear
-        from quickdraft.quant.int8 import Int8Linear
-
-        a, norms = self.attention, (self.attention_norm, self.ffn_norm)
-        if not (a.q_norm is None and a.head_dim % 32 == 0 and a.head_dim <= 256
-                and self.feed_forward.w2.in_features % 16 == 0 and self.attention_norm.eps == self.ffn_norm.eps
-                and all(n.weight.dtype == torch.bfloat16 and n.weight.numel() % 16 == 0 for n in norms)
-                and all(isinstance(m, (Int4Linear, Int8Linear)) and m.vnni for m in linears)):
-            return None
-        none = torch.empty(0, dtype=torch.bfloat16)
-        weights, kinds = [n.weight for n in norms], []
-        for m in linears:
-            bias = none if m.bias is None else m.bias
-            if isinstance(m, Int4Linear):
-                weights += [m.packed, m.scales, m.lows, bias]
-                kinds.append(4)
-            else:
-                weights += [m.q, m.scales, none, bias]
-                kinds.append(8)
-        return weights, kinds
 
 
 class Transformer(nn.Module):
@@ -211,7 +198,6 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(cfg, max_context or cfg.max_context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.graphs = None  # runtime.graphs.StepGraphs where decode and verification passes replay CUDA graphs
 
     @property
     def max_context(self) -> int:
@@ -226,6 +212,15 @@ class Transformer(nn.Module):
         """The activations' dtype (the embedding table may be quantized: see quant/embedding.py)."""
         return self.norm.weight.dtype
 
+    def plan(self, kernels: bool, fused_layers: bool = True) -> dict:
+        """Choose each step's kernel once: quickdraft's CPU kernels where `kernels` (the caller knows they run here:
+        runtime/plan.py), each decoder layer as one call where `fused_layers` and its parts allow. Returns how many
+        layers run fused."""
+        for block in self.layers:
+            block.plan(kernels, fused_layers)
+        self.norm.plan(kernels)
+        return {"layers": len(self.layers), "fused_layers": sum(b.step is not None for b in self.layers)}
+
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Run tokens (B, S) at positions cache.length .. cache.length + S - 1.
 
@@ -236,8 +231,6 @@ class Transformer(nn.Module):
         start, end = cache.length, cache.length + S
         if end > min(cache.capacity, self.max_context):
             raise ValueError(f"positions up to {end} exceed the context of {cache.capacity}")
-        if self.graphs is not None and self.graphs.applies(tokens, cache):  # a captured CUDA graph's replay
-            return self.graphs.run(tokens, cache, last_only)
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         mask = None
         if S > ROWWISE_MAX:  # query i (at position start + i) sees keys 0 .. start + i

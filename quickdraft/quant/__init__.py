@@ -8,9 +8,9 @@ QUANTIZED = ("int8", "int4", "mixed")
 
 def resolve(fmt: str, device, dtype, role: str = "target") -> str:
     """The format `auto` stands for. On a CPU with bf16 activations where quickdraft's VNNI kernels run: a target
-    in `mixed` (int4 where the file holds 4-bit blocks, int8 elsewhere; on the 1.5B target's Q4_K_M file
-    closer to bf16 than int8 by KL divergence and ~1.4x int8's decode speed; a float checkpoint gets int8
-    throughout), a draft in int4 (it decodes one token at a time: the fewest bytes win); bf16 everywhere else."""
+    in `mixed` (int4 where the file holds 4-bit blocks, int8 elsewhere: the file's own quality at fewer bytes
+    than int8; a float checkpoint gets int8 throughout), a draft in int4 (it decodes one token at a time: the
+    fewest bytes win); bf16 everywhere else. The README has the measurements behind these choices."""
     if fmt != "auto":
         return fmt
     import torch
@@ -27,8 +27,8 @@ def resolve(fmt: str, device, dtype, role: str = "target") -> str:
 def for_source(fmt: str, source_types) -> str:
     """The concrete format (int8 or int4) of a module whose weights the file holds in source_types (GGUF tensor
     types; None for a float checkpoint). `mixed` follows the file: int4 where every part is in 4-bit blocks (int4
-    holds a Q4_K block's grid almost exactly: RMS error ~1.5e-5 on the 1.5B target, against ~2.5e-4 for int8),
-    int8 where any part has more bits (Q5/Q6/Q8, float), which int4 would lose."""
+    holds a Q4_0/Q4_1/Q4_K block's grid almost exactly, int8 per row does not), int8 where any part has more bits
+    (Q5/Q6/Q8, float), which int4 would lose."""
     if fmt != "mixed":
         return fmt
     from quickdraft.weights.dequant import FOUR_BIT_TYPES

@@ -42,7 +42,7 @@ def fit(w: torch.Tensor, steps: int = REFINE) -> tuple[torch.Tensor, torch.Tenso
     MIN_SPAN steps between them, then `steps` rounds of the least-squares (scale, lo) for the current
     codes, kept where they lower the error. The GGUF files' 4-bit blocks lie on grids that min-max over
     15 steps misses whenever a block's codes do not span 0..15."""
-    if vnni.available():  # the same in C++, about 20x faster
+    if vnni.available():  # the same in C++, much faster
         scale, lo = torch.ops.quickdraft_vnni.int4_fit(w.contiguous(), steps)
         return scale.reshape(*w.shape[:-1], 1), lo.reshape(*w.shape[:-1], 1)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
@@ -87,6 +87,8 @@ ROWS = 1024  # rows quantized and packed at a time: a vocabulary-sized head neve
 
 
 class Int4Linear(nn.Module):
+    format = "int4"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -120,6 +122,14 @@ class Int4Linear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        """This layer's part of a fused layer step (csrc/vnni.cpp block_step): its tensors and kind; None off
+        quickdraft's kernel."""
+        if not self.vnni:
+            return None
+        bias = torch.empty(0, dtype=torch.bfloat16) if self.bias is None else self.bias
+        return [self.packed, self.scales, self.lows, bias], 4
 
     def dequantized(self, q: torch.Tensor | None = None) -> torch.Tensor:
         """The weight the kernel multiplies by: the plain reference. PyTorch's packing is opaque, so on

@@ -35,6 +35,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
+    format = "int8"
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -60,6 +62,14 @@ class Int8Linear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
+        """This layer's part of a fused layer step (csrc/vnni.cpp block_step): its tensors and kind; None off
+        quickdraft's kernel."""
+        if not self.vnni:
+            return None
+        none = torch.empty(0, dtype=torch.bfloat16)
+        return [self.q, self.scales, none, none if self.bias is None else self.bias], 8
 
     def codes(self) -> torch.Tensor:
         """The int8 codes q (N, K), in row order."""

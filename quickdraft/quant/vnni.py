@@ -1,10 +1,10 @@
 """quickdraft's own CPU kernels (csrc/vnni.cpp: AVX-512 VNNI), built on first use, and their plain references.
 
 PyTorch's weight-only CPU ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) multiply in floating
-point, converting every weight for every row of activations: on this project's 2-core CPU they reach
-32-50% of the memory bandwidth for one row, and 8 rows cost 3x one. These kernels quantize the
-activations (int8, one scale per row) and multiply bytes by `vpdpbusd`, 64 products per instruction,
-so one row runs at memory speed and verifying k+1 rows reads the weights once (int8: 8 rows ~1.3x one).
+point, converting every weight for every row of activations: they stay well below the memory bandwidth for one
+row, and their cost grows about linearly with the rows. These kernels quantize the activations (int8, one scale
+per row) and multiply bytes by `vpdpbusd`, 64 products per instruction, so one row runs near memory speed and
+verifying k+1 rows reads the weights once (the README has the figures).
 The extension also holds the attention of decode and verification passes (`decode_attention`: each row
 alone, batch invariant, in one call instead of one SDPA call per row) and the int4 grid fit (`int4_fit`).
 
@@ -51,6 +51,11 @@ def _load() -> str | None:
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     try:
+        import logging
+
+        # its import warns "No CUDA runtime is found, using CUDA_HOME=..." wherever a CUDA toolkit sits without a
+        # GPU: irrelevant to a CPU extension, and not the user's concern
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         from torch.utils import cpp_extension
 
         start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Decode and verification passes as CUDA graphs: captured once, replayed at any position.
 
-A one-token step of the 1.5B target launches ~400 kernels; on a GPU each launch costs a few microseconds
-of host time, more than the step's ~0.7 ms of weight reads on an H200. A CUDA graph replays the whole pass
+A one-token step launches hundreds of kernels; on a GPU each launch costs microseconds of host time, which
+can add up to more than the step's weight reads on a fast card. A CUDA graph replays the whole pass
 as one launch. A graph fixes its tensors' addresses and shapes, so every pass is the same pass:
 `Transformer.forward_at` takes the positions as a device tensor (rotary tables and cache writes index by
 it) and attends over the whole cache under a mask.
@@ -15,8 +15,8 @@ values beyond the cache's length, which no row attends to and the next pass over
 
 Every pass attends over the cache's whole capacity (the rows' masks hide what is not theirs): one graph
 per cache, and the same attention kernel with the same shapes at every position, for the same exactness.
-Reading the whole cache costs ~4% more bytes a step than reading the valid part for the 1.5B target at the
-default 4096 positions (117 MB of keys and values against 3.1 GB of bf16 weights). Graphs of smaller spans
+Reading the whole cache costs a few percent more bytes a step than reading the valid part (the keys and values
+of a small-head-count model are small against its weights). Graphs of smaller spans
 growing with the sequence would save that, but a position would then be computed over different spans in
 a plain and in a speculative run, by a softmax whose reduction order follows the length.
 
@@ -76,7 +76,7 @@ class _Graph:
 
 
 class StepGraphs:
-    """The graphed passes of one model (Transformer.graphs): `applies` says whether a pass can replay one,
+    """The graphed passes of one model (LoadedModel.graphs): `applies` says whether a pass can replay one,
     `run` replays it as Transformer.forward would run it."""
 
     def __init__(self, model, width: int = WIDTH, capture=None):

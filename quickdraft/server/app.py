@@ -165,10 +165,10 @@ def _sampling(req, max_tokens: int) -> SamplingParams:
         raise p.APIError(400, str(e)) from None
 
 
-def _spec(state: ServerState, req):
+def _speculation(state: ServerState, req):
     if req.speculative is None:
         return None
-    base, s = state.engine.spec, req.speculative
+    base, s = state.engine.speculation, req.speculative
     draft_max = base.draft_max if s.draft_max is None else s.draft_max
     draft_min = min(base.draft_min, draft_max) if s.draft_min is None else s.draft_min
     if draft_min > draft_max:
@@ -182,13 +182,13 @@ def _spec(state: ServerState, req):
 
 async def _constraint(state: ServerState, req):
     """The request's grammar compiled (off the event loop: a large schema takes a while), or None."""
-    spec = req.grammar_spec()
-    if spec is None:
+    grammar = req.requested_grammar()
+    if grammar is None:
         return None
     try:
-        return await asyncio.to_thread(state.engine.constraint, spec)
+        return await asyncio.to_thread(state.engine.constraint, grammar)
     except QuickdraftError as e:
-        raise p.APIError(400, str(e), "response_format" if spec.kind.startswith("json") else spec.kind) from None
+        raise p.APIError(400, str(e), "response_format" if grammar.kind.startswith("json") else grammar.kind) from None
 
 
 async def _respond(state: ServerState, request: Request, req, prompt: list[int], chat: bool,
@@ -205,9 +205,9 @@ async def _respond(state: ServerState, request: Request, req, prompt: list[int],
         raise p.APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
                               f"context of {context} tokens: shorten the prompt or lower max_tokens",
                          "max_tokens", code="context_length_exceeded")
-    params, spec, stops = _sampling(req, max_tokens), _spec(state, req), req.stop_strings()
+    params, speculation, stops = _sampling(req, max_tokens), _speculation(state, req), req.stop_strings()
     constraint = await _constraint(state, req)
-    job = Job(prompt, params, spec, stops, asyncio.get_running_loop(), constraint)
+    job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint)
     try:
         state.worker.submit(job)
     except QueueFull as full:
@@ -288,7 +288,7 @@ class _Reply:
             choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
             out = {**self._envelope("text_completion"), "choices": [choice]}
         if done:
-            out["timings"] = p.timings(done.timings, done.spec, done.completion_n)
+            out["timings"] = p.timings(done.timings, done.stats, done.completion_n)
         return out
 
     def whole(self, text: str, done: Done) -> dict:
@@ -300,4 +300,4 @@ class _Reply:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
             out = self._envelope("text_completion")
         return {**out, "choices": [choice], "usage": p.usage(self.prompt_n, done.completion_n),
-                "timings": p.timings(done.timings, done.spec, done.completion_n)}
+                "timings": p.timings(done.timings, done.stats, done.completion_n)}

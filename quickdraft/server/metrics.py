@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from quickdraft.engine import Timings
-from quickdraft.spec.stats import SpecStats
+from quickdraft.speculative.stats import SpeculationStats
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
@@ -35,13 +35,13 @@ class Metrics:
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (prefill included)",
                               buckets=LATENCY_BUCKETS, registry=r)
 
-    def record_generation(self, finish_reason: str, completion_n: int, timings: Timings, spec: SpecStats) -> None:
+    def record_generation(self, finish_reason: str, completion_n: int, timings: Timings, stats: SpeculationStats) -> None:
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(timings.prompt_n)
         self.generation_tokens.inc(completion_n)
-        self.draft_tokens.inc(spec.draft_n)
-        self.accepted_tokens.inc(spec.draft_n_accepted)
-        self.drafts.inc(spec.rounds)
+        self.draft_tokens.inc(stats.draft_n)
+        self.accepted_tokens.inc(stats.draft_n_accepted)
+        self.drafts.inc(stats.rounds)
         if completion_n:
             self.ttft.observe(timings.ttft_s)
 

@@ -15,8 +15,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quickdraft.engine import Timings
-from quickdraft.grammar import GrammarSpec
-from quickdraft.spec.stats import SpecStats
+from quickdraft.grammar import Grammar
+from quickdraft.speculative.stats import SpeculationStats
 
 MAX_STOP_STRINGS = 16
 
@@ -96,29 +96,29 @@ class _Sampling(_Strict):
         if self.tools:
             raise APIError(400, "tool calls are not supported: drop the tools field", "tools")
 
-    def grammar_spec(self) -> GrammarSpec | None:
+    def requested_grammar(self) -> Grammar | None:
         """The constraint the request asks for (compiled later: an invalid one is a 400 with its message)."""
-        specs = []
+        asked = []
         if self.response_format is not None:
-            specs += _response_format(self.response_format)
+            asked += _response_format(self.response_format)
         if self.grammar is not None:
-            specs.append(GrammarSpec("grammar", self.grammar))
+            asked.append(Grammar("grammar", self.grammar))
         if self.regex is not None:
-            specs.append(GrammarSpec("regex", self.regex))
-        if len(specs) > 1:
+            asked.append(Grammar("regex", self.regex))
+        if len(asked) > 1:
             raise APIError(400, "give at most one of response_format (json_object or json_schema), grammar "
                                 "and regex", "response_format")
-        return specs[0] if specs else None
+        return asked[0] if asked else None
 
 
-def _response_format(rf: dict) -> list[GrammarSpec]:
+def _response_format(rf: dict) -> list[Grammar]:
     kind = rf.get("type", "text")
     if kind == "text":
         return []
     if kind == "json_object":  # llama.cpp also takes a "schema" here
         schema = rf.get("schema")
         if schema is None:
-            return [GrammarSpec("json_object")]
+            return [Grammar("json_object")]
     elif kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict):
@@ -130,7 +130,7 @@ def _response_format(rf: dict) -> list[GrammarSpec]:
                             "json_schema", "response_format")
     if not isinstance(schema, dict):
         raise APIError(400, "the JSON schema in response_format must be a JSON object", "response_format")
-    return [GrammarSpec.json_schema(schema)]
+    return [Grammar.json_schema(schema)]
 
 
 class CompletionRequest(_Sampling):
@@ -248,7 +248,7 @@ def usage(prompt_n: int, completion_n: int) -> dict:
     return {"prompt_tokens": prompt_n, "completion_tokens": completion_n, "total_tokens": prompt_n + completion_n}
 
 
-def timings(t: Timings, spec: SpecStats, completion_n: int) -> dict:
+def timings(t: Timings, stats: SpeculationStats, completion_n: int) -> dict:
     """llama.cpp's timings fields (prompt_*, predicted_*, draft_n, draft_n_accepted), then ours."""
     prompt_ms, predicted_ms = 1000 * t.prefill_s, 1000 * t.decode_s
     return {
@@ -260,18 +260,18 @@ def timings(t: Timings, spec: SpecStats, completion_n: int) -> dict:
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": predicted_ms / t.n_decoded if t.n_decoded else 0.0,
         "predicted_per_second": t.decode_tok_s,
-        "draft_n": spec.draft_n,
-        "draft_n_accepted": spec.draft_n_accepted,
+        "draft_n": stats.draft_n,
+        "draft_n_accepted": stats.draft_n_accepted,
         "ttft_ms": 1000 * t.ttft_s,
-        "drafter": spec.drafter,
-        "acceptance_rate": spec.acceptance_rate,
-        "mean_accepted_length": spec.mean_accepted_length,
-        "accept_per_position": spec.accept_per_position,
-        "rounds": spec.rounds,
-        "plain_steps": spec.plain_steps,
-        "k_mean": spec.k_mean,
-        "k_history": spec.k_history,
-        "constraint": spec.constraint,
-        "mask_ms": 1000 * spec.mask_s,
-        "mask_share": spec.mask_share,
+        "drafter": stats.drafter,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "accept_per_position": stats.accept_per_position,
+        "rounds": stats.rounds,
+        "plain_steps": stats.plain_steps,
+        "k_mean": stats.k_mean,
+        "k_history": stats.k_history,
+        "constraint": stats.constraint,
+        "mask_ms": 1000 * stats.mask_s,
+        "mask_share": stats.mask_share,
     }

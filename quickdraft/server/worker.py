@@ -4,7 +4,7 @@ own asyncio queue. A request that is cancelled (client gone) frees the engine af
 The thread that runs the engine is the one that made it (EngineWorker's constructor): PyTorch's CPU thread
 pool (OpenMP) belongs to the first thread that runs parallel work. Another thread that runs ops while that pool
 lives gets a second pool, and with no core to spare its threads may not spin-wait: every op then pays a sleep
-and a wake-up (measured on 2 cores: a small add 4.6 -> 67 us, the default pair 28 -> 21 tok/s).
+and a wake-up (on 2 cores a small operator then takes about ten times as long).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from quickdraft.config import SamplingParams, SpecConfig
-from quickdraft.engine import Engine, Halt, Timings
+from quickdraft.api import LLM
+from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.engine import Halt, Timings
 from quickdraft.grammar import Constraint
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.stops import StopMatcher
-from quickdraft.spec.stats import SpecStats
+from quickdraft.speculative.stats import SpeculationStats
 
 log = logging.getLogger("quickdraft.server")
 
@@ -37,7 +38,7 @@ class Done:
     finish_reason: str  # stop | length | cancelled
     completion_n: int
     timings: Timings
-    spec: SpecStats
+    stats: SpeculationStats
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Failed:
 class Job:
     prompt: list[int]
     params: SamplingParams
-    spec: SpecConfig | None
+    speculation: SpeculationConfig | None
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     constraint: Constraint | None = None
@@ -79,9 +80,9 @@ class QueueFull(Exception):
 
 
 class EngineWorker:
-    def __init__(self, make_engine: Callable[[], Engine], max_queue: int, metrics: Metrics):
-        """Make the engine on the worker's own thread, which then serves with it (see the module's note);
-        return once it is made. What make_engine raises is raised here."""
+    def __init__(self, make_llm: Callable[[], LLM], max_queue: int, metrics: Metrics):
+        """Load the model (make_llm: an api.LLM) on the worker's own thread, which then serves with its engine
+        (see the module's note); return once it is loaded. What make_llm raises is raised here."""
         self.metrics = metrics
         self.pending: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.running: Job | None = None
@@ -91,7 +92,8 @@ class EngineWorker:
 
         def own_thread() -> None:
             try:
-                self.engine = make_engine()
+                self.llm = make_llm()
+                self.engine = self.llm.engine
             except BaseException as e:  # noqa: BLE001 -- handed to the caller, on its thread
                 failed.append(e)
                 return
@@ -153,7 +155,7 @@ class EngineWorker:
     def _generate(self, job: Job) -> None:
         stops = StopMatcher(job.stops)
         n = 0
-        for event in self.engine.generate(job.prompt, job.params, job.spec, job.halt, job.constraint):
+        for event in self.engine.generate(job.prompt, job.params, job.speculation, job.halt, job.constraint):
             text = stops.push(event.text)
             if stops.matched and job.halt.reason is None:
                 job.halt.reason = "stop"
@@ -165,5 +167,5 @@ class EngineWorker:
             tail = stops.flush()
             if tail:
                 job.put(Piece(tail))
-            self.metrics.record_generation(event.finish_reason, n, event.timings, event.spec)
-            job.put(Done(event.finish_reason, n, event.timings, event.spec))
+            self.metrics.record_generation(event.finish_reason, n, event.timings, event.stats)
+            job.put(Done(event.finish_reason, n, event.timings, event.stats))

@@ -1,8 +1,8 @@
 """Converted weights kept on disk: a model's second load in a quantized format reads back what the first
 converted, with its config and tokenizer, instead of parsing the file and converting again.
 
-The 1.5B target in `mixed` takes ~24 s to load from its GGUF file (7 s of them parsing the file's
-151,936-token vocabulary in the gguf library, the rest fitting int4 grids); read back, about a second.
+A quantized load from a GGUF file spends most of its time parsing the vocabulary (in the gguf library) and fitting
+int4 grids; reading back the kept conversion skips both (the README has the times).
 One file per (model file, format), under <cache>/converted/ (`quickdraft pull`'s cache; $QUICKDRAFT_CACHE
 moves both); it is replaced when the model file changes (size or modification time) or quickdraft's
 conversion code does, and a load that cannot read it converts again. Small models (under MIN_BYTES, such as

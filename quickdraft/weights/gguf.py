@@ -29,7 +29,7 @@ def metadata(reader: GGUFReader) -> dict:
 
 def drop_metadata(reader: GGUFReader) -> None:
     """Free the reader's parsed key/value fields (the tensors stay readable): the gguf library keeps every
-    element of the vocabulary and merges arrays as numpy objects, about 0.3 GB for a 151k vocabulary."""
+    element of the vocabulary and merges arrays as numpy objects, hundreds of MB for a large vocabulary."""
     fields = getattr(reader, "fields", None)
     if hasattr(fields, "clear"):
         fields.clear()

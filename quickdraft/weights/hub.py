@@ -65,6 +65,18 @@ DEFAULT_MODELS = {
     )
 }
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+DEFAULT_PAIRS = {DEFAULT_TARGET: DEFAULT_DRAFT}  # target alias -> the draft `--draft auto` gives it (with n-gram)
+
+
+def alias_of(source: str) -> str | None:
+    """The alias a model source (an alias, or the path a default model was pulled to) stands for, else None."""
+    if source in DEFAULT_MODELS:
+        return source
+    try:
+        path = Path(source).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return None
+    return next((a for a in DEFAULT_MODELS if model_path(a).resolve() == path), None)
 
 
 def cache_dir() -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,6 +15,8 @@ from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.transformer import Transformer, rotary_tables
 from quickdraft.quant import embedding
+from quickdraft.runtime.graphs import StepGraphs
+from quickdraft.runtime.plan import plan as plan_kernels
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.ui import progress_bar
 from quickdraft.weights import converted, gguf as gguf_io, hub, names, safetensors as st_io
@@ -22,7 +24,7 @@ from quickdraft.weights import converted, gguf as gguf_io, hub, names, safetenso
 
 @dataclass
 class LoadedModel:
-    name: str
+    name: str  # the source it was loaded from, as given (an alias or a path)
     path: Path
     config: ModelConfig
     model: Transformer
@@ -30,23 +32,31 @@ class LoadedModel:
     load_seconds: float
     weights: str = "bf16"  # the runtime weight format: bf16 (the dtype's), int8, int4 or mixed
     kept_from: Path | None = None  # the kept conversion it was read from (weights/converted.py), if it was
+    plan: dict = field(default_factory=dict)  # which kernels run it (runtime/plan.py)
+    graphs: StepGraphs | None = None  # on CUDA: its decode and verification passes replay CUDA graphs
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
+    def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+        """One pass of the model (Transformer.forward), replayed from a captured CUDA graph where one applies."""
+        if self.graphs is not None and self.graphs.applies(tokens, cache):
+            return self.graphs.run(tokens, cache, last_only)
+        return self.model(tokens, cache, last_only)
 
-def resolve(spec: str) -> Path:
+
+def resolve(source: str) -> Path:
     """An alias (pulled on first use), a .gguf file or a Hugging Face directory -> a local path."""
-    if spec in hub.DEFAULT_MODELS:
-        return ensure_pulled(spec)
-    path = Path(spec).expanduser()
+    if source in hub.DEFAULT_MODELS:
+        return ensure_pulled(source)
+    path = Path(source).expanduser()
     if path.is_file() or (path.is_dir() and (path / "config.json").exists()):
         return path
     if path.is_dir():
         raise QuickdraftError(f"{path} is a directory without config.json: give a Hugging Face model directory")
     raise QuickdraftError(
-        f"model {spec!r} not found: give an alias ({', '.join(hub.DEFAULT_MODELS)}), "
+        f"model {source!r} not found: give an alias ({', '.join(hub.DEFAULT_MODELS)}), "
         "a .gguf file or a Hugging Face model directory"
     )
 
@@ -85,10 +95,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
-def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool | None = None) -> LoadedModel:
-    """Load weights, tokenizer and config, and place the model on its device."""
+def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: bool | None = None) -> LoadedModel:
+    """Load weights, tokenizer and config from source (an alias, a .gguf file or a Hugging Face directory), place
+    the model on its device and plan its kernels."""
     start = time.perf_counter()
-    path = resolve(spec)
+    path = resolve(source)
     device = resolve_device(engine.device)
     dtype = resolve_dtype(engine.dtype, device)
     weights = quant.resolve(engine.weights, device, dtype)
@@ -100,7 +111,7 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
         if restored:
             cfg, model, tokenizer = restored
             _return_freed_memory()
-            return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights, kept)
+            return _ready(LoadedModel(source, path, cfg, model, tokenizer, 0.0, weights, kept), engine, start)
     if path.is_dir():
         cfg = st_io.read_config(path)
         tokenizer = Tokenizer.from_hf_dir(path)
@@ -115,7 +126,7 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
         gguf_io.check_tensor_types(reader)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         del meta
-        gguf_io.drop_metadata(reader)  # ~0.3 GB of parsed fields for a 151k vocabulary, not needed from here
+        gguf_io.drop_metadata(reader)  # the parsed fields of a large vocabulary, not needed from here
         _return_freed_memory()
         context = _context(engine, cfg)
         total = sum(int(t.n_bytes) for t in reader.tensors)
@@ -127,11 +138,16 @@ def load_model(spec: str, engine: EngineConfig = EngineConfig(), progress: bool 
     _return_freed_memory()
     if kept is not None:
         converted.save(kept, model, cfg, tokenizer)
-    if device.type == "cuda" and engine.cuda_graphs:
-        from quickdraft.runtime.graphs import StepGraphs
+    return _ready(LoadedModel(source, path, cfg, model, tokenizer, 0.0, weights), engine, start)
 
-        model.graphs = StepGraphs(model)
-    return LoadedModel(spec, path, cfg, model, tokenizer, time.perf_counter() - start, weights)
+
+def _ready(lm: LoadedModel, engine: EngineConfig, start: float) -> LoadedModel:
+    """Plan the kernels, give CUDA passes their graphs, and time the load."""
+    lm.plan = plan_kernels(lm.model)
+    if lm.device.type == "cuda" and engine.cuda_graphs:
+        lm.graphs = StepGraphs(lm.model)
+    lm.load_seconds = time.perf_counter() - start
+    return lm
 
 
 def _context(engine: EngineConfig, cfg: ModelConfig) -> int:

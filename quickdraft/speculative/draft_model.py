@@ -9,20 +9,44 @@ import torch
 from quickdraft import grammar, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.spec.base import KFor, Proposal
+from quickdraft.speculative.base import Drafter, KFor, Offer, Proposal
+from quickdraft.speculative.vocab import check_compatible
+
+# Tokens of the sequence the draft has not seen that its first drafting pass feeds along (after a fully accepted
+# round: its own last draft, which it never fed, and the target's extra token); more are caught up first.
+CATCH_UP = 2
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
+    kind = "model"
     sources = ("draft",)
+    samples = True
 
-    def __init__(self, model, target_vocab: int, capacity: int, p_min: float = 0.0):
-        self.model = model
-        self.device = model.device
+    def __init__(self, lm, target_vocab: int, capacity: int, p_min: float = 0.0):
+        """lm: the draft's LoadedModel; target_vocab: the target's rows (ids beyond the draft's are never
+        proposed); capacity: positions of the draft's KV cache."""
+        self.lm = lm
+        self.device = lm.device
+        self.name = lm.name
         self.target_vocab = target_vocab
         self.p_min = p_min
-        self.cache = KVCache.for_model(model, capacity)
+        self.cache = KVCache.for_model(lm.model, capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
         self.matched = 0  # length of the prefix of tokens known to equal the sequence
+
+    @classmethod
+    def load(cls, draft, target, load_model) -> list:
+        return [load_model(draft.model)]
+
+    @classmethod
+    def build(cls, draft, target, models, capacity, speculation) -> "DraftModelDrafter":
+        (lm,) = models
+        check_compatible(target.tokenizer, lm.tokenizer, target.config.vocab_size, lm.config.vocab_size)
+        return cls(lm, target.config.vocab_size, capacity, speculation.p_min)
+
+    @property
+    def models(self) -> tuple:
+        return (self.lm,)
 
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
@@ -52,7 +76,7 @@ class DraftModelDrafter:
 
     def _logits(self, feed: list[int]) -> torch.Tensor:
         """Run feed through the draft; logits of the last position over the target's vocabulary (V,)."""
-        logits = self.model(torch.tensor([feed], device=self.device), self.cache, last_only=True)[0, 0]
+        logits = self.lm.forward(torch.tensor([feed], device=self.device), self.cache, last_only=True)[0, 0]
         self.tokens += feed
         V = self.target_vocab
         if logits.shape[0] >= V:  # ids the target does not have are never proposed
@@ -65,8 +89,7 @@ class DraftModelDrafter:
         k = k_for("draft")
         feed = self._sync(seq)
         catch_up_s = 0.0
-        if len(feed) > 2:  # after plain steps: catch up first, so that timing a round times drafting
-            # (2 pending tokens is the normal case after a fully accepted round: fed with the draft step)
+        if len(feed) > CATCH_UP:  # after plain steps: catch up first, so that timing a round times drafting
             t0 = time.perf_counter()
             self._logits(feed[:-1])
             feed = feed[-1:]
@@ -109,3 +132,51 @@ class DraftModelDrafter:
             if constraint is not None and constraint.stopped:  # the output is complete: nothing follows
                 break
             feed = [token]
+
+    # ---- self-description ---------------------------------------------------------------------------------
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.cache.k, self.cache.v))
+
+    @torch.inference_mode()
+    def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:
+        """Median seconds of one drafting pass (one token after prompt)."""
+        from quickdraft.roofline import median_seconds
+
+        cache = KVCache.for_model(self.lm.model, len(prompt) + 2)
+        self.lm.forward(torch.tensor([prompt], device=self.device), cache, last_only=True)
+        feed = torch.tensor([prompt[-1:]], device=self.device)
+        return median_seconds(lambda: self.lm.forward(feed, cache, last_only=True), self.device, reps,
+                              lambda: cache.rollback(len(prompt)))
+
+    @torch.inference_mode()
+    def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
+        """Exact for greedy decoding without running rounds: the draft's i-th guess, once the ones before it were
+        kept, sees the known prefix, so the target keeps the run of positions from t on where the draft's choice
+        on the known sequence (one teacher-forced pass) is the known token, and the draft stops early (p_min) at
+        the first position after t where its top probability there is below p_min. (Past a wrong guess the draft
+        sees its own token, not the known one; its confidence there is taken from the known sequence: that only
+        moves the cost of drafts the target rejects anyway.)"""
+        n = len(output)
+        seq = prompt + output
+        cache = KVCache.for_model(self.lm.model, len(seq))
+        logits = self.lm.model(torch.tensor([seq[:-1]], device=self.device), cache)[0, len(prompt) - 1:]
+        logits = logits[:, : self.target_vocab]
+        agree = [g == o for g, o in zip(logits.argmax(-1).tolist(), output)]
+        sure = (logits.softmax(-1).amax(-1) >= self.p_min).tolist() if self.p_min > 0 else [True] * n
+        out = [Offer("", 0, 0)]
+        for t in range(1, n):
+            span = min(kmax, n - t)
+            available = next((i for i in range(1, span) if not sure[t + i]), kmax)
+            kept = next((i for i in range(span) if not agree[t + i]), span)
+            out.append(Offer("draft", available, kept))
+        return out
+
+    @staticmethod
+    def replay_round(source: str, drafted: int, stopped_early: bool, kept: int, behind: int) -> tuple[int, int]:
+        """One pass per drafted token, one more for the pass that found it unsure, one more to catch up when
+        more than CATCH_UP tokens arrived since it last drafted (after plain steps or n-gram rounds)."""
+        if source != "draft":
+            return 0, behind + kept + 1
+        passes = drafted + stopped_early + (behind > CATCH_UP)
+        return passes, CATCH_UP if kept == drafted else 1

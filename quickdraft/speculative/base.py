@@ -1,0 +1,104 @@
+"""What every drafter shares: the proposal it returns, and the interface the engine, tune, doctor and bench call.
+
+A drafter describes itself: the models it runs (doctor checks their placement and memory, bench counts their
+bytes), whether it samples from distributions, what one of its passes costs and what it would propose over a
+known output (tune's replay). Nothing outside a drafter's own module needs to know which kind it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from quickdraft.config import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    source: str  # which drafter proposed them ("draft", "ngram")
+    q_draft: torch.Tensor | None = None  # (len(tokens), V) processed distributions; None: deterministic
+    catch_up_s: float = 0.0  # time spent feeding tokens the drafter had not seen (not drafting proper)
+
+    def q_rows(self, vocab: int, device) -> torch.Tensor:
+        """The distributions the tokens were drawn from; one-hot rows for a deterministic proposal."""
+        if self.q_draft is not None:
+            return self.q_draft
+        q = torch.zeros(len(self.tokens), vocab, device=device)
+        return q.scatter_(1, torch.tensor(self.tokens, device=device)[:, None], 1.0)
+
+
+@dataclass
+class Offer:
+    """What a drafter would propose at one position of a known greedy output (tune's replay)."""
+    source: str  # the source that would propose ("draft", "ngram"); "" when the drafter has nothing
+    available: int  # how many tokens it would propose at most (a draft model stops early when unsure)
+    kept: int  # how many of them the target keeps: the agreement with the known output
+
+
+# How many tokens to draft now, asked per source: the engine's policy answers.
+KFor = Callable[[str], int]
+
+
+class Drafter:
+    """A drafter proposes tokens to follow the sequence; the target verifies them (engine.Engine).
+
+    A kind of drafter (speculative/draft.py lists them) is a subclass with `kind`, `sources` and `propose`;
+    `build` makes one from a draft description, `load` loads the models it needs first.
+    """
+
+    kind: ClassVar[str] = ""  # the draft description's kind it is built for
+    sources: tuple[str, ...] = ()  # the policy keeps statistics per source
+    name: str = ""  # the draft description it was built from, as users write it
+    device: torch.device | None = None
+    samples: bool = False  # proposes from distributions (q_draft) when sampling, rather than deterministically
+
+    @classmethod
+    def load(cls, draft, target, load_model) -> list:
+        """The models this kind of drafter runs for `draft` (a Draft), loaded with load_model(source)."""
+        return []
+
+    @classmethod
+    def build(cls, draft, target, models: list, capacity: int, speculation) -> "Drafter":
+        """A drafter for `draft` speaking for `target` (a LoadedModel), with the models `load` gave."""
+        raise NotImplementedError
+
+    @property
+    def models(self) -> tuple:
+        """The LoadedModels this drafter runs (none for n-gram lookup)."""
+        return ()
+
+    def begin(self, prompt: list[int]) -> None:
+        """Start a generation: forget the previous one and take in the prompt (a draft model prefills it)."""
+
+    def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
+                generator: torch.Generator, constraint=None) -> Proposal:
+        """Propose up to k_for(source) tokens to follow seq (prompt + tokens generated so far).
+
+        constraint (a grammar.Constraint at the state after seq): propose only what it allows, and leave
+        its state as it was found.
+        """
+        raise NotImplementedError
+
+    # ---- self-description, for tune, doctor and bench -------------------------------------------------------
+
+    def cache_bytes(self) -> int:
+        """Bytes of the drafter's own caches (a draft model's KV cache)."""
+        return 0
+
+    def pass_seconds(self, prompt: list[int]) -> float:
+        """Seconds of one drafting pass after prompt (one drafted token of a draft model); 0 without a model."""
+        return 0.0
+
+    def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
+        """What the drafter would propose at each decode position t = 0..len(output) - 1 of a known greedy
+        output (seq = prompt + output[:t]; t = 0 comes from the prompt's pass: nothing), drafting up to kmax."""
+        return [Offer("", 0, 0)] * len(output)
+
+    def replay_round(self, source: str, drafted: int, stopped_early: bool, kept: int, behind: int) -> tuple[int, int]:
+        """A round's cost in this drafter's passes, as propose would run it, and how many tokens of the sequence
+        the drafter has not seen afterwards. behind: tokens it had not seen before the round; source "" and
+        drafted 0: a plain step. The default is a drafter without passes of its own."""
+        return 0, behind + kept + 1

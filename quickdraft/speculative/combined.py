@@ -1,0 +1,42 @@
+"""Prompt lookup when it has a match, another drafter (a draft model) otherwise."""
+
+from __future__ import annotations
+
+from quickdraft.speculative.base import Drafter, KFor, Offer, Proposal
+from quickdraft.speculative.ngram import NgramDrafter
+
+
+class CombinedDrafter(Drafter):
+    def __init__(self, ngram: NgramDrafter, draft: Drafter):
+        self.ngram, self.draft = ngram, draft
+        self.sources = ngram.sources + draft.sources
+        self.device = draft.device
+        self.samples = draft.samples
+        self.name = f"ngram+{draft.name}"
+
+    @property
+    def models(self) -> tuple:
+        return self.draft.models
+
+    def begin(self, prompt: list[int]) -> None:
+        self.ngram.begin(prompt)
+        self.draft.begin(prompt)
+
+    def propose(self, seq, k_for: KFor, params, generator, constraint=None) -> Proposal:
+        proposal = self.ngram.propose(seq, k_for, params, generator, constraint)
+        if proposal.tokens:
+            return proposal
+        return self.draft.propose(seq, k_for, params, generator, constraint)
+
+    def cache_bytes(self) -> int:
+        return self.draft.cache_bytes()
+
+    def pass_seconds(self, prompt: list[int]) -> float:
+        return self.draft.pass_seconds(prompt)
+
+    def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
+        looked_up, drafted = self.ngram.offers(prompt, output, kmax), self.draft.offers(prompt, output, kmax)
+        return [a if a.source else b for a, b in zip(looked_up, drafted)]
+
+    def replay_round(self, source, drafted, stopped_early, kept, behind):
+        return self.draft.replay_round(source, drafted, stopped_early, kept, behind)

@@ -1,0 +1,130 @@
+"""The draft, described: what users write after --draft (and in a request or a tune profile) is parsed once into a
+Draft, and one builder turns a Draft into a drafter.
+
+The spellings, one for each kind:
+
+    none          no speculation
+    auto          the target's own pairing: the default draft with n-gram lookup for the default target, else none
+    ngram         prompt lookup, no model
+    MODEL         a draft model: an alias, a .gguf file or a Hugging Face directory
+    ngram+MODEL   prompt lookup where it has a match, the draft model otherwise
+
+A new kind of drafter is its own module (a Drafter subclass: speculative/base.py), an entry in KINDS and its
+spelling in Draft.parse; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.speculative.base import Drafter
+from quickdraft.speculative.combined import CombinedDrafter
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.ngram import NgramDrafter
+
+KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter}
+SPELLINGS = "none, auto, ngram, a draft model (alias, .gguf file or Hugging Face directory), or ngram+MODEL"
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What drafts for a target."""
+
+    kind: str = "none"  # none | auto | one of KINDS
+    model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory
+    ngram: bool = False  # prompt lookup first, the kind's drafter where it has no match (not for "ngram")
+    device: str | None = None  # where a draft model runs (None: the target's device)
+    weights: str = "auto"  # a draft model's weight format (quant.FORMATS; auto: int4 on the CPU kernels)
+
+    @classmethod
+    def parse(cls, text: str, ngram: bool = False, device: str | None = None, weights: str = "auto") -> "Draft":
+        """A draft from its spelling; ngram=True (the --ngram flag) puts prompt lookup in front of a model."""
+        text = text.strip()
+        if text.startswith("ngram+"):
+            text, ngram = text[len("ngram+"):], True
+        elif text.endswith("+ngram"):
+            raise QuickdraftError(f"draft {text!r}: write ngram+{text[:-len('+ngram')]} (n-gram lookup goes first)")
+        if not text:
+            raise QuickdraftError(f"an empty draft: give {SPELLINGS}")
+        if text == "none" and ngram:
+            raise QuickdraftError("--ngram puts prompt lookup in front of a draft model, and --draft none has none: "
+                                  "use --draft ngram for lookup alone")
+        if text in ("none", "ngram"):
+            return cls(text)
+        if text == "auto":
+            return cls("auto", ngram=ngram, device=device, weights=weights)
+        return cls("model", text, ngram, device, weights)
+
+    def __str__(self) -> str:
+        if self.kind in ("none", "ngram"):
+            return self.kind
+        body = self.model if self.kind == "model" else self.kind
+        return f"ngram+{body}" if self.ngram else body
+
+    def resolve(self, target_source: str) -> "Draft":
+        """`auto` made concrete for the target loaded from target_source (an alias or a path); other kinds as
+        they are."""
+        if self.kind != "auto":
+            return self
+        from quickdraft.weights import hub
+
+        paired = hub.DEFAULT_PAIRS.get(hub.alias_of(target_source))
+        if paired is None:
+            return Draft("ngram") if self.ngram else Draft("none")
+        return Draft("model", paired, True, self.device, self.weights)
+
+
+NONE = Draft("none")
+
+
+class DraftBuilder:
+    """Builds the drafters of one target, loading each draft model once: bench and tune build several drafters
+    over the same draft model, and a draft model is as large as a small target."""
+
+    def __init__(self, target, engine, capacity: int, progress: bool | None = None):
+        """target: the LoadedModel drafts speak for; engine: its EngineConfig (draft models take its dtype and
+        options); capacity: positions of the drafters' caches."""
+        self.target, self.engine, self.capacity, self.progress = target, engine, capacity, progress
+        self.loaded: dict[tuple, object] = {}
+
+    def resolve(self, draft: Draft | str) -> Draft:
+        draft = Draft.parse(draft) if isinstance(draft, str) else draft
+        return draft.resolve(self.target.name)
+
+    def models(self, draft: Draft | str) -> list:
+        """The LoadedModels the draft runs, loaded now (once)."""
+        draft = self.resolve(draft)
+        if draft.kind == "none":
+            return []
+        return KINDS[draft.kind].load(draft, self.target, lambda source: self._load(source, draft))
+
+    def drafter(self, draft: Draft | str, speculation) -> Drafter | None:
+        """The drafter the draft describes (None for none); QuickdraftError if it cannot speak for the target."""
+        draft = self.resolve(draft)
+        if draft.kind == "none":
+            return None
+        if draft.kind not in KINDS:
+            raise QuickdraftError(f"unknown kind of draft {draft.kind!r}: give {SPELLINGS}")
+        drafter = KINDS[draft.kind].build(draft, self.target, self.models(draft), self.capacity, speculation)
+        drafter.name = str(replace(draft, ngram=False))
+        if draft.ngram and draft.kind != "ngram":
+            return CombinedDrafter(NgramDrafter(), drafter)
+        return drafter
+
+    def _load(self, source: str, draft: Draft):
+        """A draft model in the target's dtype, on the draft's device (else the target's), in its own format."""
+        import torch
+
+        from quickdraft import quant
+        from quickdraft.weights.loader import load_model
+
+        device = draft.device or str(self.target.device)
+        dtype = str(self.target.model.dtype).removeprefix("torch.")
+        weights = quant.resolve(draft.weights, device, getattr(torch, dtype), role="draft")
+        key = (str(Path(source).expanduser()), device, weights)
+        if key not in self.loaded:
+            config = replace(self.engine, device=device, dtype=dtype, weights=weights, max_context=self.capacity)
+            self.loaded[key] = load_model(source, config, self.progress)
+        return self.loaded[key]

@@ -10,8 +10,8 @@ logits whose disallowed tokens are set to -inf first. Draft, verification and pl
 same mask, so speculative output stays exactly the target's constrained output.
 
 Why llguidance rather than xgrammar (scripts/bench_grammar.py compares both on our vocabularies): both
-roll back and both are fast enough (tens of microseconds per mask, against rounds of tens to hundreds of
-milliseconds), but llguidance has no dependencies at all, while xgrammar pulls in transformers and triton;
+roll back and both compute a mask in far less time than a round takes (the README has the figures), but
+llguidance has no dependencies at all, while xgrammar pulls in transformers and triton;
 llguidance takes JSON schema, regex, Lark and llama.cpp's GBNF, and builds its tokenizer from the
 tokenizer.json text we already hold.
 """
@@ -75,8 +75,8 @@ def _llguidance():
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer. Building llguidance's view of a 150k-token vocabulary takes
-    about a second, so it is built once, on first use, and shared (thread-safe) by every generation."""
+    """Compiles constraints for one tokenizer. Building llguidance's view of a large vocabulary takes a while, so
+    it is built once, on first use, and shared (thread-safe) by every generation."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer = tokenizer

@@ -1,5 +1,5 @@
-"""Embedding tables kept small: a vocabulary-sized table is the largest tensor of a small model (a third of the
-1.5B target's bytes in bf16), yet one step reads one row of it. In the quantized weight formats the table
+"""Embedding tables kept small: a vocabulary-sized table is the largest tensor of a small model (a large share of
+its bytes in bf16), yet one step reads one row of it. In the quantized weight formats the table
 stays compact and a lookup dequantizes only the rows it needs:
 
 - from a GGUF file in a block format (Q4_K, Q5_0, ...): the file's own blocks (`BlockEmbedding`), so the rows

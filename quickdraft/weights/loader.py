@@ -197,7 +197,7 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
         if set(got) == {n for n, p in module._parameters.items() if p is not None}:
             _place(model, owner, module, pending.pop(owner), device, weights, source_types or {})
             if weights in quant.QUANTIZED:  # the float copies and conversion buffers just freed: give them back
-                _return_freed_memory()  # (else glibc keeps them, and the peak grows by ~0.5 GB for the 1.5B)
+                _return_freed_memory()  # (else glibc keeps them, and the peak grows with them)
     missing = [f"{m}.{n}" for m, mod in model.named_modules() for n, p in mod._parameters.items()
                if p is not None and p.is_meta]
     if missing:

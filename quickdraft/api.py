@@ -18,7 +18,8 @@ from typing import Iterator
 from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine, Event, Halt, Timings
 from quickdraft.errors import QuickdraftError
-from quickdraft.grammar import Constraint, Grammar
+from quickdraft.constraint import Constraint
+from quickdraft.grammar import Grammar
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.speculative.stats import SpeculationStats
 from quickdraft.weights import hub

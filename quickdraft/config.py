@@ -35,6 +35,12 @@ class ModelConfig:
                 f"unsupported architecture {self.arch!r}: quickdraft runs {', '.join(SUPPORTED_ARCHS)}; "
                 "use a model of one of these families"
             )
+        for name, value, most in (("vocab_size", self.vocab_size, 1 << 22), ("dim", self.dim, 1 << 17),
+                                  ("n_layers", self.n_layers, 1024), ("n_heads", self.n_heads, 1024),
+                                  ("n_kv_heads", self.n_kv_heads, 1024), ("head_dim", self.head_dim, 1024),
+                                  ("ffn_dim", self.ffn_dim, 1 << 20), ("max_context", self.max_context, 1 << 24)):
+            if not (isinstance(value, int) and 0 < value <= most):
+                raise QuickdraftError(f"model metadata is inconsistent: {name} = {value!r} (a model has 1 to {most})")
         if self.n_heads % self.n_kv_heads:
             raise QuickdraftError(
                 f"model metadata is inconsistent: {self.n_heads} attention heads is not a multiple of "

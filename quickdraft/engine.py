@@ -9,10 +9,11 @@ from typing import Iterator
 
 import torch
 
-from quickdraft import grammar, sampling
+from quickdraft import constraint as constraints, sampling
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.grammar import Constraint, Grammar, GrammarCompiler
+from quickdraft.constraint import Constraint, GrammarCompiler
+from quickdraft.grammar import Grammar
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.accept import accept_greedy, accept_sampled
 from quickdraft.speculative.base import Drafter, Proposal
@@ -84,10 +85,16 @@ class Detokenizer:
         self.ids.append(token)
         before = self.tokenizer.decode(self.ids[self.prefix:self.read])
         text = self.tokenizer.decode(self.ids[self.prefix:])
-        if len(text) <= len(before) or text.endswith("\ufffd"):  # mid-character: wait for the rest
+        if len(text) <= len(before) or self._mid_character(text):  # wait for the rest of the character
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(before):]
+
+    def _mid_character(self, text: str) -> bool:
+        """The bytes so far end inside a character: known from the tokens' bytes where the tokenizer says (a real
+        U+FFFD in the output is then streamed at once), else guessed from a trailing U+FFFD."""
+        known = self.tokenizer.ends_mid_character(self.ids[self.read:])
+        return text.endswith("\ufffd") if known is None else known
 
     def flush(self) -> str:
         """What is still held back when the generation ends (an incomplete character shows as U+FFFD)."""
@@ -216,7 +223,7 @@ class Engine:
     def _choose(self, logits, seq, params, generator, constraint) -> int:
         """The target's token after seq from its logits (1, V), as a plain step chooses it."""
         if constraint is not None:
-            logits = grammar.apply(logits, constraint.allowed(logits.device))
+            logits = constraints.apply(logits, constraint.allowed(logits.device))
         return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
                                        generator, len(seq)))
 
@@ -271,7 +278,7 @@ class Engine:
         feed = torch.cat([torch.tensor(seq[-1:], device=device), drafts])
         logits = self.target.forward(feed[None], self.cache)[0]  # (k + 1, V)
         if masks is not None:
-            logits = grammar.apply(logits, grammar.unpack(masks.result().to(device), logits.shape[-1]))
+            logits = constraints.apply(logits, constraints.unpack(masks.result().to(device), logits.shape[-1]))
         k = len(proposal.tokens)
         history = sampling.history(seq, params, device, appended=proposal.tokens)
         if params.greedy:

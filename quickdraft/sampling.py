@@ -69,7 +69,9 @@ def process(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor 
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # keep a token while the mass before it < p
-        drop = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order, mass_before >= params.top_p)
+        cut = mass_before >= params.top_p
+        cut[..., 0] = False  # the most likely token always stays (a tiny top-p is 0 in float32: nothing would)
+        drop = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order, cut)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)

@@ -7,8 +7,10 @@ generation) with the same care llama.cpp takes with imperfect metadata.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -57,6 +59,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: no longer than its longest token's spelling (byte-level
+        vocabularies spell a byte as one character, SentencePiece a space as one)."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Text -> ids. Special-token texts in `text` (e.g. <|im_start|>) become their ids."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
@@ -70,6 +78,32 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.backend.id_to_token(token_id) or f"<id {token_id}>"
+
+    @functools.cached_property
+    def _byte_kind(self) -> str:
+        """How tokens carry bytes: "level" (byte-level BPE: every character of a token's spelling is a byte),
+        "fallback" (SentencePiece: tokens <0xNN> are single bytes, all others whole text), or "" (unknown)."""
+        decoder = self.backend.decoder
+        spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        kinds = {d.get("type") for d in [spec, *spec.get("decoders", [])]}
+        return "level" if "ByteLevel" in kinds else "fallback" if "ByteFallback" in kinds else ""
+
+    def ends_mid_character(self, ids: list[int]) -> bool | None:
+        """Whether the bytes of ids end inside a UTF-8 character (a streamed detokenizer holds those back);
+        None when this tokenizer's bytes are not known (then only a trailing U+FFFD says so)."""
+        kind = self._byte_kind
+        if not kind:
+            return None
+        tail = bytearray()
+        for i in ids[-4:]:  # a character is at most 4 bytes
+            piece = self.backend.id_to_token(i) or ""
+            if kind == "level":
+                tail += bytes(_BYTE_OF.get(c, 0x20) for c in piece)
+            elif _BYTE_TOKEN.fullmatch(piece):
+                tail.append(int(piece[3:5], 16))
+            else:
+                tail += piece.encode("utf-8", "replace")
+        return _incomplete_utf8(bytes(tail[-4:]))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages with the model's own chat template, as the model was trained to see them."""
@@ -172,6 +206,33 @@ class Tokenizer:
             chat_template=template if isinstance(template, str) else None,
             special_tokens={"bos_token": bos_text or "", "eos_token": eos_text or ""},
         )
+
+
+def _gpt2_bytes() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_OF = _gpt2_bytes()
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _incomplete_utf8(tail: bytes) -> bool:
+    """Whether tail ends with the first bytes of a UTF-8 character whose remaining bytes have not come yet."""
+    for back in range(1, min(4, len(tail)) + 1):
+        b = tail[-back]
+        if b & 0xC0 != 0x80:  # not a continuation byte: the character's first byte
+            need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            return need > back
+    return False
 
 
 def _read_json(path: Path) -> dict:

@@ -32,6 +32,21 @@ def assert_one_line_error(result, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+def lark_chain(n: int) -> str:
+    """A Lark grammar of n + 2 rules, each the next's prefix: a few thousand crash llguidance."""
+    return "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(n)) + f'r{n}: "a"\n'
+
+
+def gbnf_chain(n: int) -> str:
+    return "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(n)) + f'r{n} ::= "a"\n'
+
+
+def ref_chain(n: int) -> dict:
+    """A JSON schema whose $ref lead through n definitions."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{n}": {"type": "string"}}}
+
+
 def drafter(kind, target, draft, p_min=0.0, capacity=256):
     """A drafter of each kind over tiny loaded models: draft (the draft model), self (the target drafting for
     itself), ngram, combined (n-gram lookup, then the draft model)."""
@@ -120,22 +135,25 @@ def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors=(),
                        chat_template: str | None = None, eos: bool = False, table_type=None,
-                       layer_types: dict | None = None) -> Path:
+                       layer_types: dict | None = None, metadata: dict | None = None) -> Path:
     """Write an HF model as llama.cpp's converter would (F32 tensors, Q/K rows permuted for llama).
 
     extra_tensors: (name, raw array, gguf type) triples added as they are; eos: the last id becomes the
     control token <|endoftext|>, the end-of-generation token; table_type: a block type (e.g. Q8_0) the
     embedding table is quantized to with gguf's own quantizer; layer_types: {a layer tensor's GGUF name
-    suffix ("ffn_down.weight"): block type} for tensors quantized the same way (the rest stay F32).
+    suffix ("ffn_down.weight"): block type} for tensors quantized the same way (the rest stay F32); metadata:
+    values written in place of the model's (block_count, embedding_length, head_count), for broken files.
     """
     cfg = model.config
     arch = arch or cfg.model_type
+    meta = {"block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
+            "head_count": cfg.num_attention_heads, **(metadata or {})}
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(meta["block_count"])
     w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
+    w.add_embedding_length(meta["embedding_length"])
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count(meta["head_count"])
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])

@@ -24,22 +24,22 @@ def kept_dir(tmp_path, monkeypatch):
     return tmp_path / "cache" / "converted"
 
 
-def tiny(tie=False):
+def tiny(tie=False, seed=0):
     import transformers
 
     config = tiny_hf_config("qwen2")
     config.hidden_size, config.intermediate_size, config.tie_word_embeddings = 128, 256, tie
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def gguf_file(tmp_path, tie=False):
+def gguf_file(tmp_path, tie=False, seed=0, name="m.gguf"):
     from gguf import GGMLQuantizationType as T
 
     types = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q8_0,
              "attn_output.weight": T.Q4_0, "ffn_gate.weight": T.Q4_0, "ffn_up.weight": T.Q4_0,
              "ffn_down.weight": T.Q8_0}
-    return write_gguf_from_hf(tiny(tie), tmp_path / "m.gguf", layer_types=types, table_type=T.Q8_0)
+    return write_gguf_from_hf(tiny(tie, seed), tmp_path / name, layer_types=types, table_type=T.Q8_0)
 
 
 def logits(lm):
@@ -82,22 +82,42 @@ def test_a_float_checkpoint_directory_is_kept_too(tmp_path, kept_dir):
 def test_a_changed_file_or_format_converts_again_and_replaces_the_old_copy(tmp_path, kept_dir):
     path = gguf_file(tmp_path)
     int4 = EngineConfig(**{**CPU.__dict__, "weights": "int4"})
-    load_model(str(path), int4, progress=False)
+    first = load_model(str(path), int4, progress=False)
     (old,) = kept_dir.iterdir()
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # touched, the same content
+    assert load_model(str(path), int4, progress=False).kept_from == old
+    # another file of the same size put in its place, with the same modification time: another source
+    other = gguf_file(tmp_path, seed=1, name="other.gguf")
+    assert other.stat().st_size == path.stat().st_size
+    mtime = path.stat().st_mtime_ns
+    os.replace(other, path)
+    os.utime(path, ns=(mtime, mtime))
     again = load_model(str(path), int4, progress=False)
     (new,) = kept_dir.iterdir()  # the old copy is gone
     assert again.kept_from is None and new != old
+    fresh = load_model(str(path), EngineConfig(**{**CPU.__dict__, "weights": "int4", "weight_cache": False}), False)
+    torch.testing.assert_close(logits(again), logits(fresh), rtol=0, atol=0)  # the new file's model...
+    assert not torch.equal(logits(again), logits(first))  # ...not the old one's
     other = load_model(str(path), EngineConfig(**{**CPU.__dict__, "weights": "int8"}), progress=False)
     assert other.kept_from is None and len(list(kept_dir.iterdir())) == 2  # one per format
 
 
-def test_a_damaged_copy_is_converted_again(tmp_path, kept_dir, caplog):
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_copy_is_converted_again(tmp_path, kept_dir, caplog, damage):
     path = str(gguf_file(tmp_path))
     config = EngineConfig(**{**CPU.__dict__, "weights": "int4"})
     want = load_model(path, config, progress=False)
     (file,) = kept_dir.iterdir()
-    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    data = bytearray(file.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # bytes inside a tensor's data: the file still loads, its values do not
+        blob = torch.load(file, weights_only=True)
+        packed = next(t for name, t in blob["state"].items() if name.endswith("packed"))
+        at = bytes(data).find(packed.reshape(-1).view(torch.uint8)[:64].numpy().tobytes())
+        assert at > 0
+        data[at + 10] ^= 0xFF
+    file.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="quickdraft"):
         got = load_model(path, config, progress=False)
     assert got.kept_from is None and "unreadable" in caplog.text

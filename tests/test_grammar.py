@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from quickdraft import grammar, sampling
+from quickdraft import constraint as masks, sampling
 from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
@@ -76,7 +76,7 @@ def test_invalid_constraints_name_the_library_message(models):
 
 def test_unpack_matches_the_bits():
     words = torch.tensor([[0b101, -1], [0, -(1 << 31)]], dtype=torch.int32)
-    allowed = grammar.unpack(words, 40)
+    allowed = masks.unpack(words, 40)
     assert allowed.shape == (2, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2] + list(range(32, 40))
     assert allowed[1].nonzero().flatten().tolist() == []  # bit 31 of word 1 is id 63, past the vocabulary
@@ -173,11 +173,11 @@ def test_constrained_sampling_follows_the_constrained_target_distribution(models
     exact = torch.zeros(V)
     with torch.no_grad():
         cache = KVCache.for_model(target.model, 16)
-        p1 = sampling.process(grammar.apply(target.model(torch.tensor([prompt]), cache, last_only=True)[0],
+        p1 = sampling.process(masks.apply(target.model(torch.tensor([prompt]), cache, last_only=True)[0],
                                             allowed), params)[0]
         for t1 in letters:
             cache.rollback(len(prompt))
-            p2 = sampling.process(grammar.apply(target.model(torch.tensor([[t1]]), cache)[0], allowed), params)[0]
+            p2 = sampling.process(masks.apply(target.model(torch.tensor([[t1]]), cache)[0], allowed), params)[0]
             exact += p1[t1] * p2
     engine = Engine(target, 16, DraftModelDrafter(draft, V, 16),
                     SpeculationConfig(draft_max=1, adaptive=False, constrain_draft=constrain_draft))

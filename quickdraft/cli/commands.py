@@ -4,6 +4,7 @@ formats what comes back."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import sys
 from pathlib import Path
@@ -296,13 +297,17 @@ def cmd_demo(args) -> int:
 
 def cmd_serve(args) -> int:
     from quickdraft.config import SamplingParams, SpeculationConfig
-    from quickdraft.server.app import ServerState, create_app
+    from quickdraft.server.app import LOOPBACK_NAMES, ServerState, create_app
+    from quickdraft.server.connections import serve
     from quickdraft.server.metrics import Metrics
     from quickdraft.server.worker import EngineWorker
     from quickdraft.weights import hub
 
     if args.max_queue < 1:
         raise QuickdraftError("--max-queue must be at least 1")
+    if not args.request_timeout > 0:
+        raise QuickdraftError("--request-timeout must be a positive number of seconds")
+    api_key = _api_key(args)
     apply_profile(args)
     sock = _listen(args.host, args.port)
 
@@ -320,17 +325,29 @@ def cmd_serve(args) -> int:
     worker = EngineWorker(serving_llm, args.max_queue, Metrics())
     engine, target = worker.engine, worker.llm.target
     model_id = args.model if args.model in hub.DEFAULT_MODELS else target.name
-    state = ServerState(worker, model_id, frozenset({args.model, target.name}), args.api_key)
     host, port = sock.getsockname()[:2]
+    loopback = ipaddress.ip_address(host).is_loopback
+    allowed = LOOPBACK_NAMES | {h.lower() for h in args.allowed_host} if loopback else None
+    state = ServerState(worker, model_id, frozenset({args.model, target.name}), api_key, allowed)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}) at {url}/v1",
           flush=True)
-    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    auth = ' -H "Authorization: Bearer $QUICKDRAFT_API_KEY"' if api_key else ""  # the key itself is never printed
     print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           """-d '{"messages": [{"role": "user", "content": "Write hello world in C"}], "max_tokens": 64}'""",
           flush=True)
-    _run_uvicorn(create_app(state), sock, args.debug)
+    serve(create_app(state), sock, args.debug, args.request_timeout)
     return 0
+
+
+def _api_key(args) -> str | None:
+    if args.api_key_file is None:
+        return args.api_key or None
+    text = _read_text(args.api_key_file).strip()
+    key = text.splitlines()[0].strip() if text else ""
+    if not key:
+        raise QuickdraftError(f"{args.api_key_file} holds no API key: write the key on its first line")
+    return key
 
 
 def _listen(host: str, port: int):
@@ -347,14 +364,6 @@ def _listen(host: str, port: int):
         raise QuickdraftError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port or --host") from None
     sock.listen(128)
     return sock
-
-
-def _run_uvicorn(app, sock, debug: bool) -> None:
-    import uvicorn
-
-    config = uvicorn.Config(app, log_level="debug" if debug else "warning", access_log=debug,
-                            timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
 
 
 def _read_text(path: Path) -> str:

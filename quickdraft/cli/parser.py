@@ -152,8 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 exposes it)")
     sv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s; 0 picks a free one)")
     sv.add_argument("--api-key", default=os.environ.get("QUICKDRAFT_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on every route but /health "
-                         "(default: $QUICKDRAFT_API_KEY, else none)")
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                         "$QUICKDRAFT_API_KEY, else none). A key on the command line is visible to every user of "
+                         "the machine (ps): prefer $QUICKDRAFT_API_KEY or --api-key-file")
+    sv.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                    help="read the API key from the first line of FILE")
+    sv.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                    help="on a loopback address the server answers only requests addressed to localhost, "
+                         "127.0.0.1 or ::1 (against DNS rebinding from web pages); also answer this Host name "
+                         "(repeatable)")
+    sv.add_argument("--request-timeout", type=float, default=20.0, metavar="S",
+                    help="a connection must send a complete request head within S seconds of opening (or of its "
+                         "last response), or it is closed (default: %(default)s)")
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
     _common(sv)

@@ -76,18 +76,33 @@ def _load() -> str | None:
 STALE_LOCK_S = 180  # a build takes 15-60 s; a lock older than this was left by a build that was killed
 
 
-def _clear_stale_lock(name: str) -> None:
-    """Remove the build lock a killed build left behind: PyTorch's builder would wait on it forever (every
-    later run hangs at its first layer)."""
+def _clear_stale_lock(name: str, wait_s: float = STALE_LOCK_S) -> None:
+    """Before building: wait (saying so) while another process's build holds the lock, and remove a lock that a
+    killed build left behind. PyTorch's builder would wait on either forever, without a word."""
     from torch.utils import cpp_extension
 
     try:
         lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-            print(f"removed a stale build lock ({lock}) left by an interrupted build", file=sys.stderr)
-    except (OSError, AttributeError, TypeError):  # no lock (the usual case), or a PyTorch without the helper
-        pass
+    except (OSError, AttributeError, TypeError):  # a PyTorch without the helper
+        return
+    said, deadline = False, time.monotonic() + wait_s
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # no lock (the usual case), or the other build finished
+            return
+        if age > STALE_LOCK_S or time.monotonic() > deadline:
+            try:
+                lock.unlink()
+                print(f"removed a stale build lock ({lock}) left by an interrupted build", file=sys.stderr)
+            except OSError:
+                pass
+            return
+        if not said:
+            print(f"waiting for another build of quickdraft's CPU kernels to finish (lock {lock}; one takes up to a "
+                  "minute)", file=sys.stderr)
+            said = True
+        time.sleep(0.5)
 
 
 def available() -> bool:

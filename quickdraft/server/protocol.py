@@ -12,13 +12,17 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from quickdraft.engine import Timings
 from quickdraft.grammar import Grammar
 from quickdraft.speculative.stats import SpeculationStats
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it: server/stops.py)
+MAX_ITEMS = 4096  # items of any list or object in a body: messages, content parts, stop strings, tools, ...
+MAX_PROMPT_ITEMS = 1 << 17  # token ids of a prompt given as ids (a context is never larger)
+MAX_DEPTH = 64  # objects and lists within each other
 
 
 class APIError(Exception):
@@ -84,6 +88,8 @@ class _Sampling(_Strict):
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", "stop")
         if any(s == "" for s in stops):
             raise APIError(400, "stop strings must not be empty", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
         return stops
 
     def refuse_unsupported(self) -> None:
@@ -111,6 +117,11 @@ class _Sampling(_Strict):
         return asked[0] if asked else None
 
 
+def constraint_field(kind: str) -> str:
+    """The request field a constraint of this kind came from."""
+    return "response_format" if kind.startswith("json") else kind
+
+
 def _response_format(rf: dict) -> list[Grammar]:
     kind = rf.get("type", "text")
     if kind == "text":
@@ -136,6 +147,15 @@ def _response_format(rf: dict) -> list[Grammar]:
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_shape(cls, data):
+        """The prompt's shape checked by hand, once: left to the union of its four shapes, a long list of the
+        wrong items would get an error per item and shape (millions for a 4 MB body)."""
+        if isinstance(data, dict) and "prompt" in data and not _prompt_ok(data["prompt"]):
+            raise APIError(400, f"invalid field 'prompt': it must be {_SHAPES['prompt']}", "prompt")
+        return data
     suffix: str | None = None
     best_of: int | None = None
 
@@ -175,6 +195,20 @@ class ChatRequest(_Sampling):
                 for m in self.messages]
 
 
+def _prompt_ok(prompt) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list):
+        return False
+    if all(isinstance(x, str) for x in prompt) or all(_is_int(x) for x in prompt):
+        return True
+    return all(isinstance(x, list) and all(_is_int(t) for t in x) for x in prompt)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """Bytes of a request body -> a validated request, or an APIError saying what to fix."""
     try:
@@ -185,14 +219,52 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise APIError(400, "the request body is empty: send a JSON object")
     try:
         data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(400, f"the request body nests lists or objects too deeply: at most {MAX_DEPTH} levels") from None
     except (json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    _check_values(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise APIError(400, *_describe(e)) from None
+
+
+def _check_values(body: dict) -> None:
+    """Bound a body's shape before validating it (the cost of validation and of its errors grows with it), and
+    refuse text that is not Unicode: JSON allows an unpaired UTF-16 surrogate ("\\ud800"), which no tokenizer
+    or encoder takes."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, where)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"field {where!r} nests lists or objects too deeply: at most {MAX_DEPTH} levels",
+                           where.split(".")[0] or None)
+        limit = MAX_PROMPT_ITEMS if where.split(".")[0] == "prompt" else MAX_ITEMS
+        if len(value) > limit:
+            raise APIError(400, f"field {where or 'body'!r} has {len(value)} items: at most {limit} are accepted",
+                           where or None)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, f"{where}.{key}" if where else key)
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"field {where!r} holds an unpaired UTF-16 surrogate ({text[e.start]!r} at character "
+                            f"{e.start}), which is not Unicode text: send valid UTF-8", where or None) from None
 
 
 # What a field of several accepted shapes should be, said once instead of once per shape.

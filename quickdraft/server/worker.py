@@ -20,7 +20,7 @@ from typing import Callable
 from quickdraft.api import LLM
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Halt, Timings
-from quickdraft.grammar import Constraint
+from quickdraft.constraint import Constraint, ConstraintError
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.stops import StopMatcher
 from quickdraft.speculative.stats import SpeculationStats
@@ -44,6 +44,19 @@ class Done:
 @dataclass
 class Failed:
     message: str
+    status: int = 500  # 400: the request's own fault (a constraint that failed while generating)
+    param: str | None = None
+
+
+class Ticket:
+    """A request's place in the queue, held from its admission (before its constraint compiles) until the engine
+    takes it up, or until it is given up: a request whose client has gone frees its place at once."""
+
+    def __init__(self, worker: "EngineWorker"):
+        self.worker, self.released = worker, False
+
+    def release(self) -> None:
+        self.worker._release(self)
 
 
 @dataclass
@@ -54,6 +67,7 @@ class Job:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     constraint: Constraint | None = None
+    ticket: Ticket | None = None  # its place in the queue (EngineWorker.admit)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     halt: Halt = field(default_factory=Halt)
     submitted: float = field(default_factory=time.perf_counter)
@@ -61,6 +75,8 @@ class Job:
     def cancel(self) -> None:
         if self.halt.reason is None:
             self.halt.reason = "cancelled"
+        if self.ticket is not None:  # a waiting job's place goes to the next client
+            self.ticket.release()
 
     @property
     def cancelled(self) -> bool:
@@ -84,7 +100,10 @@ class EngineWorker:
         """Load the model (make_llm: an api.LLM) on the worker's own thread, which then serves with its engine
         (see the module's note); return once it is loaded. What make_llm raises is raised here."""
         self.metrics = metrics
-        self.pending: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self.pending: queue.Queue[Job | None] = queue.Queue()  # bounded by admission: see admit
+        self.held = 0  # places taken: requests compiling their constraint or waiting for the engine
+        self._places = threading.Lock()
         self.running: Job | None = None
         self.mean_request_s = 5.0  # moving average, for Retry-After
         made = threading.Event()
@@ -107,13 +126,28 @@ class EngineWorker:
         if failed:
             raise failed[0]
 
+    def admit(self) -> Ticket:
+        """A place in the queue (QueueFull when all max_queue are taken), for a request about to be prepared."""
+        with self._places:
+            if self.held >= self.max_queue:
+                raise QueueFull(max(1, round((self.held + 1) * self.mean_request_s)))
+            self.held += 1
+        self.metrics.waiting.set(self.held)
+        return Ticket(self)
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._places:
+            if ticket.released:
+                return
+            ticket.released = True
+            self.held -= 1
+        self.metrics.waiting.set(self.held)
+
     def submit(self, job: Job) -> None:
-        try:
-            self.pending.put_nowait(job)
-        except queue.Full:
-            waiting = self.pending.qsize() + 1
-            raise QueueFull(max(1, round(waiting * self.mean_request_s))) from None
-        self.metrics.waiting.set(self.pending.qsize())
+        """Queue a job for the engine, in the place its ticket holds (one is taken now if it has none)."""
+        if job.ticket is None:
+            job.ticket = self.admit()
+        self.pending.put(job)
 
     def stop(self) -> None:
         """Cancel everything and end the thread (server shutdown)."""
@@ -133,7 +167,7 @@ class EngineWorker:
 
     def _run(self) -> None:
         while (job := self.pending.get()) is not None:
-            self.metrics.waiting.set(self.pending.qsize())
+            job.ticket.release()  # running now: its place in the queue is free
             started = time.perf_counter()
             self.metrics.queue_time.observe(started - job.submitted)
             if job.cancelled:  # the client left while waiting
@@ -143,6 +177,8 @@ class EngineWorker:
             self.metrics.running.set(1)
             try:
                 self._generate(job)
+            except ConstraintError as e:  # the request's constraint, not us
+                job.put(Failed(str(e), 400, "response_format"))
             except Exception as e:  # a bug of ours: this request fails, the server goes on
                 log.exception("generation failed")
                 job.put(Failed(f"generation failed: {type(e).__name__}: {e}"))

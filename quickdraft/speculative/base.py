@@ -77,7 +77,7 @@ class Drafter:
                 generator: torch.Generator, constraint=None) -> Proposal:
         """Propose up to k_for(source) tokens to follow seq (prompt + tokens generated so far).
 
-        constraint (a grammar.Constraint at the state after seq): propose only what it allows, and leave
+        constraint (a constraint.Constraint at the state after seq): propose only what it allows, and leave
         its state as it was found.
         """
         raise NotImplementedError

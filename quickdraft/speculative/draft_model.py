@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from quickdraft import grammar, sampling
+from quickdraft import constraint as constraints, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.base import Drafter, KFor, Offer, Proposal
@@ -110,7 +110,7 @@ class DraftModelDrafter(Drafter):
             history = sampling.history(seq, params, self.device, appended=tokens)
             logits = self._logits(feed)[None]
             if constraint is not None:
-                logits = grammar.apply(logits, constraint.allowed(self.device))
+                logits = constraints.apply(logits, constraint.allowed(self.device))
             if params.greedy:
                 logits = sampling.penalize(logits, params, history)
                 token = int(logits.argmax())

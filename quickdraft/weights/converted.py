@@ -4,8 +4,12 @@ converted, with its config and tokenizer, instead of parsing the file and conver
 A quantized load from a GGUF file spends most of its time parsing the vocabulary (in the gguf library) and fitting
 int4 grids; reading back the kept conversion skips both (the README has the times).
 One file per (model file, format), under <cache>/converted/ (`quickdraft pull`'s cache; $QUICKDRAFT_CACHE
-moves both); it is replaced when the model file changes (size or modification time) or quickdraft's
-conversion code does, and a load that cannot read it converts again. Small models (under MIN_BYTES, such as
+moves both), named by the source's content (its sha256: a different file at the same path, even of the same size
+and modification time, is another source) and quickdraft's conversion code. The digest of each tensor as written
+(CRC-32) is kept in the file and checked when it is read back: a damaged copy is converted again, never used.
+Hashing a source costs a read of it (about half a second a gigabyte); the digest is remembered in
+<cache>/source-digests.json against the file's inode, size and modification and change times, which no rewrite of the
+file leaves as they were, so a load pays it only for a file that changed. Small models (under MIN_BYTES, such as
 the tests' tiny ones) convert in well under a second and are not kept.
 """
 
@@ -19,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -30,7 +35,7 @@ from quickdraft.tokenizer import BackendTokenizer, Tokenizer
 
 log = logging.getLogger("quickdraft")
 
-VERSION = 1
+VERSION = 2  # 2: tensor digests
 MIN_BYTES = 32 * 2**20  # sources smaller than this are converted on every load
 
 
@@ -64,10 +69,43 @@ def location(path: Path, fmt: str, dtype: torch.dtype) -> Path | None:
     size = sum(p.stat().st_size for p in files)
     if size < MIN_BYTES:
         return None
-    stamp = [VERSION, _code_digest(), fmt, str(dtype), vnni.available(),
-             [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]
+    stamp = [VERSION, _code_digest(), fmt, str(dtype), vnni.available(), [(p.name, content_digest(p)) for p in files]]
     digest = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
     return directory() / f"{_stem(path, fmt)}-{digest}.pt"
+
+
+def content_digest(file: Path) -> str:
+    """The sha256 of a file's content, remembered in <cache>/source-digests.json against its (inode, size, mtime,
+    ctime): any write to the file, or another file put in its place, changes one of them."""
+    st = file.stat()
+    stamp = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    memo_path = directory().parent / "source-digests.json"
+    try:
+        memo = json.loads(memo_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        memo = {}
+    key = str(file.resolve())
+    known = memo.get(key) if isinstance(memo, dict) else None
+    if isinstance(known, dict) and known.get("stamp") == stamp:
+        return known["sha256"]
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    memo = memo if isinstance(memo, dict) else {}
+    memo[key] = {"stamp": stamp, "sha256": h.hexdigest()}
+    with contextlib.suppress(OSError):  # only a missed shortcut
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_name(f".sources.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo), encoding="utf-8")
+        os.replace(tmp, memo_path)
+    return memo[key]["sha256"]
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes."""
+    t = tensor.detach().contiguous().reshape(-1)
+    return zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
 
 
 def _stem(path: Path, fmt: str) -> str:
@@ -102,8 +140,9 @@ def save(file: Path, model: Transformer, cfg: ModelConfig, tokenizer: Tokenizer)
     tok = {f.name: getattr(tokenizer, f.name) for f in dataclasses.fields(tokenizer) if f.name != "backend"}
     tok["eos_ids"] = sorted(tok["eos_ids"])
     tok["backend"] = tokenizer.backend.to_str()
+    state = model.state_dict()
     blob = {"version": VERSION, "config": dataclasses.asdict(cfg), "modules": modules, "tokenizer": tok,
-            "state": model.state_dict()}
+            "state": state, "crc32": {name: _crc(t) for name, t in state.items()}}
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
@@ -132,6 +171,9 @@ def load(file: Path, context_for) -> tuple[ModelConfig, Transformer, Tokenizer] 
         blob = torch.load(file, map_location="cpu", weights_only=True)
         if blob.get("version") != VERSION:
             raise ValueError(f"version {blob.get('version')}")
+        damaged = [name for name, t in blob["state"].items() if _crc(t) != blob["crc32"].get(name)]
+        if damaged:
+            raise ValueError(f"{len(damaged)} tensors differ from what was written, {damaged[0]} first")
         cfg = ModelConfig(**blob["config"])
         model = _model(blob, cfg, context_for(cfg))
         tok = dict(blob["tokenizer"])

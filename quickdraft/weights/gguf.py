@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mmap
-
+import re
 from pathlib import Path
 
 import torch
@@ -15,11 +15,105 @@ from quickdraft.weights.dequant import SUPPORTED_TYPES, dequantize
 from quickdraft.weights.names import gguf_to_model, unpermute_rotary
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path | str) -> GGUFReader:
+    path = Path(path)
+    prescan(path)  # the reader trusts every count in the file: check them first
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/struct errors on anything not GGUF
         raise QuickdraftError(f"{path} is not a readable GGUF file ({e}); check the path or re-download it") from e
+
+
+# Sizes of GGUF's scalar value types (gguf.GGUFValueType: 8 is a string, 9 an array)
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+MAX_DIMS = 4
+
+
+def prescan(path: Path) -> None:
+    """Walk the header of a GGUF file, checking each count against the bytes the file has, before the gguf
+    library parses it: that library believes a count (an array said to hold 2^40 items is read item by item,
+    growing memory without end). QuickdraftError names the first count that cannot be right."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
+    try:
+        _Scan(data, path).run()
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
+
+
+class _Scan:
+    def __init__(self, data, path: Path):
+        self.data, self.path, self.at = data, path, 0
+
+    def fail(self, what: str):
+        raise QuickdraftError(f"{self.path} is not a readable GGUF file: {what}; re-download or re-convert it")
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.at + n > len(self.data):
+            self.fail(f"{what} runs past the end of the file (byte {self.at} of {len(self.data)})")
+        out = self.data[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def u32(self, what: str) -> int:
+        return int.from_bytes(self.take(4, what), "little")
+
+    def u64(self, what: str) -> int:
+        return int.from_bytes(self.take(8, what), "little")
+
+    def string(self, what: str) -> bytes:
+        return self.take(self.u64(f"the length of {what}"), what)
+
+    def run(self) -> None:
+        if self.take(4, "the magic number") != b"GGUF":
+            self.fail("it does not start with GGUF's magic number")
+        version = self.u32("the version")
+        if version not in (2, 3):
+            self.fail(f"version {version} (quickdraft reads versions 2 and 3)")
+        tensors, kvs = self.u64("the tensor count"), self.u64("the metadata count")
+        left = len(self.data) - self.at
+        if tensors > left // 24 or kvs > left // 12:  # the smallest tensor record and key/value pair
+            self.fail(f"it claims {tensors} tensors and {kvs} metadata keys, more than its {left} bytes can hold")
+        for _ in range(kvs):
+            key = self.string("a metadata key").decode("utf-8", "replace")
+            self.value(self.u32(f"the type of {key}"), key)
+        for _ in range(tensors):
+            self.tensor()
+
+    def value(self, kind: int, key: str) -> None:
+        if kind in _SCALAR:
+            self.take(_SCALAR[kind], key)
+        elif kind == 8:
+            self.string(key)
+        elif kind == 9:
+            item, count = self.u32(f"the item type of {key}"), self.u64(f"the length of {key}")
+            size = _SCALAR.get(item)
+            if size is not None:  # fixed-size items: the whole array must be there
+                self.take(count * size, f"{key} ({count} items)")
+            elif item in (8, 9):
+                if count > (len(self.data) - self.at) // 8:  # each item at least a length
+                    self.fail(f"{key} claims {count} items, more than the rest of the file can hold")
+                for _ in range(count):
+                    self.value(item, key)
+            else:
+                self.fail(f"{key} has items of unknown type {item}")
+        else:
+            self.fail(f"{key} has unknown type {kind}")
+
+    def tensor(self) -> None:
+        name = self.string("a tensor name").decode("utf-8", "replace")
+        dims = self.u32(f"the dimensions of {name}")
+        if not 1 <= dims <= MAX_DIMS:
+            self.fail(f"tensor {name} has {dims} dimensions")
+        shape = [self.u64(f"the shape of {name}") for _ in range(dims)]
+        self.u32(f"the type of {name}")
+        self.u64(f"the offset of {name}")
+        elements = 1
+        for n in shape:
+            elements *= n
+        if elements > 8 * len(self.data):  # at most 8 elements a byte in any block type quickdraft reads
+            self.fail(f"tensor {name} has shape {shape}: more elements than the file has bytes for")
 
 
 def metadata(reader: GGUFReader) -> dict:
@@ -35,7 +129,10 @@ def drop_metadata(reader: GGUFReader) -> None:
         fields.clear()
 
 
-def config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
+def config_from_metadata(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    """The model's shape from the file's metadata, checked against the tensors it holds (shapes: name -> shape,
+    fastest dimension last, as PyTorch writes it)."""
+    tensor_names = set(shapes)
     arch = meta.get("general.architecture", "?")
     if arch not in SUPPORTED_ARCHS:
         raise QuickdraftError(
@@ -54,14 +151,21 @@ def config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
             raise QuickdraftError(f"the GGUF metadata lacks {arch}.{key}: the file is incomplete")
         return value
 
-    n_heads = get("attention.head_count")
-    dim = get("embedding_length")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    n_heads, dim, layers = _count(get, "attention.head_count"), _count(get, "embedding_length"), _count(get, "block_count")
+    present = {int(m.group(1)) for name in shapes if (m := re.match(r"blk\.(\d+)\.", name))}
+    if present != set(range(layers)):
+        raise QuickdraftError(f"the GGUF metadata says {arch}.block_count = {layers}, but the file holds tensors for "
+                              f"{len(present)} layers: the file is inconsistent")
+    embedding = shapes.get("token_embd.weight")
+    if embedding is None or len(embedding) != 2 or embedding[1] != dim:
+        raise QuickdraftError(f"the GGUF metadata says {arch}.embedding_length = {dim}, but token_embd.weight has "
+                              f"shape {embedding}: the file is inconsistent")
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or embedding[0]
     return ModelConfig(
         arch=arch,
         vocab_size=vocab,
         dim=dim,
-        n_layers=get("block_count"),
+        n_layers=layers,
         n_heads=n_heads,
         n_kv_heads=get("attention.head_count_kv", n_heads),
         head_dim=get("attention.key_length", dim // n_heads),
@@ -73,6 +177,18 @@ def config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         tie_embeddings="output.weight" not in tensor_names,
     )
+
+
+def _count(get, key: str) -> int:
+    value = get(key)
+    if not isinstance(value, int) or value <= 0:
+        raise QuickdraftError(f"the GGUF metadata has {key} = {value!r}: it must be a positive whole number")
+    return value
+
+
+def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape, fastest dimension last (GGUF lists it first)."""
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
 
 
 def check_tensor_types(reader: GGUFReader) -> None:

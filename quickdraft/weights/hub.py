@@ -6,8 +6,12 @@ concatenated into one GGUF file whose sha256 is checked before it is moved into 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,7 +118,28 @@ def pull(alias: str, progress=None) -> Path:
     if is_pulled(alias):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=".pull-") as tmp:
+    with _pull_lock(path):
+        if is_pulled(alias):  # another process pulled it while this one waited
+            return path
+        return _assemble(alias, model, path, progress)
+
+
+@contextlib.contextmanager
+def _pull_lock(path: Path):
+    """One pull of a model at a time (other processes wait): with it held, what an earlier pull that was killed
+    left behind (its partial download, GBs of it) is removed, since no pull of this model is running."""
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            for stale in path.parent.glob(f".pull-{glob.escape(path.name)}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _assemble(alias: str, model: DefaultModel, path: Path, progress) -> Path:
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".pull-{path.name}-") as tmp:
         partial = Path(tmp) / model.filename
         digest = hashlib.sha256()
         done = 0

@@ -122,7 +122,7 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
     else:
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
-        cfg = gguf_io.config_from_metadata(meta, {t.name for t in reader.tensors})
+        cfg = gguf_io.config_from_metadata(meta, gguf_io.tensor_shapes(reader))
         gguf_io.check_tensor_types(reader)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         del meta
@@ -192,6 +192,10 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
         module = modules.get(owner)
         if module is None or leaf not in module._parameters:
             raise QuickdraftError(f"the checkpoint does not match its config: unexpected {name}")
+        expected = tuple(module._parameters[leaf].shape)
+        if tuple(w.shape) != expected:
+            raise QuickdraftError(f"the checkpoint does not match its config: {name} has shape {tuple(w.shape)}, "
+                                  f"the config makes it {expected}")
         got = pending.setdefault(owner, {})
         got[leaf] = w
         if set(got) == {n for n, p in module._parameters.items() if p is not None}:

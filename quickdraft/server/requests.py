@@ -1,0 +1,158 @@
+"""From a request to what the engine runs: the body read within a deadline, the prompt tokenised off the event loop
+and within bounds, the sampling and speculation settings, and the constraint compiled in the sandbox.
+
+Nothing here may hold the event loop (every other client's requests, /health) for long: text is bounded before it
+is tokenised, and tokenising, chat templating and compiling run on other threads or in the sandbox's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from starlette.requests import ClientDisconnect, Request
+
+from quickdraft.config import SamplingParams
+from quickdraft.errors import QuickdraftError
+from quickdraft.server import protocol as p
+
+MAX_BODY_BYTES = 8 << 20
+BODY_TIMEOUT_S = 60.0  # for the whole body, once its head has arrived (server/connections.py)
+
+
+class ClientGone(Exception):
+    """The client went away before its request was answered: nothing to send, nothing to log."""
+
+
+async def read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise p.APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise p.APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+    except TimeoutError:
+        raise p.APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return bytes(body)
+
+
+def check_model(state, req) -> None:
+    if req.model is not None and req.model not in state.model_aliases | {state.model_id}:
+        raise p.APIError(404, f"model {req.model!r} is not served here: use {state.model_id!r} "
+                              "(see GET /v1/models)", "model", code="model_not_found")
+    req.refuse_unsupported()
+
+
+def _max_chars(state) -> int:
+    """The most characters a prompt that fits the context can have: no token stands for more than the longest
+    token's characters. Longer text is refused before it is tokenised."""
+    return state.engine.context * state.engine.target.tokenizer.max_token_chars
+
+
+def _check_chars(state, chars: int, field: str) -> None:
+    limit = _max_chars(state)
+    if chars > limit:
+        raise p.APIError(400, f"the {field} has {chars} characters: more than the context of {state.engine.context} "
+                              f"tokens can hold (at most {limit}); shorten it", field, code="context_length_exceeded")
+
+
+async def completion_prompt(state, req: p.CompletionRequest) -> list[int]:
+    prompt, tokenizer = req.prompt, state.engine.target.tokenizer
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise p.APIError(400, "only one prompt per request is supported: send one request per prompt", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        _check_chars(state, len(prompt), "prompt")
+        return await asyncio.to_thread(tokenizer.encode, prompt)
+    vocab = state.engine.vocab
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise p.APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+    return list(prompt)
+
+
+async def chat_prompt(state, req: p.ChatRequest) -> list[int]:
+    messages = req.template_messages()
+    _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+    tokenizer = state.engine.target.tokenizer
+    return await asyncio.to_thread(_render, tokenizer, messages)
+
+
+def _render(tokenizer, messages: list[dict]) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except QuickdraftError as e:
+        raise p.APIError(400, str(e).replace("drop --chat and give a raw prompt",
+                                             "use /v1/completions with a raw prompt"), "messages") from None
+    except Exception as e:  # the template's own raise_exception, or a template bug on odd input
+        raise p.APIError(400, f"the model's chat template refused these messages: {e}", "messages") from None
+    return tokenizer.encode(text)
+
+
+def sampling(req, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
+            stop_at_eos=not req.ignore_eos,
+        )
+    except QuickdraftError as e:
+        raise p.APIError(400, str(e)) from None
+
+
+def speculation(state, req):
+    if req.speculative is None:
+        return None
+    base, s = state.engine.speculation, req.speculative
+    draft_max = base.draft_max if s.draft_max is None else s.draft_max
+    draft_min = min(base.draft_min, draft_max) if s.draft_min is None else s.draft_min
+    if draft_min > draft_max:
+        raise p.APIError(400, "speculative.draft_min must be <= speculative.draft_max", "speculative")
+    if draft_max > 0 and state.engine.drafter is None:
+        raise p.APIError(400, "this server runs without a draft: start it with --draft to speculate, or "
+                              "send speculative.draft_max 0", "speculative")
+    adaptive = base.adaptive if s.adaptive is None else s.adaptive
+    return replace(base, draft_max=draft_max, draft_min=draft_min, adaptive=adaptive)
+
+
+async def constraint(state, req):
+    """The request's constraint compiled (checked in the sandbox, then built here off the event loop), or None."""
+    grammar = req.requested_grammar()
+    if grammar is None:
+        return None
+    try:
+        compiled = await state.sandbox.compile(grammar) if state.sandbox is not None else None
+        return await asyncio.to_thread(state.engine.grammars.constraint, grammar, compiled)
+    except QuickdraftError as e:
+        raise p.APIError(400, str(e), p.constraint_field(grammar.kind)) from None
+
+
+async def unless_disconnected(request: Request, work):
+    """Await work (a coroutine) unless the client goes away first: then it is cancelled and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

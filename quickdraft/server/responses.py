@@ -1,0 +1,138 @@
+"""Running a prepared request: a place in the queue, the job on the engine thread, and its events as OpenAI's
+response objects (whole, or streamed over SSE)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+
+from quickdraft.server import protocol as p
+from quickdraft.server import requests as prepare
+from quickdraft.server.worker import Done, Failed, Job, Piece, QueueFull
+
+
+async def respond(state, request: Request, req, prompt: list[int], chat: bool, max_tokens: int | None):
+    context, field = state.engine.context, "messages" if chat else "prompt"
+    if not prompt:
+        raise p.APIError(400, "the prompt is empty: send some text", field)
+    if len(prompt) >= context:
+        raise p.APIError(400, f"the prompt ({len(prompt)} tokens) fills the context of {context} tokens: "
+                              "shorten it", field, code="context_length_exceeded")
+    if max_tokens is None:  # as OpenAI: up to the end of the context
+        max_tokens = context - len(prompt)
+    if len(prompt) + max_tokens > context:
+        raise p.APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
+                              f"context of {context} tokens: shorten the prompt or lower max_tokens",
+                         "max_tokens", code="context_length_exceeded")
+    params, speculation = prepare.sampling(req, max_tokens), prepare.speculation(state, req)
+    stops = req.stop_strings()
+    try:
+        ticket = state.worker.admit()  # the constraint's compile waits in the queue too
+    except QueueFull as full:
+        raise p.APIError(503, "the server is busy: every queue slot is taken; retry later",
+                         type="server_busy", headers={"Retry-After": str(full.retry_after_s)}) from None
+    try:
+        constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req))
+        job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket)
+        state.worker.submit(job)
+    except BaseException:
+        ticket.release()
+        raise
+    reply = _Reply(state, req, chat, len(prompt))
+    if req.stream:
+        return StreamingResponse(_stream(request, job, reply), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    pieces = []
+    async with _watch_disconnect(request, job):
+        while not isinstance(item := await job.events.get(), (Done, Failed)):
+            pieces.append(item.text)
+    if isinstance(item, Failed):
+        raise _error(item)
+    return reply.whole("".join(pieces), item)
+
+
+def _error(failed: Failed) -> p.APIError:
+    kind = "server_error" if failed.status >= 500 else "invalid_request_error"
+    return p.APIError(failed.status, failed.message, failed.param, type=kind)
+
+
+async def _stream(request: Request, job: Job, reply: "_Reply") -> AsyncIterator[str]:
+    async with _watch_disconnect(request, job):
+        if reply.chat:
+            yield _sse(reply.chunk({"role": "assistant", "content": ""}))
+        while True:
+            item = await job.events.get()
+            if isinstance(item, Piece):
+                yield _sse(reply.chunk(item.text))
+            elif isinstance(item, Failed):
+                yield _sse(_error(item).body())
+                break
+            else:
+                yield _sse(reply.chunk(None, item))
+                if reply.include_usage:
+                    yield _sse({**reply.chunk(None), "choices": [], "usage": p.usage(reply.prompt_n, item.completion_n)})
+                break
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+@asynccontextmanager
+async def _watch_disconnect(request: Request, job: Job):
+    """Cancel the job as soon as the client goes away (or this coroutine is cancelled)."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        job.cancel()  # no-op when the job has finished
+
+
+class _Reply:
+    """Builds the response objects of one request (ids and timestamps shared by all its chunks)."""
+
+    def __init__(self, state, req, chat: bool, prompt_n: int):
+        self.chat, self.prompt_n, self.model = chat, prompt_n, state.model_id
+        self.id = p.new_id("chatcmpl" if chat else "cmpl")
+        self.created = p.now()
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def _envelope(self, object_: str) -> dict:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+    def chunk(self, content, done: Done | None = None) -> dict:
+        """A streamed chunk: content is a str (a piece of text), a dict (a chat delta) or None (final)."""
+        finish = done.finish_reason if done else None
+        if self.chat:
+            delta = content if isinstance(content, dict) else ({} if content is None else {"content": content})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            out = {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+            out = {**self._envelope("text_completion"), "choices": [choice]}
+        if done:
+            out["timings"] = p.timings(done.timings, done.stats, done.completion_n)
+        return out
+
+    def whole(self, text: str, done: Done) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": done.finish_reason}
+            out = self._envelope("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            out = self._envelope("text_completion")
+        return {**out, "choices": [choice], "usage": p.usage(self.prompt_n, done.completion_n),
+                "timings": p.timings(done.timings, done.stats, done.completion_n)}

@@ -1,0 +1,219 @@
+"""What stops one request or one file from taking quickdraft down, piece by piece: constraint bounds and the compile
+sandbox, stop strings in linear time, streamed text with a real U+FFFD, crafted GGUF files, killed pulls.
+(tests/test_server_attacks.py runs the same attacks against a real server.)"""
+
+import asyncio
+import json
+import random
+import string
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from quickdraft import grammar as grammars
+from quickdraft.errors import QuickdraftError
+from quickdraft.grammar import Grammar
+from quickdraft.server.sandbox import GrammarSandbox
+from quickdraft.server.stops import StopMatcher
+from tests.helpers import (assert_one_line_error, gbnf_chain, lark_chain, ref_chain, run, tiny_hf_model,
+                           write_gguf_from_hf)
+
+
+# ---- constraint bounds and the sandbox ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("grammar, fragment", [
+    (Grammar("grammar", lark_chain(3000)), "defines 3002 rules"),  # these crash llguidance (segfault)
+    (Grammar("grammar", gbnf_chain(6000)), "bytes"),
+    (Grammar.json_schema(ref_chain(4000)), "bytes"),
+    (Grammar.json_schema(ref_chain(600)), "601 \\$ref"),
+    (Grammar("grammar", "root ::= " + "(" * 100 + '"a"' + ")" * 100), "nests brackets 100 deep"),
+    (Grammar("regex", "(" * 70 + "a" + ")" * 70), "nests brackets 70 deep"),
+    (Grammar.json_schema({"type": "array", "items": json.loads('{"items": ' * 70 + "{}" + "}" * 70)}), "nests"),
+])
+def test_constraints_beyond_the_bounds_are_refused_before_compiling(grammar, fragment):
+    with pytest.raises(QuickdraftError, match=fragment):
+        grammars.check_bounds(grammar)
+
+
+def test_constraints_within_the_bounds_pass_them():
+    for grammar in (Grammar("grammar", lark_chain(900)), Grammar.json_schema(ref_chain(400)),
+                    Grammar("regex", "[a-z]{2,8}@(x|y)\\.org"), Grammar("json_object")):
+        grammars.check_bounds(grammar)
+
+
+@pytest.fixture(scope="module")
+def vocabulary():
+    """A small byte-level vocabulary as tokenizer.json text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    from tests.helpers import byte_level_vocab
+
+    tokens = byte_level_vocab(300)
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
+def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
+    """Without the bounds, a 3000-rule chain segfaults llguidance: in the sandbox that is an error for the
+    request, and the next constraint compiles in a new child. A compile past the timeout is killed the same way,
+    and so is one whose client goes away (the task is cancelled)."""
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=1.0, bounds=False)
+        try:
+            assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
+            with pytest.raises(QuickdraftError, match="crashed the grammar compiler .*signal"):
+                await sandbox.compile(Grammar("grammar", lark_chain(3000)))
+            assert await sandbox.compile(Grammar("regex", "c+"))
+            with pytest.raises(QuickdraftError, match="did not compile within 1 s"):
+                await sandbox.compile(Grammar("grammar", gbnf_chain(3000)))  # its GBNF reader is quadratic
+            slow = asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(3000))))
+            await asyncio.sleep(0.3)
+            restarts = sandbox.restarts  # a child is compiling for it
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            assert sandbox.proc is None  # killed mid-compile
+            assert await sandbox.compile(Grammar("regex", "d+")) and sandbox.restarts == restarts + 1
+            with pytest.raises(QuickdraftError, match="invalid regular expression: lexer error") as e:
+                await sandbox.compile(Grammar("regex", "a{1000}{1000}"))  # compiles, then fails at its first token
+            assert "<" not in str(e.value)  # none of llguidance's internal state
+        finally:
+            await sandbox.close()
+
+    asyncio.run(scenario())
+
+
+_pieces = st.sampled_from(["a", "b", "(a|b)", "[a-c]", "x?", "y*", "z+", "(ab){2}", "\\.", "[0-9]{1,3}", ".", "("])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(parts=st.lists(_pieces, min_size=1, max_size=12))
+def test_random_regexes_compile_or_are_refused_with_a_message(parts):
+    regex = "".join(parts)
+    try:
+        text = grammars.to_llguidance(Grammar("regex", regex))
+    except QuickdraftError as e:
+        assert str(e) and "\n" not in str(e)
+        return
+    assert text
+
+
+# ---- stop strings ---------------------------------------------------------------------------------------------
+
+def naive(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    """The reference: the text up to the first stop string to be complete, as if streamed one character at a time."""
+    text = "".join(pieces)
+    for end in range(1, len(text) + 1):
+        for s in stops:
+            if text[:end].endswith(s):
+                return text[:end - len(s)], True
+    return text, False
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(stops=st.lists(st.text("ab-X", min_size=1, max_size=6), min_size=1, max_size=4),
+       pieces=st.lists(st.text("ab-X", max_size=5), max_size=12))
+def test_stop_matching_equals_the_naive_search(stops, pieces):
+    m = StopMatcher(stops)
+    shown = "".join(m.push(p) for p in pieces)
+    assert (shown + m.flush(), m.matched) == naive(stops, pieces)
+
+
+def test_a_long_near_match_is_held_and_released_in_linear_steps():
+    stops = ["-" * 511 + "X"] * 16
+    m = StopMatcher(stops)
+    out = "".join(m.push("---") for _ in range(2000))
+    assert len(m.held) == 511 and len(out) == 6000 - 511 and not m.matched
+    assert m.flush() == "-" * 511
+
+
+# ---- streamed text --------------------------------------------------------------------------------------------
+
+def test_a_real_replacement_character_is_streamed_at_once(vocabulary):
+    from tokenizers import Tokenizer as Backend
+
+    from quickdraft.engine import Detokenizer
+    from quickdraft.tokenizer import Tokenizer
+
+    tok = Tokenizer(Backend.from_str(vocabulary))
+    for text in ["x \ufffd y", "end \ufffd", "\ufffd\ufffd more", "中文 😀 e\u0301"]:
+        ids = tok.encode(text)
+        d = Detokenizer(tok)
+        pieces = [d.push(i) for i in ids]
+        assert "".join(pieces) + d.flush() == text
+        real = [i for i, p in enumerate(pieces) if "\ufffd" in p]
+        assert all(pieces[i] for i in real)  # never held back
+        assert "\ufffd" not in "".join(p for p in pieces if "\ufffd" not in text)  # a split character is held
+    d = Detokenizer(tok)
+    assert [d.push(i) for i in tok.encode("😀")][:-1] == ["", "", ""]  # four bytes, four tokens: held till whole
+
+
+# ---- crafted GGUF files ---------------------------------------------------------------------------------------
+
+def _gguf_bytes(kv: bytes, n_kv: int = 1, n_tensors: int = 0) -> bytes:
+    return b"GGUF" + (3).to_bytes(4, "little") + n_tensors.to_bytes(8, "little") + n_kv.to_bytes(8, "little") + kv
+
+
+def _key(name: str) -> bytes:
+    return len(name).to_bytes(8, "little") + name.encode()
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (_gguf_bytes(_key("x") + (9).to_bytes(4, "little") + (0).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little")
+                 + bytes(16)), "1099511627776 items"),
+    (_gguf_bytes(_key("tokens") + (9).to_bytes(4, "little") + (8).to_bytes(4, "little") + (1 << 40).to_bytes(8, "little")
+                 + bytes(16)), "claims 1099511627776 items"),
+    (_gguf_bytes(b"", n_kv=1 << 50), "claims 0 tensors and 1125899906842624 metadata keys"),
+    (_gguf_bytes(_key("k") + (8).to_bytes(4, "little") + (1 << 60).to_bytes(8, "little")), "runs past the end"),
+])
+def test_crafted_counts_are_refused_before_parsing(tmp_path, body, fragment):
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(body)
+    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "not a readable GGUF file", fragment)
+
+
+@pytest.mark.parametrize("metadata, fragment", [
+    ({"block_count": 10**6}, "block_count = 1000000, but the file holds tensors for 2 layers"),
+    ({"head_count": 0}, "head_count = 0"),
+    ({"embedding_length": 2**31}, "embedding_length = 2147483648, but token_embd.weight has shape"),
+])
+def test_metadata_that_contradicts_the_tensors_is_one_line(tmp_path, metadata, fragment):
+    path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf", metadata=metadata)
+    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), fragment)
+
+
+def test_a_schema_that_would_crash_llguidance_is_one_line_on_the_command_line(tmp_path):
+    path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf", eos=True)
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(ref_chain(2000)))
+    assert_one_line_error(run("generate", "-m", str(path), "-p", "x", "--json-schema", str(schema)), "2001 $ref")
+
+
+# ---- pulls ----------------------------------------------------------------------------------------------------
+
+def test_a_pull_removes_what_a_killed_pull_left(tmp_path, monkeypatch):
+    from quickdraft.weights import hub
+
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
+    path = hub.model_path("smollm2-135m")
+    path.parent.mkdir(parents=True)
+    left = path.parent / f".pull-{path.name}-x1y2"  # a killed pull's temporary directory and partial file
+    left.mkdir()
+    (left / path.name).write_bytes(b"\0" * 1000)
+    other = path.parent / ".pull-another-model.gguf-z"  # another model's pull: not this one's to remove
+    other.mkdir()
+    calls = []
+    monkeypatch.setattr(hub, "_assemble", lambda alias, model, p, progress: calls.append(alias) or p)
+    assert hub.pull("smollm2-135m") == path and calls == ["smollm2-135m"]
+    assert not left.exists() and other.exists()
+
+
+def test_random_names_never_reach_the_json_walk_as_non_strings():
+    from quickdraft.server import protocol as p
+
+    body = {"prompt": "x", "".join(random.Random(0).choices(string.ascii_letters, k=9)): {"a": ["\ud800"]}}
+    with pytest.raises(p.APIError, match="unpaired UTF-16 surrogate") as e:
+        p._check_values(body)
+    assert e.value.param.endswith(".a.0")

@@ -56,3 +56,33 @@ def test_building_raises_what_loading_raised():
 
     with pytest.raises(QuickdraftError, match="not found"):
         EngineWorker(make_llm, 4, Metrics())
+
+
+def test_places_in_the_queue_are_held_from_admission_and_freed_by_leaving(tmp_path):
+    """A request holds its place from admission (while its constraint compiles) until the engine takes it; a
+    request whose client left frees it at once, not when the running request ends."""
+    import queue as queues
+
+    from quickdraft.server.worker import QueueFull
+
+    path = save_hf_dir(tiny_hf_model("llama"), tmp_path / "tiny")
+    worker = EngineWorker(lambda: LLM(load_model(str(path), CONFIG, progress=False), CONFIG), 2, Metrics())
+    engine_queue = worker.pending
+    try:
+        worker.pending = queues.Queue()  # nobody takes jobs from this one: they stay waiting
+        first, second = worker.admit(), worker.admit()
+        with pytest.raises(QueueFull):
+            worker.admit()
+        loop = asyncio.new_event_loop()
+        job = Job([1, 2, 3], SamplingParams(max_tokens=2), None, [], loop, ticket=first)
+        worker.submit(job)
+        with pytest.raises(QueueFull):
+            worker.admit()
+        job.cancel()  # its client left while it waited
+        third = worker.admit()
+        second.release(), second.release()  # given up before submitting (a constraint that did not compile)
+        assert worker.held == 1 and third is not None
+        loop.close()
+    finally:
+        worker.pending = engine_queue
+        worker.stop()

@@ -217,3 +217,29 @@ def test_random_names_never_reach_the_json_walk_as_non_strings():
     with pytest.raises(p.APIError, match="unpaired UTF-16 surrogate") as e:
         p._check_values(body)
     assert e.value.param.endswith(".a.0")
+
+
+def test_work_for_a_client_that_left_is_cancelled():
+    from quickdraft.server.requests import ClientGone, unless_disconnected
+
+    class Leaving:  # a request whose client goes away while its constraint compiles
+        async def receive(self):
+            await asyncio.sleep(0.1)
+            return {"type": "http.disconnect"}
+
+    cancelled = []
+
+    async def compile_forever():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def scenario():
+        with pytest.raises(ClientGone):
+            await unless_disconnected(Leaving(), compile_forever())
+        assert await unless_disconnected(Leaving(), asyncio.sleep(0, result=7)) == 7
+
+    asyncio.run(scenario())
+    assert cancelled == [True]

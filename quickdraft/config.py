@@ -6,13 +6,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.rope import RopeConfig
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder-only transformer of the llama / qwen2 / qwen3 families."""
+    """The shape of a decoder-only transformer: the llama / mistral / qwen2 / qwen3 / phi3 / gemma2 / gemma3 / gemma4
+    families, each described by the fields below (models/transformer.py follows them). Built from a checkpoint's
+    own metadata: weights/hf_config.py (config.json) and weights/gguf.py (GGUF)."""
 
     arch: str
     vocab_size: int
@@ -26,8 +29,29 @@ class ModelConfig:
     rope_theta: float
     max_context: int
     qkv_bias: bool = False  # qwen2
-    qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k
+    qk_norm: bool = False  # qwen3, gemma3, gemma4: RMSNorm on each head of q and k
     tie_embeddings: bool = False
+    rope: RopeConfig | None = None  # the full-attention layers' rotary (None: plain, at rope_theta)
+    rope_local: RopeConfig | None = None  # the sliding-window layers' rotary where it differs (gemma3, gemma4)
+    activation: str = "silu"  # the gated FFN's: silu (SwiGLU) or gelu_tanh (GeGLU: gemma)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (gemma: sqrt(dim))
+    sandwich_norms: bool = False  # gemma2-4: norms after attention and after the FFN too, before the residual
+    attn_scale: float | None = None  # attention logits' scale (None: 1 / sqrt(head_dim))
+    attn_softcap: float | None = None  # gemma2: attention logits -> cap tanh(logits / cap)
+    final_softcap: float | None = None  # gemma2, gemma4: the output logits likewise
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    layer_types: tuple[str, ...] | None = None  # per layer: "full" or "sliding" (None: all full, or all sliding
+    #                                             where sliding_window is set)
+    # gemma4
+    head_dim_full: int | None = None  # full-attention layers' head size where it differs
+    n_kv_heads_full: int | None = None  # and their key/value heads
+    k_eq_v: bool = False  # full-attention layers take their values from their keys' projection (no v_proj)
+    v_norm: bool = False  # values pass an RMSNorm without weight
+    kv_shared_layers: int = 0  # the last layers reuse the keys and values of the last earlier layer of their kind
+    ffn_dim_shared: int | None = None  # those layers' FFN width where it differs (double-wide MLP)
+    ple_dim: int = 0  # per-layer embeddings: their width (0: none)
+    ple_vocab: int = 0  # and their table's rows
+    layer_scalar: bool = False  # each layer's output is multiplied by a learned scalar
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -41,44 +65,72 @@ class ModelConfig:
                                   ("ffn_dim", self.ffn_dim, 1 << 20), ("max_context", self.max_context, 1 << 24)):
             if not (isinstance(value, int) and 0 < value <= most):
                 raise QuickdraftError(f"model metadata is inconsistent: {name} = {value!r} (a model has 1 to {most})")
-        if self.n_heads % self.n_kv_heads:
-            raise QuickdraftError(
-                f"model metadata is inconsistent: {self.n_heads} attention heads is not a multiple of "
-                f"{self.n_kv_heads} key/value heads"
-            )
+        for heads in {self.n_kv_heads, self.n_kv_heads_full or self.n_kv_heads}:
+            if self.n_heads % heads:
+                raise QuickdraftError(
+                    f"model metadata is inconsistent: {self.n_heads} attention heads is not a multiple of "
+                    f"{heads} key/value heads"
+                )
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeConfig(theta=self.rope_theta))
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise QuickdraftError(f"model metadata is inconsistent: {len(self.layer_types)} layer types for "
+                                  f"{self.n_layers} layers")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise QuickdraftError(f"unsupported activation {self.activation!r}: quickdraft runs silu and gelu_tanh")
+        if not 0 <= self.kv_shared_layers < self.n_layers:
+            raise QuickdraftError(f"model metadata is inconsistent: {self.kv_shared_layers} layers sharing keys and "
+                                  f"values of {self.n_layers}")
+
+    # ---- per layer ------------------------------------------------------------------------------------------
+
+    def layer_kind(self, i: int) -> str:
+        """"full" or "sliding" (a sliding-window attention layer)."""
+        if self.layer_types is not None:
+            return self.layer_types[i]
+        return "sliding" if self.sliding_window else "full"
+
+    def head_dim_of(self, i: int) -> int:
+        return self.head_dim_full if self.head_dim_full and self.layer_kind(i) == "full" else self.head_dim
+
+    def kv_heads_of(self, i: int) -> int:
+        return self.n_kv_heads_full if self.n_kv_heads_full and self.layer_kind(i) == "full" else self.n_kv_heads
+
+    def rope_of(self, i: int) -> RopeConfig:
+        return self.rope_local if self.rope_local is not None and self.layer_kind(i) == "sliding" else self.rope
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys and values layer i attends to: itself, or for a layer sharing them (gemma4's
+        last kv_shared_layers), the last earlier layer of its kind that has its own."""
+        first_shared = self.n_layers - self.kv_shared_layers
+        if i < first_shared:
+            return i
+        same = [j for j in range(first_shared) if self.layer_kind(j) == self.layer_kind(i)]
+        if not same:
+            raise QuickdraftError(f"model metadata is inconsistent: layer {i} shares the keys and values of an "
+                                  f"earlier {self.layer_kind(i)} layer, and there is none")
+        return same[-1]
+
+    def ffn_dim_of(self, i: int) -> int:
+        return self.ffn_dim_shared if self.ffn_dim_shared and self.kv_source(i) != i else self.ffn_dim
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """From dataclasses.asdict's dictionary (a kept conversion's)."""
+        d = dict(d)
+        for key in ("rope", "rope_local"):
+            if isinstance(d.get(key), dict):
+                d[key] = RopeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d[key].items()})
+        if isinstance(d.get("layer_types"), list):
+            d["layer_types"] = tuple(d["layer_types"])
+        return cls(**d)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a Hugging Face config.json dictionary; unknown keys are ignored."""
-        model_type = d.get("model_type", "?")
-        if model_type not in SUPPORTED_ARCHS:
-            raise QuickdraftError(
-                f"unsupported architecture {model_type!r} in config.json: quickdraft runs "
-                f"{', '.join(SUPPORTED_ARCHS)}"
-            )
-        scaling = d.get("rope_scaling") or {}
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise QuickdraftError(
-                f"unsupported rope_scaling {scaling!r} in config.json: only plain RoPE is implemented"
-            )
-        n_heads = d["num_attention_heads"]
-        rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(
-            arch=model_type,
-            vocab_size=d["vocab_size"],
-            dim=d["hidden_size"],
-            n_layers=d["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
-            ffn_dim=d["intermediate_size"],
-            norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_context=d.get("max_position_embeddings", 4096),
-            qkv_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        )
+        """Build from a Hugging Face config.json dictionary (weights/hf_config.py); unknown keys are ignored."""
+        from quickdraft.weights.hf_config import model_config
+
+        return model_config(d)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

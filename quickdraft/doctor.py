@@ -131,7 +131,7 @@ def device_memory(device: torch.device) -> int:
 
 
 def kv_bytes(cache) -> int:
-    return cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()
+    return cache.nbytes()
 
 
 def memory(target, drafts: list, engine, available: int) -> Finding:

@@ -24,7 +24,7 @@ import torch
 
 from quickdraft import roofline
 from quickdraft.config import EngineConfig, ModelConfig
-from quickdraft.models.transformer import Transformer, rotary_tables
+from quickdraft.models.transformer import Transformer
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.plan import plan
@@ -47,7 +47,7 @@ def load(alias: str, device: torch.device, context: int) -> tuple[LoadedModel, s
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
-    model.rope_cos, model.rope_sin = (t.to(device) for t in rotary_tables(cfg, context))
+    model.set_rotary(context, device)
     model = model.eval().requires_grad_(False)
     graphs = StepGraphs(model) if device.type == "cuda" else None
     return LoadedModel(alias, Path(alias), cfg, model, None, 0.0, plan=plan(model), graphs=graphs), "random weights"

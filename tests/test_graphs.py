@@ -35,8 +35,8 @@ def test_forward_at_equals_forward(models):
             want = m(tokens[:, lo:hi], plain)
             got = m.forward_at(tokens[:, lo:hi], torch.arange(lo, hi), at, span=32)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(at.k[:, :, :, :12], plain.k[:, :, :, :12], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(at.v[:, :, :, :12], plain.v[:, :, :, :12], rtol=1e-5, atol=1e-5)
+        for a, b in zip(at.k + at.v, plain.k + plain.v):
+            torch.testing.assert_close(a[:, :, :12], b[:, :, :12], rtol=1e-5, atol=1e-5)
     assert at.length == 0  # forward_at leaves the length to its caller
 
 

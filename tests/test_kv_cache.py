@@ -29,12 +29,12 @@ def test_rollback_then_rewrite_equals_straight_decoding(tmp_path):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     n = straight.length
     assert spec.length == n
-    torch.testing.assert_close(spec.k[:, :, :, :n], straight.k[:, :, :, :n], rtol=0, atol=0)
-    torch.testing.assert_close(spec.v[:, :, :, :n], straight.v[:, :, :, :n], rtol=0, atol=0)
+    for got_layer, want_layer in zip(spec.k + spec.v, straight.k + straight.v):
+        torch.testing.assert_close(got_layer[:, :, :n], want_layer[:, :, :n], rtol=0, atol=0)
 
 
 def test_cache_is_preallocated_and_written_in_place():
-    cache = KVCache(2, 1, 4, 16)
-    k_storage = cache.k.data_ptr()
+    cache = KVCache([(1, 4, 0), (1, 4, 1)], 16)  # two layers of one key/value head of 4
+    k_storage = cache.k[0].data_ptr()
     keys, _ = cache.write(0, torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
-    assert keys.shape == (1, 1, 3, 4) and cache.k.data_ptr() == k_storage
+    assert keys.shape == (1, 1, 3, 4) and cache.k[0].data_ptr() == k_storage

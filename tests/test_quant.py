@@ -176,10 +176,11 @@ def test_fit_recovers_a_4bit_grid_min_max_misses(backend):
 
 
 @pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
-@pytest.mark.parametrize("start,rows", [(0, 1), (20, 1), (37, 5), (3, 17)])
-def test_decode_attention_matches_sdpa_row_by_row(start, rows):
+@pytest.mark.parametrize("start,rows,window", [(0, 1, 0), (20, 1, 0), (37, 5, 0), (3, 17, 0), (37, 5, 8), (3, 17, 4)])
+def test_decode_attention_matches_sdpa_row_by_row(start, rows, window):
     """The CPU attention kernel against PyTorch's attention (in float32) row by row, over a cache view
-    with room to spare (as the KV cache hands it), and each row equal to a one-row call: batch invariant."""
+    with room to spare (as the KV cache hands it), and each row equal to a one-row call: batch invariant. With a
+    window, each row sees its last `window` positions (a sliding-window layer)."""
     import torch.nn.functional as F
 
     torch.manual_seed(start + rows)
@@ -187,14 +188,14 @@ def test_decode_attention_matches_sdpa_row_by_row(start, rows):
     cache_v = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
     keys, values = cache_k[:, :, :start + rows], cache_v[:, :, :start + rows]
     q = torch.randn(1, 6, rows, 32, dtype=torch.bfloat16) * 3
-    got = torch.ops.quickdraft_vnni.decode_attention(q, keys, values, start)
+    got = torch.ops.quickdraft_vnni.decode_attention(q, keys, values, start, window)
     for i in range(rows):
-        seen = slice(0, start + i + 1)
+        seen = slice(max(0, start + i + 1 - window) if window else 0, start + i + 1)
         want = F.scaled_dot_product_attention(q[:, :, i:i + 1].float(), keys[:, :, seen].float(),
                                               values[:, :, seen].float(), enable_gqa=True)
         torch.testing.assert_close(got[:, :, i:i + 1].float(), want, rtol=1e-2, atol=1e-2)
-        alone = torch.ops.quickdraft_vnni.decode_attention(q[:, :, i:i + 1].contiguous(), keys[:, :, seen],
-                                                           values[:, :, seen], start + i)
+        alone = torch.ops.quickdraft_vnni.decode_attention(q[:, :, i:i + 1].contiguous(), keys[:, :, :start + i + 1],
+                                                           values[:, :, :start + i + 1], start + i, window)
         assert torch.equal(alone, got[:, :, i:i + 1])
 
 
@@ -203,9 +204,7 @@ def test_fused_steps_equal_the_pytorch_code_bit_for_bit():
     """RMSNorm, SiLU-and-multiply and the q/k rotary as one call each: exactly the model's PyTorch code."""
     import torch.nn.functional as F
 
-    from types import SimpleNamespace
-
-    from quickdraft.models import transformer as T
+    from quickdraft.models import rope, transformer as T
 
     torch.manual_seed(4)
     ops = torch.ops.quickdraft_vnni
@@ -217,8 +216,7 @@ def test_fused_steps_equal_the_pytorch_code_bit_for_bit():
     gate_up = torch.randn(3, 2 * 96, dtype=torch.bfloat16) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
-    cfg = SimpleNamespace(head_dim=64, rope_theta=1e6)
-    cos, sin = (t[5:8] for t in T.rotary_tables(cfg, 16))
+    cos, sin = (t[5:8] for t in rope.tables(rope.RopeConfig(theta=1e6), 64, 16))
     qkv = torch.randn(1, 3, 8 * 64, dtype=torch.bfloat16)
     q, k, v = (t.reshape(1, 3, -1, 64).transpose(1, 2) for t in qkv.split((256, 128, 128), dim=-1))
     got = ops.qkv_rotary(qkv, cos.contiguous(), sin.contiguous(), 4, 2)
@@ -367,7 +365,7 @@ def test_fused_layer_step_equals_the_modules_bit_for_bit(monkeypatch, qkv_bias):
     model = T.Transformer(cfg).to(torch.bfloat16)
     for p in model.parameters():
         p.data = torch.randn_like(p) * (0.05 if p.dim() > 1 else 1.0) + (1.0 if p.dim() == 1 else 0.0)
-    model.rope_cos, model.rope_sin = T.rotary_tables(cfg, cfg.max_context)  # float32, as the loader keeps them
+    model.set_rotary(cfg.max_context)  # float32, as the loader keeps them
     for i, block in enumerate(model.layers):  # layer 0 all int4, 1 all int8, 2 mixed
         for j, (parent, attr) in enumerate([(block.attention, "wqkv"), (block.attention, "wo"),
                                             (block.feed_forward, "w13"), (block.feed_forward, "w2")]):
@@ -386,7 +384,8 @@ def test_fused_layer_step_equals_the_modules_bit_for_bit(monkeypatch, qkv_bias):
             outs.append(model(torch.arange(s).reshape(1, s) * 7 % 256, cache))
         cache.rollback(74)  # a rejected draft's positions are written over
         outs.append(model(torch.tensor([[9, 8, 7]]), cache))
-        return outs, cache.k[:, :, :, :cache.length], cache.v[:, :, :, :cache.length]
+        return outs, torch.stack([k[:, :, :cache.length] for k in cache.k]), torch.stack([v[:, :, :cache.length]
+                                                                                       for v in cache.v])
 
     with torch.inference_mode():
         (ref, ref_k, ref_v), (got, got_k, got_v) = run(False), run(True)

@@ -132,8 +132,8 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would(models):
             target.model(torch.tensor([[t]]), plain)
     n = plain.length
     assert engine.cache.length >= n
-    assert torch.equal(engine.cache.k[:, :, :, :n], plain.k[:, :, :, :n])
-    assert torch.equal(engine.cache.v[:, :, :, :n], plain.v[:, :, :, :n])
+    assert all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(engine.cache.k, plain.k))
+    assert all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(engine.cache.v, plain.v))
 
 
 @pytest.mark.parametrize("seeded", [True, False])

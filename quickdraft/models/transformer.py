@@ -1,18 +1,27 @@
-"""The llama / qwen2 / qwen3 decoder as pure tensor math.
+"""The decoder of every family quickdraft runs, as pure tensor math: llama (Llama 2/3, TinyLlama), mistral, qwen2,
+qwen3, phi3, gemma2, gemma3, gemma4, told apart by their ModelConfig's fields alone.
 
-No file I/O, no sampling: tokens and a KV cache in, logits out. Loading maps checkpoint names into
-these parameter names (quickdraft.weights.names). Which kernel runs each step is decided once, at load
-(runtime/plan.py calls `Transformer.plan`): quickdraft's fused CPU kernels (quant/csrc/vnni.cpp, each doing the
-arithmetic of the PyTorch code beside it) where they apply, PyTorch's operators otherwise.
+No file I/O, no sampling: tokens and a KV cache in, logits out. Loading maps checkpoint names into these parameter
+names (quickdraft.weights.names). Which kernel runs each step is decided once, at load (runtime/plan.py calls
+`Transformer.plan`): quickdraft's fused CPU kernels (quant/csrc/vnni.cpp, each doing the arithmetic of the
+PyTorch code beside it) where they apply, PyTorch's operators otherwise.
+
+What varies by family: the FFN's activation (SiLU or tanh GELU), norms around attention and the FFN too
+("sandwich", gemma), q/k norms, the attention scale and soft-capping, sliding-window layers with their own
+rotary, partial rotary (phi), and gemma4's extras (values from the keys, weightless value norm, layers sharing
+the keys and values of an earlier one, per-layer embeddings, a scalar per layer).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.config import ModelConfig
+from quickdraft.models import rope as ropes
 from quickdraft.runtime.kv_cache import KVCache
 
 
@@ -35,6 +44,8 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * w (gemma's 1 + w is folded into w at load)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -53,17 +64,25 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary_tables(cfg: ModelConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions 0..length-1, each (length, head_dim), float32."""
-    half = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta**half)
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
+def unit_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (gemma4's values)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotary_tables(cfg: ModelConfig, length: int, kind: str = "full") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of a kind of layer ("full" or "sliding") for positions 0..length-1, each (length, rotated
+    dims), float32."""
+    index = next((i for i in range(cfg.n_layers) if cfg.layer_kind(i) == kind), 0)
+    return ropes.tables(cfg.rope_of(index), cfg.head_dim_of(index), length)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split ("neox") rotation of x (B, H, S, D) by cos/sin (S, D)."""
+    """Half-split ("neox") rotation of x (B, H, S, D) by cos/sin (S, R): the first R dims rotate (R < D: partial
+    rotary), the rest pass through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -76,28 +95,40 @@ ROWWISE_MAX = 64
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.wqkv = Linear(cfg.dim, q_size + 2 * kv_size, bias=cfg.qkv_bias)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads_of(index), cfg.head_dim_of(index)
+        self.kind = cfg.layer_kind(index)
+        self.window = cfg.sliding_window if self.kind == "sliding" else None
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim ** -0.5
+        self.softcap, self.eps = cfg.attn_softcap, cfg.norm_eps
+        self.source = cfg.kv_source(index)  # the layer whose keys and values it attends to
+        self.shares = self.source != index  # gemma4's last layers: an earlier layer's keys and values
+        self.values_from_keys = cfg.k_eq_v and self.kind == "full"
+        self.v_norm = cfg.v_norm
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.parts = ("wq",) if self.shares else ("wq", "wk") if self.values_from_keys else ("wq", "wk", "wv")
+        self.split = (q_size, kv_size, kv_size)[:len(self.parts)]
+        self.wqkv = Linear(cfg.dim, sum(self.split), bias=cfg.qkv_bias)  # the projections the layer has, fused
         self.wo = Linear(q_size, cfg.dim, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm and not self.shares else None
         self.fused_qkv = False  # quickdraft's qkv_rotary kernel: split, rotate, transpose (plan)
         self.fused_attention = False  # quickdraft's decode_attention kernel for passes of up to ROWWISE_MAX rows
 
-    def plan(self, kernels: bool) -> None:
+    def plain(self) -> bool:
+        """Projections, rotary and attention as llama's: what the fused kernels implement."""
+        return (self.q_norm is None and len(self.parts) == 3 and not self.v_norm and self.softcap is None
+                and self.scale == self.head_dim ** -0.5)
+
+    def plan(self, kernels: bool, rotary: int) -> None:
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.plan(kernels)
-        self.fused_qkv = kernels and self.q_norm is None and self.head_dim % 32 == 0
+        self.fused_qkv = kernels and self.plain() and rotary == self.head_dim and self.head_dim % 32 == 0
         # one call for every row of a pass instead of one SDPA call per row
-        self.fused_attention = kernels and self.head_dim % 16 == 0 and self.head_dim <= 256
+        self.fused_attention = (kernels and self.softcap is None and self.head_dim % 16 == 0
+                                and self.head_dim <= 256)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
         B, S, _ = x.shape
@@ -105,86 +136,151 @@ class Attention(nn.Module):
             q, k, v = torch.ops.quickdraft_vnni.qkv_rotary(self.wqkv(x).contiguous(), cos, sin, self.n_heads,
                                                            self.n_kv_heads)
             return self._attend(q, k, v, cache, layer, mask, B, S)
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = q.view(B, S, self.n_heads, self.head_dim)
-        k = k.view(B, S, self.n_kv_heads, self.head_dim)
-        v = v.view(B, S, self.n_kv_heads, self.head_dim)
+        parts = self.wqkv(x).split(self.split, dim=-1)
+        q = parts[0].view(B, S, self.n_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(q)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, H, S, D)
+        if len(parts) == 1:  # keys and values of an earlier layer (gemma4's shared layers)
+            return self._attend(q, None, None, cache, layer, mask, B, S)
+        k = parts[1].view(B, S, self.n_kv_heads, self.head_dim)
+        v = parts[2].view(B, S, self.n_kv_heads, self.head_dim) if len(parts) == 3 else k  # gemma4: values = keys
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.v_norm:
+            v = unit_norm(v, self.eps)
+        k, v = apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
         return self._attend(q, k, v, cache, layer, mask, B, S)
 
     def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int) -> torch.Tensor:
-        keys, values = cache.write(layer, k, v)  # (B, Hkv, start + S, D), or (B, Hkv, span, D) at positions
-        if mask is None and S <= ROWWISE_MAX and self.fused_attention:  # every row alone, in one call
-            out = torch.ops.quickdraft_vnni.decode_attention(q.contiguous(), keys, values, keys.shape[2] - S)
-        elif mask is not None or S == 1 or S > ROWWISE_MAX:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if k is None:
+            keys, values = cache.read(self.source, S)
         else:
-            start = keys.shape[2] - S
-            out = torch.cat([
-                F.scaled_dot_product_attention(q[:, :, i:i + 1], keys[:, :, :start + i + 1],
-                                               values[:, :, :start + i + 1], enable_gqa=True)
-                for i in range(S)
-            ], dim=2)
+            keys, values = cache.write(layer, k, v)  # (B, Hkv, start + S, D), or (B, Hkv, span, D) at positions
+        start = keys.shape[2] - S
+        if mask is None and S <= ROWWISE_MAX and self.fused_attention:  # every row alone, in one call
+            scaled = q if self.scale == self.head_dim ** -0.5 else q * (self.scale * self.head_dim ** 0.5)
+            out = torch.ops.quickdraft_vnni.decode_attention(scaled.contiguous(), keys, values, start,
+                                                             self.window or 0)
+        elif self.softcap is not None:
+            out = self._capped(q, keys, values, mask, start)
+        elif mask is not None or (S == 1 and not self._windowed(start + S)) or S > ROWWISE_MAX:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
+        else:
+            out = torch.cat([self._row(q[:, :, i:i + 1], keys, values, start + i + 1) for i in range(S)], dim=2)
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+    def _windowed(self, end: int) -> bool:
+        return self.window is not None and end > self.window
+
+    def _row(self, q, keys, values, end: int) -> torch.Tensor:
+        """One query row at position end - 1, alone, over the keys it sees."""
+        lo = max(0, end - self.window) if self.window else 0
+        return F.scaled_dot_product_attention(q, keys[:, :, lo:end], values[:, :, lo:end], enable_gqa=True,
+                                              scale=self.scale)
+
+    def _capped(self, q, keys, values, mask, start: int) -> torch.Tensor:
+        """Attention with soft-capped logits (gemma2): cap tanh(logits / cap), in float32; row by row for short
+        passes (batch invariance), under the mask otherwise."""
+        groups = self.n_heads // keys.shape[1]
+        k, v = keys.repeat_interleave(groups, 1).float(), values.repeat_interleave(groups, 1).float()
+        S = q.shape[2]
+        if mask is None:
+            positions = torch.arange(start, start + S, device=q.device)[:, None]
+            span = torch.arange(keys.shape[2], device=q.device)[None, :]
+            mask = (span <= positions) & ((span > positions - self.window) if self.window else True)
+            rows = [self._capped_rows(q[:, :, i:i + 1], k, v, mask[i:i + 1]) for i in range(S)]
+            return torch.cat(rows, dim=2)
+        return self._capped_rows(q, k, v, mask)
+
+    def _capped_rows(self, q, k, v, mask) -> torch.Tensor:
+        scores = q.float() @ k.transpose(-1, -2) * self.scale
+        scores = self.softcap * torch.tanh(scores / self.softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return (scores.softmax(-1) @ v).to(q.dtype)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        self.w13 = Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)  # gate and up, fused
-        self.w2 = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        ffn_dim = cfg.ffn_dim_of(index)
+        self.activation = cfg.activation
+        self.w13 = Linear(cfg.dim, 2 * ffn_dim, bias=False)  # gate and up, fused
+        self.w2 = Linear(ffn_dim, cfg.dim, bias=False)
         self.fused = False  # quickdraft's silu_mul kernel (plan)
 
     def plan(self, kernels: bool) -> None:
-        self.fused = kernels and (2 * self.w2.in_features) % 32 == 0
+        self.fused = kernels and self.activation == "silu" and (2 * self.w2.in_features) % 32 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w13(x)
         if self.fused:
             return self.w2(torch.ops.quickdraft_vnni.silu_mul(gate_up.contiguous()))  # the same, fused
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        active = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return self.w2(active * up)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, index)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg, index)
+        sandwich = cfg.sandwich_norms
+        self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
+        self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
+        if cfg.ple_dim:  # gemma4's per-layer embedding input
+            self.ple_gate = Linear(cfg.dim, cfg.ple_dim, bias=False)
+            self.ple_proj = Linear(cfg.ple_dim, cfg.dim, bias=False)
+            self.ple_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if cfg.layer_scalar else None
         # Decode and verification passes run the whole layer as one C++ call (block_step) where this holds its
         # operands: the same kernels in the same order as the modules, without their dispatches (plan).
         self.step: tuple | None = None
 
-    def plan(self, kernels: bool, fused: bool = True) -> None:
-        for module in (self.attention_norm, self.attention, self.ffn_norm, self.feed_forward):
-            module.plan(kernels)
-        self.step = self._step_operands() if kernels and fused else None
+    def norms(self) -> list[RMSNorm]:
+        return [n for n in (self.attention_norm, self.ffn_norm, self.post_attention_norm, self.post_ffn_norm,
+                            getattr(self, "ple_norm", None)) if n is not None]
 
-    def _step_operands(self) -> tuple | None:
-        """(weights, kinds) as block_step takes them, where it can run this layer: every linear layer offers its
-        operands (quickdraft's int8/int4 kernels), no q/k norms, shapes its steps take; else None."""
+    def plan(self, kernels: bool, fused: bool, rotary: int) -> None:
+        for norm in self.norms():
+            norm.plan(kernels)
+        self.attention.plan(kernels, rotary)
+        self.feed_forward.plan(kernels)
+        self.step = self._step_operands(rotary) if kernels and fused else None
+
+    def _step_operands(self, rotary: int) -> tuple | None:
+        """(weights, kinds) as block_step takes them, where it can run this layer: a llama-shaped layer (no
+        sandwich norms, q/k norms or per-layer extras; SiLU, full rotary) whose linear layers all offer their
+        operands (quickdraft's int8/int4 kernels), in shapes its steps take; else None."""
         a, f, norms = self.attention, self.feed_forward, (self.attention_norm, self.ffn_norm)
         parts = [getattr(m, "fused_operands", lambda: None)() for m in (a.wqkv, a.wo, f.w13, f.w2)]
         if any(p is None for p in parts) or not (
-                a.q_norm is None and a.head_dim % 32 == 0 and a.head_dim <= 256 and f.w2.in_features % 16 == 0
+                a.plain() and rotary == a.head_dim and a.window is None and f.activation == "silu"
+                and self.post_attention_norm is None and self.layer_scalar is None and not hasattr(self, "ple_gate")
+                and a.head_dim % 32 == 0 and a.head_dim <= 256 and f.w2.in_features % 16 == 0
                 and self.attention_norm.eps == self.ffn_norm.eps
                 and all(n.weight.dtype == torch.bfloat16 and n.weight.numel() % 16 == 0 for n in norms)):
             return None
         return [n.weight for n in norms] + [t for operands, _ in parts for t in operands], [kind for _, kind in parts]
 
-    def forward(self, x, cos, sin, cache, layer, mask):
+    def forward(self, x, cos, sin, cache, layer, mask, ple=None):
         if self.step is not None and mask is None and x.shape[1] <= ROWWISE_MAX:
             a = self.attention
             return torch.ops.quickdraft_vnni.block_step(x, self.step[0], self.step[1], self.attention_norm.eps, cos,
                                                         sin, a.n_heads, a.n_kv_heads, cache.k[layer], cache.v[layer],
                                                         cache.length)
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
+        x = x + (self.post_attention_norm(h) if self.post_attention_norm is not None else h)
+        h = self.feed_forward(self.ffn_norm(x))
+        x = x + (self.post_ffn_norm(h) if self.post_ffn_norm is not None else h)
+        if ple is not None:
+            x = x + self.ple_norm(self.ple_proj(F.gelu(self.ple_gate(x), approximate="tanh") * ple))
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar.to(x.dtype)
+        return x
 
 
 class Transformer(nn.Module):
@@ -192,12 +288,26 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg, max_context or cfg.max_context)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.ple_dim:  # gemma4: per-layer embeddings, from a table and from the embeddings' projection
+            self.ple_embeddings = nn.Embedding(cfg.ple_vocab, cfg.n_layers * cfg.ple_dim)
+            self.ple_model_proj = Linear(cfg.dim, cfg.n_layers * cfg.ple_dim, bias=False)
+            self.ple_proj_norm = RMSNorm(cfg.ple_dim, cfg.norm_eps)
+        self.kinds = sorted({cfg.layer_kind(i) for i in range(cfg.n_layers)})
+        self.set_rotary(max_context or cfg.max_context)
+
+    def set_rotary(self, length: int, device=None) -> None:
+        """The rotary tables (float32) for positions 0..length - 1, one pair per kind of layer."""
+        for kind in self.kinds:
+            cos, sin = (t.to(device) if device is not None else t for t in rotary_tables(self.cfg, length, kind))
+            self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
+
+    @property
+    def rope_cos(self) -> torch.Tensor:
+        return getattr(self, f"rope_cos_{self.kinds[0]}")
 
     @property
     def max_context(self) -> int:
@@ -212,14 +322,23 @@ class Transformer(nn.Module):
         """The activations' dtype (the embedding table may be quantized: see quant/embedding.py)."""
         return self.norm.weight.dtype
 
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        """Per layer: (key/value heads, head size, the layer whose cache it uses)."""
+        return [(b.attention.n_kv_heads, b.attention.head_dim, b.attention.source) for b in self.layers]
+
     def plan(self, kernels: bool, fused_layers: bool = True) -> dict:
         """Choose each step's kernel once: quickdraft's CPU kernels where `kernels` (the caller knows they run here:
         runtime/plan.py), each decoder layer as one call where `fused_layers` and its parts allow. Returns how many
         layers run fused."""
         for block in self.layers:
-            block.plan(kernels, fused_layers)
+            block.plan(kernels, fused_layers, self._tables(block.attention.kind)[0].shape[-1])
         self.norm.plan(kernels)
+        if hasattr(self, "ple_proj_norm"):
+            self.ple_proj_norm.plan(kernels)
         return {"layers": len(self.layers), "fused_layers": sum(b.step is not None for b in self.layers)}
+
+    def _tables(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"rope_cos_{kind}"), getattr(self, f"rope_sin_{kind}")
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Run tokens (B, S) at positions cache.length .. cache.length + S - 1.
@@ -231,11 +350,13 @@ class Transformer(nn.Module):
         start, end = cache.length, cache.length + S
         if end > min(cache.capacity, self.max_context):
             raise ValueError(f"positions up to {end} exceed the context of {cache.capacity}")
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
-        mask = None
-        if S > ROWWISE_MAX:  # query i (at position start + i) sees keys 0 .. start + i
-            mask = torch.ones(S, end, dtype=torch.bool, device=tokens.device).tril(diagonal=start)
-        logits = self._run(tokens, cos, sin, cache, mask, last_only)
+        rotary = {kind: tuple(t[start:end] for t in self._tables(kind)) for kind in self.kinds}
+        masks = dict.fromkeys(self.kinds)
+        if S > ROWWISE_MAX:  # query i (at position start + i) sees keys 0 .. start + i (the window's, if sliding)
+            positions = torch.arange(start, end, device=tokens.device)[:, None]
+            span = torch.arange(end, device=tokens.device)[None, :]
+            masks = {kind: self._mask(kind, positions, span) for kind in self.kinds}
+        logits = self._run(tokens, rotary, cache, masks, last_only)
         cache.length = end
         return logits
 
@@ -245,16 +366,38 @@ class Transformer(nn.Module):
         and replay at any position: tokens (B, S) at positions (S,) (a tensor on the model's device), each
         attending to the cache's first `span` positions up to its own (masked). Writes the keys and values
         at those positions; leaves cache.length to the caller."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = torch.arange(span, device=positions.device)[None, :] <= positions[:, None]  # (S, span)
-        return self._run(tokens, cos, sin, cache.at(positions, span), mask, last_only)
+        rotary = {kind: tuple(t[positions] for t in self._tables(kind)) for kind in self.kinds}
+        keys = torch.arange(span, device=positions.device)[None, :]
+        masks = {kind: self._mask(kind, positions[:, None], keys) for kind in self.kinds}  # (S, span)
+        return self._run(tokens, rotary, cache.at(positions, span), masks, last_only)
 
-    def _run(self, tokens, cos, sin, cache, mask, last_only: bool) -> torch.Tensor:
+    def _mask(self, kind: str, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        mask = keys <= positions
+        window = self.cfg.sliding_window if kind == "sliding" else None
+        return mask & (keys > positions - window) if window else mask
+
+    def _run(self, tokens, rotary: dict, cache, masks: dict, last_only: bool) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        ple = self._per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
+            cos, sin = rotary[layer.attention.kind]
+            x = layer(x, cos, sin, cache, i, masks[layer.attention.kind], None if ple is None else ple[:, :, i])
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
         logits = linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
+        if self.cfg.final_softcap:
+            logits = self.cfg.final_softcap * torch.tanh(logits.float() / self.cfg.final_softcap)
         return logits.float()
+
+    def _per_layer_inputs(self, tokens, x) -> torch.Tensor:
+        """gemma4: (B, S, L, P) per-layer inputs: the per-layer table's rows (scaled by sqrt(P)) and the
+        projection of the scaled embeddings (by 1 / sqrt(dim), normed), averaged (times 1 / sqrt(2))."""
+        cfg = self.cfg
+        B, S = tokens.shape
+        table = self.ple_embeddings(tokens) * torch.tensor(math.sqrt(cfg.ple_dim), dtype=x.dtype)
+        projected = self.ple_model_proj(x) * torch.tensor(cfg.dim ** -0.5, dtype=x.dtype)
+        projected = self.ple_proj_norm(projected.reshape(B, S, cfg.n_layers, cfg.ple_dim))
+        return (projected + table.reshape(B, S, cfg.n_layers, cfg.ple_dim)) * torch.tensor(2 ** -0.5, dtype=x.dtype)

@@ -86,14 +86,14 @@ class StepGraphs:
         self.disabled: str | None = None  # why graphs are off for this model, once they are
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
-        return (self.disabled is None and tokens.shape[0] == 1 and cache.k.shape[1] == 1
+        return (self.disabled is None and tokens.shape[0] == 1 and cache.batch == 1
                 and tokens.shape[1] <= self.width
                 and cache.length + self.width <= min(cache.capacity, self.model.max_context))
 
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, cache, last_only: bool) -> torch.Tensor:
         S, start = tokens.shape[1], cache.length
-        key = (cache.k.data_ptr(), cache.capacity)
+        key = (cache.k[0].data_ptr(), cache.capacity)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(tokens, cache)

@@ -6,36 +6,62 @@ import torch
 
 
 class KVCache:
-    """Keys and values of every layer, (n_layers, B, Hkv, capacity, D) each, allocated once.
+    """Keys and values of every layer, each (B, Hkv, capacity, D), allocated once (layers may differ in Hkv and D:
+    gemma4's full and sliding layers; a layer that shares an earlier layer's keys and values has that layer's
+    tensors, and never writes them).
 
     `length` is the number of valid positions. A forward pass writes its S positions at
     [length, length + S) and advances `length`; `rollback(n)` makes positions >= n invalid again
     (their stale values are simply overwritten by the next write).
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int, *,
-                 batch: int = 1, dtype=torch.float32, device="cpu"):
-        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, layout: list[tuple[int, int, int]], capacity: int, *, batch: int = 1, dtype=torch.float32,
+                 device="cpu"):
+        """layout: per layer (key/value heads, head size, the layer whose cache it uses: itself, or an earlier
+        one)."""
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for i, (heads, dim, source) in enumerate(layout):
+            if source != i:
+                self.k.append(self.k[source])
+                self.v.append(self.v[source])
+                continue
+            self.k.append(torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device))
+            self.v.append(torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device))
+        self.owners = [source == i for i, (_, _, source) in enumerate(layout)]
         self.length = 0
 
     @classmethod
     def for_model(cls, model, capacity: int | None = None, batch: int = 1) -> "KVCache":
-        cfg = model.cfg
-        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity or model.max_context,
-                   batch=batch, dtype=model.dtype, device=model.device)
+        return cls(model.kv_layout(), capacity or model.max_context, batch=batch, dtype=model.dtype,
+                   device=model.device)
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds, once (for its size)."""
+        return [t for i, owner in enumerate(self.owners) if owner for t in (self.k[i], self.v[i])]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store k, v (B, Hkv, S, D) at [length, length + S); return all valid keys and values."""
         end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length:end] = k
-        self.v[layer, :, :, self.length:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def read(self, layer: int, new: int):
+        """The keys and values of layer as a pass of `new` positions sees them once that layer has written them."""
+        end = self.length + new
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def at(self, positions: torch.Tensor, span: int) -> "PositionedWrites":
         """This cache as a pass at `positions` (a device tensor) writes and reads it, with shapes that do not
@@ -62,4 +88,8 @@ class PositionedWrites:
         c = self.cache
         c.k[layer].index_copy_(2, self.positions, k)
         c.v[layer].index_copy_(2, self.positions, v)
-        return c.k[layer, :, :, :self.span], c.v[layer, :, :, :self.span]
+        return c.k[layer][:, :, :self.span], c.v[layer][:, :, :self.span]
+
+    def read(self, layer: int, new: int):
+        c = self.cache
+        return c.k[layer][:, :, :self.span], c.v[layer][:, :, :self.span]

@@ -136,7 +136,7 @@ class DraftModelDrafter(Drafter):
     # ---- self-description ---------------------------------------------------------------------------------
 
     def cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.cache.k, self.cache.v))
+        return self.cache.nbytes()
 
     @torch.inference_mode()
     def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.transformer import Transformer, rotary_tables
+from quickdraft.models.transformer import Transformer
 from quickdraft.tokenizer import BackendTokenizer, Tokenizer
 
 log = logging.getLogger("quickdraft")
@@ -174,7 +174,7 @@ def load(file: Path, context_for) -> tuple[ModelConfig, Transformer, Tokenizer] 
         damaged = [name for name, t in blob["state"].items() if _crc(t) != blob["crc32"].get(name)]
         if damaged:
             raise ValueError(f"{len(damaged)} tensors differ from what was written, {damaged[0]} first")
-        cfg = ModelConfig(**blob["config"])
+        cfg = ModelConfig.from_dict(blob["config"])
         model = _model(blob, cfg, context_for(cfg))
         tok = dict(blob["tokenizer"])
         backend = BackendTokenizer.from_str(tok.pop("backend"))
@@ -212,7 +212,7 @@ def _model(blob: dict, cfg: ModelConfig, context: int) -> Transformer:
             module._buffers[leaf] = tensor
         else:
             raise ValueError(f"unexpected tensor {key}")
-    model.rope_cos, model.rope_sin = rotary_tables(cfg, context)
+    model.set_rotary(context)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ValueError(f"tensors missing: {left[:3]}")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import mmap
-import re
 from pathlib import Path
 
 import torch
 from gguf import GGUFReader
 
-from quickdraft.config import SUPPORTED_ARCHS, ModelConfig
+from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.weights.dequant import SUPPORTED_TYPES, dequantize
 from quickdraft.weights.names import gguf_to_model, unpermute_rotary
@@ -129,61 +128,17 @@ def drop_metadata(reader: GGUFReader) -> None:
         fields.clear()
 
 
-def config_from_metadata(meta: dict, shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
-    """The model's shape from the file's metadata, checked against the tensors it holds (shapes: name -> shape,
-    fastest dimension last, as PyTorch writes it)."""
-    tensor_names = set(shapes)
-    arch = meta.get("general.architecture", "?")
-    if arch not in SUPPORTED_ARCHS:
-        raise QuickdraftError(
-            f"unsupported architecture {arch!r} in the GGUF file: quickdraft runs {', '.join(SUPPORTED_ARCHS)}"
-        )
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise QuickdraftError(
-            f"this {arch} model uses RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs'}), "
-            "which quickdraft does not implement yet"
-        )
+def config_from_metadata(meta: dict, reader_or_shapes) -> ModelConfig:
+    """The model's shape from the file's metadata, checked against the tensors it holds (weights/gguf_config.py):
+    a GGUFReader, or shapes (name -> shape, fastest dimension last, as PyTorch writes it)."""
+    from quickdraft.weights import gguf_config
 
-    def get(key, default=None):
-        value = meta.get(f"{arch}.{key}", default)
-        if value is None:
-            raise QuickdraftError(f"the GGUF metadata lacks {arch}.{key}: the file is incomplete")
-        return value
-
-    n_heads, dim, layers = _count(get, "attention.head_count"), _count(get, "embedding_length"), _count(get, "block_count")
-    present = {int(m.group(1)) for name in shapes if (m := re.match(r"blk\.(\d+)\.", name))}
-    if present != set(range(layers)):
-        raise QuickdraftError(f"the GGUF metadata says {arch}.block_count = {layers}, but the file holds tensors for "
-                              f"{len(present)} layers: the file is inconsistent")
-    embedding = shapes.get("token_embd.weight")
-    if embedding is None or len(embedding) != 2 or embedding[1] != dim:
-        raise QuickdraftError(f"the GGUF metadata says {arch}.embedding_length = {dim}, but token_embd.weight has "
-                              f"shape {embedding}: the file is inconsistent")
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or embedding[0]
-    return ModelConfig(
-        arch=arch,
-        vocab_size=vocab,
-        dim=dim,
-        n_layers=layers,
-        n_heads=n_heads,
-        n_kv_heads=get("attention.head_count_kv", n_heads),
-        head_dim=get("attention.key_length", dim // n_heads),
-        ffn_dim=get("feed_forward_length"),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        max_context=get("context_length", 4096),
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        tie_embeddings="output.weight" not in tensor_names,
-    )
-
-
-def _count(get, key: str) -> int:
-    value = get(key)
-    if not isinstance(value, int) or value <= 0:
-        raise QuickdraftError(f"the GGUF metadata has {key} = {value!r}: it must be a positive whole number")
-    return value
+    if isinstance(reader_or_shapes, dict):
+        return gguf_config.config(meta, reader_or_shapes, {})
+    reader = reader_or_shapes
+    small = {t.name: [float(x) for x in t.data.reshape(-1)] for t in reader.tensors
+             if t.name in gguf_config.CONFIG_TENSORS}
+    return gguf_config.config(meta, tensor_shapes(reader), small)
 
 
 def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
@@ -212,7 +167,7 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
     `progress(nbytes)` is called after each tensor with the bytes it covered.
     """
     for t in reader.tensors:
-        name = gguf_to_model(t.name)
+        name = gguf_to_model(t.name, cfg.arch)
         if name is not None:
             if types is not None:
                 types[name] = t.tensor_type
@@ -236,7 +191,7 @@ class FileRows:
     Used only while the consumer runs (before the reader moves on), by quantized layers that read their
     weight a block of rows at a time, and by embedding tables that keep the raw blocks."""
 
-    NAMES = ("tok_embeddings.weight", "output.weight")
+    NAMES = ("tok_embeddings.weight", "output.weight", "ple_embeddings.weight")
     device = torch.device("cpu")
 
     def __init__(self, raw, qtype, shape: tuple[int, int], dtype: torch.dtype):

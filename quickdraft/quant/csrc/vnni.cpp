@@ -430,11 +430,13 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Attention of S new query rows over a KV cache, row i seeing positions 0 .. start + i: every (row, head)
-// computed alone, the same way whatever S is, so a verification pass gives each row exactly what a
-// one-token decoding step gives it. q (B, H, S, D) contiguous; keys/values (B, Hkv, >= start + S, D) with
-// unit stride along D; D a multiple of 16 (at most 256).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) {
+// Attention of S new query rows over a KV cache, row i seeing positions 0 .. start + i (the last `window` of them
+// when window > 0: a sliding-window layer): every (row, head) computed alone, the same way whatever S is, so a
+// verification pass gives each row exactly what a one-token decoding step gives it. q (B, H, S, D) contiguous,
+// already scaled for logits q.k / sqrt(D); keys/values (B, Hkv, >= start + S, D) with unit stride along D; D a
+// multiple of 16 (at most 256).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
+                            int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
               values.scalar_type() == at::kBFloat16, "bfloat16 tensors expected");
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be contiguous (B, H, S, D)");
@@ -453,11 +455,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(start + S + 16);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / (H * S), h = (job / S) % H, i = job % S, g = h / (H / Hkv), L = start + i + 1;
+      const int64_t b = job / (H * S), h = (job / S) % H, i = job % S, g = h / (H / Hkv);
+      const int64_t last = start + i + 1, first = window > 0 ? std::max<int64_t>(0, last - window) : 0;
+      const int64_t L = last - first;
       const uint16_t* qrow = qp + ((b * H + h) * S + i) * D;
       __m512 qv[16];
       for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_mul_ps(load_bf16x16(qrow + 16 * c), _mm512_set1_ps(scale));
-      const uint16_t* kbase = kp + b * kb + g * kh;
+      const uint16_t* kbase = kp + b * kb + g * kh + first * kt;
       float mx = -INFINITY;
       for (int64_t t = 0; t < L; ++t) {
         __m512 acc = _mm512_setzero_ps();
@@ -482,7 +486,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
       const float inv = 1.0f / _mm512_reduce_add_ps(total);
       __m512 ov[16];
       for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_setzero_ps();
-      const uint16_t* vbase = vp + b * vb + g * vh;
+      const uint16_t* vbase = vp + b * vb + g * vh + first * vt;
       for (int64_t u = 0; u < L; ++u) {
         __m512 p = _mm512_set1_ps(scores[u]);
         for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_fmadd_ps(p, load_bf16x16(vbase + u * vt + 16 * c), ov[c]);
@@ -497,6 +501,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   });
   return out;
 }
+
 
 // Small fused steps of a decode pass, each the same arithmetic as the PyTorch code it replaces
 // (models/transformer.py), one call instead of 5-10 small ops.
@@ -624,7 +629,7 @@ at::Tensor block_step(const at::Tensor& x, at::TensorList w, at::IntArrayRef kin
   auto [q, k, v] = qkv_rotary(linear_of(rms_norm(x.contiguous(), w[0], eps), w, 2, kinds[0]).contiguous(), cos, sin, Hq, Hkv);
   keys.narrow(2, start, S).copy_(k);
   values.narrow(2, start, S).copy_(v);
-  at::Tensor attn = decode_attention(q, keys.narrow(2, 0, start + S), values.narrow(2, 0, start + S), start);
+  at::Tensor attn = decode_attention(q, keys.narrow(2, 0, start + S), values.narrow(2, 0, start + S), start, 0);
   attn = attn.transpose(1, 2).reshape({B, S, -1});
   at::Tensor h = at::add(x, linear_of(attn, w, 6, kinds[1]));
   at::Tensor gate_up = linear_of(rms_norm(h.contiguous(), w[1], eps), w, 10, kinds[2]);
@@ -637,7 +642,7 @@ TORCH_LIBRARY(quickdraft_vnni, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("qkv_rotary(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
-  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, int start) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, int start, int window) -> Tensor");
   m.def("int4_fit(Tensor w, int steps) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor lows, Tensor? bias) -> Tensor");

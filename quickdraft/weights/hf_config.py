@@ -1,0 +1,152 @@
+"""A Hugging Face config.json -> ModelConfig, for each family quickdraft runs, as transformers reads them (its 5.x
+`rope_parameters` as well as the older `rope_theta` / `rope_scaling` keys; a multimodal checkpoint's text_config)."""
+
+from __future__ import annotations
+
+import math
+
+from quickdraft.config import SUPPORTED_ARCHS, ModelConfig
+from quickdraft.errors import QuickdraftError
+from quickdraft.models.rope import RopeConfig
+
+# config.json model_type -> quickdraft's family
+ARCHS = {"llama": "llama", "mistral": "mistral", "ministral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+         "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4",
+         "gemma4": "gemma4"}
+GEMMAS = ("gemma2", "gemma3", "gemma4")
+
+
+def model_config(d: dict) -> ModelConfig:
+    model_type = d.get("model_type", "?")
+    if model_type in ("gemma3", "gemma4") and isinstance(d.get("text_config"), dict):  # the multimodal wrapper
+        d = {**d["text_config"], "model_type": model_type + "_text"}
+    arch = ARCHS.get(model_type)
+    if arch is None:
+        raise QuickdraftError(f"unsupported architecture {model_type!r} in config.json: quickdraft runs "
+                              f"{', '.join(SUPPORTED_ARCHS)} ({', '.join(sorted(ARCHS))} as config.json names them)")
+    try:
+        return _build(arch, d)
+    except KeyError as e:
+        raise QuickdraftError(f"config.json lacks {e.args[0]!r}, which a {model_type} model needs") from None
+
+
+def _build(arch: str, d: dict) -> ModelConfig:
+    n_heads, dim = d["num_attention_heads"], d["hidden_size"]
+    head_dim = d.get("head_dim") or dim // n_heads
+    n_layers = d["num_hidden_layers"]
+    gemma = arch in GEMMAS
+    layer_types = _layer_types(arch, d, n_layers)
+    rope, rope_local = _ropes(arch, d, head_dim)
+    fields = dict(
+        arch=arch, vocab_size=d["vocab_size"], dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim, ffn_dim=d["intermediate_size"],
+        norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.theta, max_context=d.get("max_position_embeddings", 4096),
+        qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "gemma3", "gemma4"),
+        tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+        rope=rope, rope_local=rope_local, layer_types=layer_types,
+        sliding_window=d.get("sliding_window") if layer_types and "sliding" in layer_types else None,
+    )
+    if gemma:
+        fields.update(activation="gelu_tanh", embed_scale=math.sqrt(dim), sandwich_norms=True,
+                      final_softcap=d.get("final_logit_softcapping"))
+    if arch in ("gemma2", "gemma3"):
+        fields.update(attn_scale=d.get("query_pre_attn_scalar", 256) ** -0.5,
+                      attn_softcap=d.get("attn_logit_softcapping") if arch == "gemma2" else None)
+    if arch == "gemma4":
+        fields.update(_gemma4(d, n_layers))
+    return ModelConfig(**fields)
+
+
+def _layer_types(arch: str, d: dict, n_layers: int) -> tuple[str, ...] | None:
+    """Each layer's attention, "full" or "sliding", as transformers decides it for the family."""
+    kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+    given = d.get("layer_types")
+    if given:
+        unknown = sorted(set(given) - set(kinds))
+        if unknown:
+            raise QuickdraftError(f"config.json has layer types {unknown}: quickdraft runs full_attention and "
+                                  "sliding_attention")
+        types = [kinds[t] for t in given]
+        if arch == "gemma4":
+            types[-1] = "full"  # as transformers forces it
+        if "sliding" in types and not d.get("sliding_window"):
+            raise QuickdraftError("config.json has sliding_attention layers but no sliding_window")
+        return tuple(types) if "sliding" in types else None
+    if arch == "mistral":
+        return ("sliding",) * n_layers if d.get("sliding_window") else None
+    if arch == "gemma2":
+        return tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers))
+    if arch in ("gemma3", "gemma4"):
+        pattern = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+        types = ["sliding" if (i + 1) % pattern else "full" for i in range(n_layers)]
+        if arch == "gemma4":
+            types[-1] = "full"
+        return tuple(types)
+    if arch == "phi3" and d.get("sliding_window"):
+        return ("sliding",) * n_layers
+    return None
+
+
+def _ropes(arch: str, d: dict, head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
+    """The full layers' rotary and the sliding layers' (None where they are the same)."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type (gemma3, gemma4 in transformers 5)
+        full = _rope(params["full_attention"], d, head_dim)
+        local = params.get("sliding_attention")
+        return full, _rope(local, d, head_dim) if local else None
+    flat = dict(params or {})
+    if not flat:  # transformers 4.x keys
+        flat = dict(d.get("rope_scaling") or {})
+        flat["rope_theta"] = d.get("rope_theta", 10000.0)
+    full = _rope(flat, d, head_dim)
+    if arch == "gemma3" and d.get("rope_local_base_freq"):
+        return full, RopeConfig(theta=float(d["rope_local_base_freq"]))
+    if arch == "gemma3" and not params:
+        return full, RopeConfig(theta=10000.0)
+    return full, None
+
+
+def _rope(p: dict, d: dict, head_dim: int) -> RopeConfig:
+    kind = p.get("rope_type", p.get("type")) or "default"
+    theta = float(p.get("rope_theta", d.get("rope_theta", 10000.0)))
+    partial = p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
+    rotary = int(head_dim * partial) if partial != 1.0 and kind != "proportional" else None
+    original = d.get("original_max_position_embeddings") or p.get("original_max_position_embeddings") or 8192
+    if kind == "default":
+        return RopeConfig(theta=theta, rotary_dim=rotary)
+    if kind == "linear":
+        return RopeConfig(theta=theta, scaling="linear", factor=float(p["factor"]), rotary_dim=rotary)
+    if kind == "llama3":
+        return RopeConfig(theta=theta, scaling="llama3", factor=float(p["factor"]),
+                          low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+                          high_freq_factor=float(p.get("high_freq_factor", 4.0)), original_context=int(original),
+                          rotary_dim=rotary)
+    if kind in ("longrope", "su"):
+        factor = p.get("factor") or d.get("max_position_embeddings", original) / original
+        attention = p.get("attention_factor") or (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        return RopeConfig(theta=theta, scaling="longrope", original_context=int(original), rotary_dim=rotary,
+                          short_factors=tuple(p["short_factor"]), long_factors=tuple(p["long_factor"]),
+                          attention_factor=float(attention))
+    if kind == "proportional":
+        return RopeConfig(theta=theta, scaling="proportional", fraction=float(partial))
+    raise QuickdraftError(f"unsupported rope scaling {kind!r} in config.json: quickdraft implements default, linear, "
+                          "llama3, longrope and proportional")
+
+
+def _gemma4(d: dict, n_layers: int) -> dict:
+    """Gemma 4's extras: wider heads on full layers, values from the keys, shared KV, per-layer embeddings."""
+    overrides = d.get("per_layer_config") or {}
+    full = {}  # transformers 5 writes per-layer overrides; hub configs carry global_head_dim and friends
+    for spec in overrides.values():
+        full.update(spec or {})
+    k_eq_v = bool(d.get("attention_k_eq_v", False))
+    head_dim_full = full.get("head_dim") or d.get("global_head_dim")
+    kv_full = full.get("num_key_value_heads") or (d.get("num_global_key_value_heads") if k_eq_v else None)
+    shared = int(d.get("num_kv_shared_layers") or 0)
+    return dict(attn_scale=1.0, v_norm=True, k_eq_v=k_eq_v, head_dim_full=head_dim_full, n_kv_heads_full=kv_full,
+                kv_shared_layers=shared,
+                ffn_dim_shared=2 * d["intermediate_size"] if d.get("use_double_wide_mlp") and shared else None,
+                ple_dim=int(d.get("hidden_size_per_layer_input") or 0),
+                ple_vocab=int(d.get("vocab_size_per_layer_input") or d["vocab_size"]), layer_scalar=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
 
 from quickdraft.errors import QuickdraftError
 
@@ -31,20 +31,6 @@ END_OF_GENERATION = {
     "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<|eom_id|>",
     "</s>", "<end_of_turn>", "<|return|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
 }
-
-# Pre-tokenizer split patterns by `tokenizer.ggml.pre` (the same table as llama.cpp's).
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_SPLIT_PATTERNS = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "gpt2": _GPT2,
-    "default": _GPT2,
-    "smollm": _GPT2,  # with digits split one by one first (below)
-}
-_SPLIT_DIGITS_FIRST = {"smollm"}
-
 
 @dataclass
 class Tokenizer:
@@ -122,31 +108,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
-        """Build from the `tokenizer.*` keys of a GGUF file."""
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise QuickdraftError(
-                f"unsupported tokenizer type {kind!r} in the GGUF metadata: quickdraft reads byte-level "
-                "BPE ('gpt2') tokenizers; use the model's Hugging Face directory with its tokenizer.json"
-            )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _SPLIT_PATTERNS:
-            log.warning("unknown pre-tokenizer %r in the GGUF metadata: using the GPT-2 rule", pre)
-        steps = [pre_tokenizers.Digits(individual_digits=True)] if pre in _SPLIT_DIGITS_FIRST else []
-        steps += [
-            pre_tokenizers.Split(Regex(_SPLIT_PATTERNS.get(pre, _GPT2)), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-        backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
-        backend.decoder = decoders.ByteLevel()
-        special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)]
-        backend.add_special_tokens(special)
+        """Build from the `tokenizer.*` keys of a GGUF file (tokenizer_gguf.py builds the tokenizer itself)."""
+        from quickdraft import tokenizer_gguf
+
+        backend = tokenizer_gguf.backend(meta)
+        tokens, types = meta["tokenizer.ggml.tokens"], tokenizer_gguf.token_types(meta)
 
         def control(key):  # a metadata id is trusted only if it names a control token
             i = meta.get(key)
@@ -157,11 +123,14 @@ class Tokenizer:
                 return None
             return i
 
+        spm = meta.get("tokenizer.ggml.model") in ("llama", "gemma4")  # llama.cpp's defaults for them: BOS 1, EOS 2
+        if spm:
+            meta = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, **meta}
         bos, eos = control("tokenizer.ggml.bos_token_id"), control("tokenizer.ggml.eos_token_id")
-        eog = {i for i, t in enumerate(types) if t == CONTROL and tokens[i] in END_OF_GENERATION}
+        eog = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED) and tokens[i] in END_OF_GENERATION}
         eot = control("tokenizer.ggml.eot_token_id")
         eog |= {i for i in (eos, eot) if i is not None}
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", spm)) and bos is not None
         return cls(
             backend=backend,
             bos_id=bos,

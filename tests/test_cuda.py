@@ -145,3 +145,23 @@ def test_cuda_graphs_replay_what_the_eager_passes_compute(models):
     for got, want in zip(*runs):
         assert got.shape == want.shape
         assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "phi3", "gemma2", "gemma3", "gemma4"])
+def test_every_family_runs_on_cuda_as_on_the_cpu_and_speculates_exactly(tmp_path, name):
+    """bf16 on the GPU: each family's logits as the CPU's in float32 (to bf16 rounding), and greedy speculation
+    equal to plain decoding (the graphed, padded passes make every row the same pass)."""
+    from tests.families import TOKENS, save, tiny_model
+
+    path = str(save(tiny_model(name), tmp_path / name))
+    cpu = load_model(path, EngineConfig(device="cpu", dtype="float32", max_context=256), progress=False)
+    gpu = load_model(path, EngineConfig(device="cuda", dtype="bfloat16", max_context=256), progress=False)
+    with torch.no_grad():
+        want = cpu.model(torch.tensor([TOKENS]), KVCache.for_model(cpu.model))[0]
+        got = gpu.model(torch.tensor([TOKENS], device="cuda"), KVCache.for_model(gpu.model))[0].cpu()
+    assert float((got - want).abs().max()) <= 5e-2 * float(want.abs().max())
+    params = SamplingParams(max_tokens=32, stop_at_eos=False)
+    plain, _ = tokens_of(Engine(gpu, 256), params, TOKENS)
+    ours, final = tokens_of(Engine(gpu, 256, DraftModelDrafter(gpu, gpu.config.vocab_size, 256),
+                                   SpeculationConfig(draft_max=4, adaptive=False)), params, TOKENS)
+    assert ours == plain and final.stats.draft_n_accepted == final.stats.draft_n > 0

@@ -17,7 +17,9 @@ from quickdraft.quant import vnni
 
 
 def supported(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dim() == 2
+    """2-D on the CPU, with whole blocks of 16 inputs: PyTorch's kernel reads past the end of a row otherwise
+    (it crashes the process for K = 8)."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % 16 == 0
 
 
 ROWS = 4096  # rows quantized at a time: a vocabulary-sized head never has float32 copies in full

@@ -1,0 +1,72 @@
+"""llama.cpp as a reference for the tests: its own GGUF converter and tokenizer test vectors, from the vendored tree in
+the llama-cpp-python source distribution on PyPI (downloaded once into the cache, checked by its sha256, never
+installed or imported into quickdraft: the converter runs in a subprocess)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+PACKAGE, VERSION = "llama-cpp-python", "0.3.36"
+SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # the llama.cpp it vendors
+# the parts of vendor/llama.cpp the tests use
+WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-", "models/templates/")
+
+
+def tree() -> Path:
+    """The extracted vendor/llama.cpp (its converter, gguf-py, vocabularies and test vectors, chat templates)."""
+    from quickdraft.weights import hub
+
+    root = hub.cache_dir() / "ext" / f"llama.cpp-{VERSION}"
+    if (root / ".complete").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q",
+                        "--disable-pip-version-check", "-d", tmp, f"{PACKAGE}=={VERSION}"], check=True,
+                       capture_output=True)
+        (sdist,) = Path(tmp).glob("*.tar.gz")
+        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+        assert digest == SHA256, f"{sdist.name}: sha256 {digest}, expected {SHA256}"
+        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                       and m.name[len(prefix):].startswith(WANTED) and (m.isfile() or m.isdir())]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(root, members=members, filter="data")
+    (root / ".complete").write_text(COMMIT + "\n")
+    return root
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """A Hugging Face directory as llama.cpp's converter writes it to GGUF."""
+    result = subprocess.run([sys.executable, str(tree() / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out),
+                             "--outtype", outtype], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's tokenizer test vectors for models/ggml-vocab-NAME.gguf: (text, expected ids), as its
+    test-tokenizer-0 reads them (tests separated by a marker line; one line of ids per test)."""
+    models = tree() / "models"
+    text = (models / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8")
+    sep = "\n__ggml_vocab_test__\n"
+    inputs, pos = [], 0
+    while pos < len(text):
+        n = text.find(sep, pos)
+        if n < 0:
+            inputs.append(text[pos:])
+            break
+        inputs.append(text[pos:n])
+        pos = n + len(sep)
+    outputs = (models / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    return [(t, [int(i) for i in out.split()]) for t, out in zip(inputs, outputs)]

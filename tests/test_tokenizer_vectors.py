@@ -33,3 +33,21 @@ def test_decoding_gives_the_text_back(vocab):
     for text, ids in llamacpp.vocab_tests(name):
         if ids and text.isprintable() and text.strip() == text and "  " not in text:
             assert tokenizer.decode(ids) == text, (name, text)
+
+
+def test_tokenize_command_prints_llama_cpps_ids():
+    """`quickdraft tokenize` on a vocabulary-only file: the ids llama.cpp gives, and pieces that spell the text."""
+    import json
+
+    from tests.helpers import run
+
+    path = llamacpp.tree() / "models" / "ggml-vocab-llama-bpe.gguf"
+    text, want = next((t, ids) for t, ids in llamacpp.vocab_tests("llama-bpe") if len(ids) > 5 and t.isprintable())
+    result = run("tokenize", "-m", str(path), "--no-bos", "--json", text)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["ids"] == want
+    assert "".join(out["pieces"]) == text
+    listed = run("tokenize", "-m", str(path), "--no-bos", text)
+    assert [int(line.split("->")[0]) for line in listed.stdout.splitlines()] == want
+    assert f"{len(want)} tokens" in listed.stderr

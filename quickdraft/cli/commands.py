@@ -138,6 +138,28 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def cmd_tokenize(args) -> int:
+    from quickdraft.weights.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    text = args.text if args.text is not None else _read_text(args.file)
+    ids = tokenizer.encode(text, add_bos=False if args.no_bos else None)
+    pieces = []  # what each token adds to the text (with a few before it: a piece's space shows)
+    for n, i in enumerate(ids):
+        before, after = tokenizer.decode(ids[max(0, n - 8):n]), tokenizer.decode(ids[max(0, n - 8):n + 1])
+        pieces.append(after[len(before):] if after.startswith(before) else tokenizer.decode([i]))
+    if args.json:
+        print(json.dumps({"ids": ids, "pieces": pieces, "tokens": [tokenizer.token_text(i) for i in ids]},
+                         ensure_ascii=False))
+    elif args.ids:
+        print(ids)
+    else:
+        for i, piece in zip(ids, pieces):
+            print(f"{i:8} -> {piece!r}")
+        print(f"{len(ids)} tokens", file=sys.stderr)
+    return 0
+
+
 def cmd_pull(args) -> int:
     from quickdraft.weights import hub
     from quickdraft.weights.loader import ensure_pulled
@@ -376,4 +398,5 @@ def _read_text(path: Path) -> str:
 
 
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo,
+            "tokenize": cmd_tokenize,
             "serve": cmd_serve, "verify": cmd_verify, "doctor": cmd_doctor, "bench": cmd_bench, "tune": cmd_tune}

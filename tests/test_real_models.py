@@ -58,7 +58,7 @@ def hf_greedy(model, prompt, n):
     return out
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-1.5b"])
+@pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-1.5b", "gemma3-270m"])
 def model_and_reference(request, real_model_path):
     path = real_model_path(request.param)
     return request.param, path, hf_from_gguf(path)
@@ -76,7 +76,7 @@ def test_perplexity_agrees_with_reference(model_and_reference, dtype):
     print(f"{alias} {dtype}: ppl {ours.ppl:.4f} vs reference {want:.4f} over {ours.tokens} tokens")
     assert ours.chunks >= 3
     assert abs(ours.ppl / want - 1) < 0.01
-    assert 1 < ours.ppl < 30  # a sensible English perplexity: a broken loader gives hundreds or more
+    assert 1 < ours.ppl < 40  # a sensible English perplexity (the 270M base gives 30): a broken loader gives hundreds
 
 
 def test_greedy_output_matches_reference(model_and_reference):
@@ -84,9 +84,11 @@ def test_greedy_output_matches_reference(model_and_reference):
     lm = load_model(str(path), EngineConfig(device="cpu", dtype="float32", max_context=512), progress=False)
     engine = Engine(lm)
     # the 1.5B in fp32 on two cores costs about 1 s a token on each side: two prompts (English, Chinese)
-    prompts, n = (PROMPTS, 32) if alias == "smollm2-135m" else (PROMPTS[:2], 24)
+    prompts, n = (PROMPTS[:2], 24) if alias == "qwen2.5-coder-1.5b" else (PROMPTS, 32)
     for text in prompts:
-        prompt = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        if lm.tokenizer.chat_template:
+            text = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        prompt = lm.tokenizer.encode(text)  # gemma3-270m is a base model: no template, the text as it is
         events = engine.generate(prompt, SamplingParams(max_tokens=n, stop_at_eos=False))
         ours = [e.token for e in events if e.token is not None]
         assert ours == hf_greedy(reference, prompt, n), lm.tokenizer.decode(ours)

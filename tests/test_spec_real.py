@@ -118,3 +118,20 @@ def test_structured_output_on_real_pair(target, draft):
     plain, _, _ = run(Engine(target, 1024), greedy)
     assert tokens == plain, text
     assert final.finish_reason == "stop" and _valid(json.loads(text)) and "Lisbon" in text
+
+
+def test_greedy_speculative_equals_plain_past_the_sliding_window():
+    """Gemma 3 270M (five local layers of window 512 to one global) with its default weights: a prompt longer
+    than the window, so drafts are verified and rolled back while local layers forget their oldest keys."""
+    llm = quickdraft.load("gemma3-270m", "none", device="cpu", context=2048, progress=False)
+    assert llm.target.config.sliding_window == 512
+    text = "Repeat the following text word for word.\n\n" + "\n\n".join(ARTICLE * 3)
+    prompt = llm.target.tokenizer.encode(text)
+    assert len(prompt) > 600
+    params = SamplingParams(max_tokens=N, stop_at_eos=False)
+    plain = [e.token for e in Engine(llm.target, 2048).generate(prompt, params) if e.token is not None]
+    engine = llm.engine_for("ngram", SpeculationConfig(draft_max=8))
+    events = list(engine.generate(prompt, params))
+    tokens = [e.token for e in events if e.token is not None]
+    assert tokens == plain, f"first difference at {_first_difference(tokens, plain)}"
+    assert events[-1].stats.rounds > 0 and events[-1].stats.draft_n_accepted > 0

@@ -163,10 +163,14 @@ def tokenizers(target, draft) -> Finding:
     if draft is None:
         return Finding("tokenizer", "ok", "no draft model: n-gram lookup uses the target's own tokens")
     try:
-        check_compatible(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
+        shared = check_compatible(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
     except QuickdraftError as e:
         return Finding("tokenizer", "error", str(e))
-    return Finding("tokenizer", "ok", f"the draft's vocabulary matches the target's ({target.config.vocab_size} ids)")
+    t_size, d_size = target.tokenizer.vocab_size, draft.tokenizer.vocab_size
+    if t_size == d_size:
+        return Finding("tokenizer", "ok", f"the draft's vocabulary matches the target's ({shared} tokens)")
+    return Finding("tokenizer", "ok", f"the draft's vocabulary ({d_size} tokens) matches the target's ({t_size}) on "
+                   f"the {shared} they share; the draft never proposes the others")
 
 
 def sampler(drafter, vocab: int) -> Finding:

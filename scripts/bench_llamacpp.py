@@ -8,10 +8,12 @@ ignored; decode tok/s is counted from the first generated token on (prompt proce
 of --runs with the engines taking turns. llama.cpp runs plain and with prompt-lookup speculation (the
 speculation llama-cpp-python offers); quickdraft runs plain in its default target format (`mixed`: int4 where
 the file holds 4-bit blocks, int8 elsewhere) and in int4, and speculative with the default pair (that target,
-int4 draft, n-gram lookup in front): with the adaptive policy as `generate` and `serve` run it, at a fixed
---k, and with the int4 target (`--weights int4`), adaptive.
+int4 draft, n-gram lookup in front; --draft for another model's): with the adaptive policy as `generate` and
+`serve` run it, at a fixed --k, and with the int4 target (`--weights int4`), adaptive.
 
-Usage: .venv/bin/python scripts/bench_llamacpp.py [--prompts code-en,qa-en] [-n 96] [--runs 3] [--k 8]
+Usage: .venv/bin/python scripts/bench_llamacpp.py [-m ALIAS] [--draft DRAFT] [--prompts code-en,qa-en] [-n 96]
+       [--runs 3] [--k 8]
+  e.g. -m gemma3-270m --draft ngram (a family without a draft model in the defaults)
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default=None, help="the target, an alias (default: the default target)")
+    ap.add_argument("--draft", default=None, help="the speculative rows' drafter (default: n-gram + the default "
+                    "draft for the default target, n-gram for another)")
     ap.add_argument("--prompts", default="code-en,qa-en,summary-en,code-zh")
     ap.add_argument("-n", type=int, default=96)
     ap.add_argument("--runs", type=int, default=3)
@@ -58,19 +63,20 @@ def main() -> int:
     from quickdraft.weights import hub
 
     torch.set_num_threads(args.threads)
-    path = str(hub.model_path(hub.DEFAULT_TARGET))
+    model = args.model or hub.DEFAULT_TARGET
+    path = str(hub.model_path(model))
     load = dict(device="cpu", dtype="bfloat16", context=1024, progress=False)
-    llm = quickdraft.load(hub.DEFAULT_TARGET, "none", **load)  # weights auto: mixed where the kernels run
-    llm4 = quickdraft.load(hub.DEFAULT_TARGET, "none", weights="int4", **load)
-    pair = f"ngram+{hub.DEFAULT_DRAFT}"
+    llm = quickdraft.load(model, "none", **load)  # weights auto: mixed where the kernels run
+    llm4 = quickdraft.load(model, "none", weights="int4", **load)
+    pair = args.draft or (f"ngram+{hub.DEFAULT_DRAFT}" if model == hub.DEFAULT_TARGET else "ngram")
     adaptive, fixed = SpeculationConfig(), SpeculationConfig(draft_max=args.k, adaptive=False)
     target = llm.target
     engines = {
         f"quickdraft plain {target.weights}": llm.engine,
         "quickdraft plain int4": llm4.engine,
-        "quickdraft ngram+draft adaptive": llm.engine_for(pair, adaptive),
-        f"quickdraft ngram+draft k={args.k}": llm.engine_for(pair, fixed),
-        "quickdraft int4 target ngram+draft adaptive": llm4.engine_for(pair, adaptive),
+        f"quickdraft {pair} adaptive": llm.engine_for(pair, adaptive),
+        f"quickdraft {pair} k={args.k}": llm.engine_for(pair, fixed),
+        f"quickdraft int4 target {pair} adaptive": llm4.engine_for(pair, adaptive),
     }
     common = dict(model_path=path, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     llamas = {"llama.cpp plain": Llama(**common),
@@ -96,14 +102,15 @@ def main() -> int:
                 speeds[p, c].append(events[-1].timings.decode_tok_s)
                 tokens = [ev.token for ev in events if ev.token is not None]
                 same[p, c] = tokens == reference.setdefault(e.target.weights, tokens)
-    print(f"\ndecode tok/s (median of {args.runs}, {args.n} greedy tokens, {args.threads} threads); "
+    print(f"\n{model}: decode tok/s (median of {args.runs}, {args.n} greedy tokens, {args.threads} threads); "
           "x = against llama.cpp's best on that prompt")
-    print(f"{'prompt':11} " + " ".join(f"{c[:26]:>26}" for c in names))
-    for p in prompts:
-        best = max(statistics.median(speeds[p, c]) for c in llamas)
-        cells = [f"{statistics.median(speeds[p, c]):6.2f} ({statistics.median(speeds[p, c]) / best:4.2f}x)"
-                 for c in names]
-        print(f"{p:11} " + " ".join(f"{x:>26}" for x in cells))
+    best = {p: max(statistics.median(speeds[p, c]) for c in llamas) for p in prompts}
+    width = max(len(c) for c in names)
+    print(f"{'':{width}} " + " ".join(f"{p:>16}" for p in prompts))
+    for c in names:
+        cells = [f"{statistics.median(speeds[p, c]):6.2f} ({statistics.median(speeds[p, c]) / best[p]:4.2f}x)"
+                 for p in prompts]
+        print(f"{c:{width}} " + " ".join(f"{x:>16}" for x in cells))
     print("quickdraft speculative output equal to the plain output of its target's format: "
           + ", ".join(f"{p} {'yes' if all(same[p, c] for c in engines) else 'NO'}" for p in prompts))
     return 0

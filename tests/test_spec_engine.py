@@ -170,11 +170,49 @@ def test_sampled_output_follows_target_distribution(tmp_path, seeded):
 
 def test_vocabulary_compatibility(models, tmp_path):
     target, draft = models
-    check_compatible(target.tokenizer, draft.tokenizer, 320, 384)  # padding rows only: fine
+    assert check_compatible(target.tokenizer, draft.tokenizer, 320, 384) == 320  # padding rows only: fine
     other = load_model(str(save_hf_dir(tiny_hf_model("qwen2", vocab=320), tmp_path)), BF16, False)
-    other.tokenizer.backend.add_tokens(["<extra>"])  # one token more than the target's vocabulary
-    with pytest.raises(QuickdraftError, match="differs from the target's at id 320"):
+    other.tokenizer.backend.add_tokens(["<extra>"])  # one token the target lacks (as Gemma 3 27B's image token)
+    assert check_compatible(target.tokenizer, other.tokenizer, 320, 384) == 320
+    assert check_compatible(other.tokenizer, target.tokenizer, 384, 320) == 320
+    with pytest.raises(QuickdraftError, match="fewer embedding rows"):
+        check_compatible(target.tokenizer, other.tokenizer, 320, 320)
+    other.tokenizer.backend.add_tokens([f"<more{i}>" for i in range(9)])  # 10 of 330 on one side: another model
+    with pytest.raises(QuickdraftError, match="agree on the first 320, but 10 belong to one alone"):
         check_compatible(target.tokenizer, other.tokenizer, 320, 384)
+    swapped = {t: i for t, i in draft.tokenizer.backend.get_vocab().items()}
+    a, b = (t for t, i in sorted(swapped.items(), key=lambda x: x[1]) if i in (100, 101))
+    other.tokenizer = type(target.tokenizer)(_swapped_backend(draft.tokenizer.backend, a, b))
+    with pytest.raises(QuickdraftError, match="differs from the target's at id 100"):
+        check_compatible(target.tokenizer, other.tokenizer, 320, 384)
+
+
+def _swapped_backend(backend, a, b):
+    """A copy of a tokenizer with two tokens' ids exchanged."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    return Backend.from_str(json.dumps(spec))
+
+
+def test_target_tokens_the_draft_lacks_reach_it_as_a_stand_in(models):
+    """A draft sharing fewer ids than the target has (shared=300 of 320): the prompt and the output hold ids past
+    them, which the draft reads as a stand-in and never proposes; greedy output is the target's alone."""
+    target, draft = models
+    prompt = PROMPT + [310, 319, 305] + PROMPT
+    params = SamplingParams(max_tokens=40, stop_at_eos=False)
+    plain, _ = run(Engine(target, 256), params, prompt)
+    narrow = DraftModelDrafter(draft, target.config.vocab_size, 256, shared=300)
+    ours, final = run(Engine(target, 256, narrow, SPECS["fixed-3"]), params, prompt)
+    assert ours == plain and final.stats.rounds > 0
+    narrow.begin(prompt)
+    proposal = narrow.propose(prompt, lambda s: 4, SamplingParams(temperature=1.0, seed=0),
+                              sampling.make_generator(0, torch.device("cpu")))
+    assert proposal.q_draft[:, 300:].sum() == 0
 
 
 def test_draft_with_fewer_rows_never_proposes_missing_ids(models):

@@ -22,13 +22,16 @@ class DraftModelDrafter(Drafter):
     sources = ("draft",)
     samples = True
 
-    def __init__(self, lm, target_vocab: int, capacity: int, p_min: float = 0.0):
-        """lm: the draft's LoadedModel; target_vocab: the target's rows (ids beyond the draft's are never
-        proposed); capacity: positions of the draft's KV cache."""
+    def __init__(self, lm, target_vocab: int, capacity: int, p_min: float = 0.0, shared: int | None = None):
+        """lm: the draft's LoadedModel; target_vocab: the target's rows (the width of the distributions);
+        capacity: positions of the draft's KV cache; shared: the ids both vocabularies share (check_compatible's
+        answer; default: the draft tokenizer's ids up to target_vocab): no other id is proposed, and a target token
+        past them reaches the draft as a stand-in."""
         self.lm = lm
         self.device = lm.device
         self.name = lm.name
         self.target_vocab = target_vocab
+        self.shared = min(target_vocab, lm.tokenizer.vocab_size) if shared is None else shared
         self.p_min = p_min
         self.cache = KVCache.for_model(lm.model, capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
@@ -41,8 +44,8 @@ class DraftModelDrafter(Drafter):
     @classmethod
     def build(cls, draft, target, models, capacity, speculation) -> "DraftModelDrafter":
         (lm,) = models
-        check_compatible(target.tokenizer, lm.tokenizer, target.config.vocab_size, lm.config.vocab_size)
-        return cls(lm, target.config.vocab_size, capacity, speculation.p_min)
+        shared = check_compatible(target.tokenizer, lm.tokenizer, target.config.vocab_size, lm.config.vocab_size)
+        return cls(lm, target.config.vocab_size, capacity, speculation.p_min, shared)
 
     @property
     def models(self) -> tuple:
@@ -74,14 +77,27 @@ class DraftModelDrafter(Drafter):
         self.matched = n
         return seq[n:]
 
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """The ids as the draft reads them: a token the draft does not share (a target's added or padding token,
+        which text hardly ever holds) becomes id 0, a stand-in that costs acceptance, never exactness."""
+        return torch.tensor([[i if i < self.shared else 0 for i in ids]], dtype=torch.long, device=self.device)
+
+    def _over_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits (..., rows) -> (..., target_vocab), -inf at every id past the shared ones: never proposed."""
+        V, n = self.target_vocab, min(self.shared, logits.shape[-1])
+        if logits.shape[-1] >= V:  # the usual case: a view, masked in place (the logits are this call's own)
+            out = logits[..., :V]
+            out[..., n:] = float("-inf")
+            return out
+        out = logits.new_full((*logits.shape[:-1], V), float("-inf"))
+        out[..., :n] = logits[..., :n]
+        return out
+
     def _logits(self, feed: list[int]) -> torch.Tensor:
         """Run feed through the draft; logits of the last position over the target's vocabulary (V,)."""
-        logits = self.lm.forward(torch.tensor([feed], device=self.device), self.cache, last_only=True)[0, 0]
+        logits = self.lm.forward(self._ids(feed), self.cache, last_only=True)[0, 0]
         self.tokens += feed
-        V = self.target_vocab
-        if logits.shape[0] >= V:  # ids the target does not have are never proposed
-            return logits[:V]
-        return torch.cat([logits, logits.new_full((V - logits.shape[0],), float("-inf"))])
+        return self._over_target(logits)
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
@@ -144,8 +160,8 @@ class DraftModelDrafter(Drafter):
         from quickdraft.roofline import median_seconds
 
         cache = KVCache.for_model(self.lm.model, len(prompt) + 2)
-        self.lm.forward(torch.tensor([prompt], device=self.device), cache, last_only=True)
-        feed = torch.tensor([prompt[-1:]], device=self.device)
+        self.lm.forward(self._ids(prompt), cache, last_only=True)
+        feed = self._ids(prompt[-1:])
         return median_seconds(lambda: self.lm.forward(feed, cache, last_only=True), self.device, reps,
                               lambda: cache.rollback(len(prompt)))
 
@@ -160,8 +176,7 @@ class DraftModelDrafter(Drafter):
         n = len(output)
         seq = prompt + output
         cache = KVCache.for_model(self.lm.model, len(seq))
-        logits = self.lm.model(torch.tensor([seq[:-1]], device=self.device), cache)[0, len(prompt) - 1:]
-        logits = logits[:, : self.target_vocab]
+        logits = self._over_target(self.lm.model(self._ids(seq[:-1]), cache)[0, len(prompt) - 1:])
         agree = [g == o for g, o in zip(logits.argmax(-1).tolist(), output)]
         sure = (logits.softmax(-1).amax(-1) >= self.p_min).tolist() if self.p_min > 0 else [True] * n
         out = [Offer("", 0, 0)]

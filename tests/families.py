@@ -86,7 +86,7 @@ def save(model, directory: Path) -> Path:
     model.save_pretrained(directory)
     spm_tokenizer(directory)
     if model.config.model_type == "gemma4_text":  # llama.cpp's converter reads gemma4's tokenizer.json
-        transformers.LlamaTokenizerFast(vocab_file=str(directory / "tokenizer.model")).save_pretrained(directory / "tok")
+        transformers.LlamaTokenizer.from_pretrained(directory).save_pretrained(directory / "tok")  # its 320 tokens
         (directory / "tok" / "tokenizer.json").rename(directory / "tokenizer.json")
         return directory
     from tokenizers import Tokenizer, models as tok_models

@@ -16,6 +16,7 @@ from tests import llamacpp
 from tests.families import CONVERTED, FAMILIES, TOKENS, save, tiny_model
 from tests.helpers import drafter
 
+NOISE = 0.1  # the draft: the target with noise of this share of each parameter's spread added
 FP32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=256)
 
 
@@ -99,7 +100,7 @@ def test_greedy_speculation_equals_plain_in_every_family(family, weights):
     torch.manual_seed(1)
     with torch.no_grad():
         for p in noisy.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
+            p.add_(NOISE * p.std() * torch.randn_like(p))
     draft = load_model(str(save(noisy, d / f"draft-{weights}")), config, progress=False)
     params = SamplingParams(max_tokens=40, stop_at_eos=False)
     plain = [e.token for e in Engine(target, 256).generate(TOKENS, params) if e.token is not None]
@@ -107,4 +108,7 @@ def test_greedy_speculation_equals_plain_in_every_family(family, weights):
         engine = Engine(target, 256, drafter(kind, target, draft), spec)
         events = list(engine.generate(TOKENS, params))
         assert [e.token for e in events if e.token is not None] == plain, (name, weights, kind)
-        assert events[-1].stats.rounds > 0
+        stats = events[-1].stats
+        if kind == "draft":  # drafts kept (the commit) and drafts rejected (the rollback) both tested, but where
+            # a tied head's greedy text settles into a loop the noisy draft gets right every time
+            assert stats.draft_n_accepted > 0 and (stats.draft_n_accepted < stats.draft_n or len(set(plain[-20:])) < 4)

@@ -16,6 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -212,12 +214,26 @@ def _raise(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' marker of the assistant's part, for training masks):
+    its body, as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+@functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
+    """The template, as transformers renders it (the environment, filters and globals chat templates rely on)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _Generation]
     )
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, sort_keys=False, separators=None: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators
     )
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -45,7 +45,8 @@ def test_not_a_gguf_file(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf", arch="gpt99")
-    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "unsupported architecture 'gpt99'")
+    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "unsupported architecture 'gpt99'",
+                          "quickdraft runs", "llama", "gemma3", "phi3")
 
 
 def test_unsupported_tensor_type(tmp_path):

@@ -136,6 +136,9 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How logits become a token. temperature 0 means greedy (argmax)."""
@@ -151,6 +154,12 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 128
     stop_at_eos: bool = True
+    # log-probabilities of each chosen token (and of the `logprobs` likeliest, 0: none) from the target's logits
+    # at its position: None is off; raw (the model's own distribution, as OpenAI, vLLM and llama.cpp give by
+    # default) or, with post_sampling, the distribution the token was drawn from (penalties, grammar, temperature,
+    # truncation: greedy is certain). Speculation never changes them: they come from the same logits.
+    logprobs: int | None = None
+    post_sampling: bool = False
 
     def __post_init__(self):
         checks = [
@@ -162,6 +171,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency penalty must be in [-2, 2]"),
             (self.max_tokens >= 0, "the number of tokens to generate must be >= 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"the number of top log-probabilities must be in [0, {MAX_TOP_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:

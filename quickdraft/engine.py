@@ -58,6 +58,8 @@ class Event:
     finish_reason: str | None = None  # "stop" (end-of-generation token) or "length"
     timings: Timings | None = None
     stats: SpeculationStats | None = None
+    logprob: float | None = None  # with SamplingParams.logprobs: the token's log-probability
+    top_logprobs: list[tuple[int, float]] | None = None  # and the likeliest tokens' there, most likely first
 
 
 @dataclass
@@ -171,12 +173,12 @@ class Engine:
                           draft_device=str(drafter.device) if drafter and drafter.device else None)
         start = time.perf_counter()
         seq = list(prompt)
-        new_tokens = self._prefill(seq, params, generator, constraint)
+        new_tokens, scores = self._prefill(seq, params, generator, constraint)
         if drafter is not None:
             drafter.begin(prompt)
         finish, first = "length", None
         while new_tokens:
-            for token in new_tokens:
+            for j, token in enumerate(new_tokens):
                 now = time.perf_counter()
                 if first is None:
                     timings.prefill_s = timings.ttft_s = now - start
@@ -189,7 +191,7 @@ class Engine:
                 seq.append(token)
                 if constraint is not None:
                     constraint.advance(token)
-                yield Event(token, detok.push(token))
+                yield Event(token, detok.push(token), **_logprobs(scores, j, token, params.logprobs))
                 if halt.reason is not None:
                     finish = halt.reason
                     break
@@ -199,7 +201,8 @@ class Engine:
                 if len(seq) - len(prompt) == params.max_tokens:
                     break
             else:
-                new_tokens = self._step(seq, params, generator, len(prompt), stats, drafter, speculation, constraint)
+                new_tokens, scores = self._step(seq, params, generator, len(prompt), stats, drafter, speculation,
+                                                constraint)
                 continue
             break
         if first is None:  # max_tokens == 0
@@ -212,20 +215,32 @@ class Engine:
 
     # ---- the pieces of the loop -------------------------------------------------------------
 
-    def _prefill(self, seq: list[int], params: SamplingParams, generator, constraint) -> list[int]:
+    def _prefill(self, seq: list[int], params: SamplingParams, generator, constraint):
         if params.max_tokens == 0:
-            return []
+            return [], None
         self.cache.reset()
         tokens = torch.tensor(seq, device=self.target.device)
         logits = self.target.forward(tokens[None], self.cache, last_only=True)[0]
-        return [self._choose(logits, seq, params, generator, constraint)]
+        return self._choose(logits, seq, params, generator, constraint)
 
-    def _choose(self, logits, seq, params, generator, constraint) -> int:
-        """The target's token after seq from its logits (1, V), as a plain step chooses it."""
+    def _choose(self, logits, seq, params, generator, constraint) -> tuple[list[int], torch.Tensor | None]:
+        """The target's token after seq from its logits (1, V), as a plain step chooses it, and its scores."""
+        raw = logits
         if constraint is not None:
             logits = constraints.apply(logits, constraint.allowed(logits.device))
-        return int(sampling.next_token(logits, params, sampling.history(seq, params, self.target.device),
-                                       generator, len(seq)))
+        history = sampling.history(seq, params, self.target.device)
+        token = int(sampling.next_token(logits, params, history, generator, len(seq)))
+        return [token], self._scores(raw, logits, history, 0, params)
+
+    def _scores(self, raw, masked, history, k: int, params: SamplingParams) -> torch.Tensor | None:
+        """Log-probabilities (k + 1, V) of the positions a pass scored, when the request asks for them: from the raw
+        logits, or (post_sampling) from the distribution each position's token is drawn from. Both are functions
+        of the target's logits there alone, so a plain step and a round give the same."""
+        if params.logprobs is None:
+            return None
+        if not params.post_sampling:
+            return torch.log_softmax(raw.float(), -1)
+        return self._per_position(masked, history, k, lambda x, h: sampling.process(x, params, h)).log()
 
     def _step(self, seq, params, generator, prompt_n: int, stats: SpeculationStats, drafter: Drafter | None,
               speculation: SpeculationConfig, constraint: Constraint | None) -> list[int]:
@@ -245,24 +260,24 @@ class Engine:
             draft_s = time.perf_counter() - t0
         if not proposal.tokens:
             t0 = time.perf_counter()
-            token = self._plain(seq, params, generator, constraint)
+            chosen = self._plain(seq, params, generator, constraint)
             seconds = time.perf_counter() - t0
             self.policy.record_plain(seconds + draft_s)
             stats.record_plain(seconds + draft_s)
-            return [token]
+            return chosen
         t0 = time.perf_counter()
-        tokens, accepted = self._verify(seq, proposal, params, generator, constraint)
+        tokens, accepted, scores = self._verify(seq, proposal, params, generator, constraint)
         verify_s = time.perf_counter() - t0
         k = len(proposal.tokens)
         self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s)
         stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
-        return tokens
+        return tokens, scores
 
-    def _plain(self, seq, params, generator, constraint) -> int:
+    def _plain(self, seq, params, generator, constraint):
         logits = self.target.forward(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
         return self._choose(logits, seq, params, generator, constraint)
 
-    def _verify(self, seq, proposal: Proposal, params, generator, constraint) -> tuple[list[int], int]:
+    def _verify(self, seq, proposal: Proposal, params, generator, constraint):
         """Run the target over the last token and the drafts, accept, and roll the cache back to match.
 
         Under a constraint every position is masked as a plain step there would be; the masks are computed
@@ -276,16 +291,17 @@ class Engine:
             masks = self._masker.submit(constraint.lookahead_bitmasks, proposal.tokens)
         drafts = torch.tensor(proposal.tokens, device=device)
         feed = torch.cat([torch.tensor(seq[-1:], device=device), drafts])
-        logits = self.target.forward(feed[None], self.cache)[0]  # (k + 1, V)
+        logits = raw = self.target.forward(feed[None], self.cache)[0]  # (k + 1, V)
         if masks is not None:
             logits = constraints.apply(logits, constraints.unpack(masks.result().to(device), logits.shape[-1]))
         k = len(proposal.tokens)
         history = sampling.history(seq, params, device, appended=proposal.tokens)
+        scores = self._scores(raw, logits, history, k, params)
         if params.greedy:
             rows = self._per_position(logits, history, k, lambda x, h: sampling.penalize(x, params, h))
             tokens, accepted = accept_greedy(rows.argmax(-1), drafts)
             self.cache.rollback(len(seq) + accepted)
-            return tokens, accepted
+            return tokens, accepted, scores
         p_target = self._per_position(logits, history, k, lambda x, h: sampling.process(x, params, h))
         if params.seed is not None:  # the target's own seeded choices: keep the drafts that match them
             tokens, accepted = accept_greedy(sampling.gumbel_choice(p_target, params.seed, len(seq)), drafts)
@@ -293,7 +309,7 @@ class Engine:
             q_draft = proposal.q_rows(self.vocab, device).to(device)
             tokens, accepted = accept_sampled(p_target, q_draft, drafts, generator)
         self.cache.rollback(len(seq) + accepted)  # keep the last token and the accepted drafts
-        return tokens, accepted
+        return tokens, accepted, scores
 
     @staticmethod
     def _per_position(logits, history, k, fn):
@@ -301,3 +317,16 @@ class Engine:
         if history is None:
             return fn(logits, None)
         return torch.cat([fn(logits[i:i + 1], history[: history.shape[0] - k + i]) for i in range(k + 1)])
+
+
+def _logprobs(scores: torch.Tensor | None, j: int, token: int, top: int | None) -> dict:
+    """An Event's logprob fields for the j-th token a pass chose (none without scores)."""
+    if scores is None:
+        return {}
+    row = scores[j]
+    out = {"logprob": float(row[token])}
+    if top:
+        values, ids = row.topk(top)
+        # post-sampling, tokens the sampler ruled out have -inf: they are not alternatives
+        out["top_logprobs"] = [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
+    return out

@@ -237,3 +237,48 @@ def test_draft_cache_keeps_only_the_common_prefix(models):
         d._logits([4, 5, 6, 7])
     assert d._sync([1, 2, 3, 4, 5, 6, 7]) == [7]  # everything cached: the last token is fed again
     assert d.cache.length == 6
+
+
+LOGPROB_CASES = {"greedy": SamplingParams(max_tokens=32, stop_at_eos=False, logprobs=5),
+                 "seeded": SamplingParams(max_tokens=32, stop_at_eos=False, logprobs=5, temperature=0.9, seed=3),
+                 "greedy, post-sampling": SamplingParams(max_tokens=32, stop_at_eos=False, logprobs=3,
+                                                         post_sampling=True, repetition_penalty=1.2),
+                 "seeded, post-sampling": SamplingParams(max_tokens=32, stop_at_eos=False, logprobs=3, temperature=0.7,
+                                                         top_k=40, seed=5, post_sampling=True)}
+
+
+@pytest.mark.parametrize("case", list(LOGPROB_CASES))
+def test_logprobs_are_the_same_with_speculation_on_and_off(models, case):
+    """Each token's log-probability and its top alternatives, bit for bit: a plain step and a verification pass
+    score a position from the same logits (llama.cpp reports 0.0 for every drafted token instead)."""
+    target, draft = models
+    params = LOGPROB_CASES[case]
+
+    def scored(engine):
+        events = [e for e in engine.generate(PROMPT, params) if e.token is not None]
+        return [(e.token, e.logprob, e.top_logprobs) for e in events], engine
+
+    plain, _ = scored(Engine(target, 256))
+    assert len(plain) == 32 and all(lp <= 0 for _, lp, _ in plain)
+    for spec in ("fixed-3", "adaptive"):
+        ours, engine = scored(Engine(target, 256, drafter("combined", target, draft), SPECS[spec]))
+        assert ours == plain, spec
+    top = plain[0][2]
+    assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    if params.post_sampling and params.greedy:  # the argmax is certain; nothing else could have been drawn
+        assert all(lp == 0.0 and alternatives == [(t, 0.0)] for t, lp, alternatives in plain)
+
+
+def test_raw_logprobs_are_the_models_distribution(models):
+    """Against a fresh full pass over the sequence so far: the log-softmax of the model's logits at each position."""
+    target, _ = models
+    params = SamplingParams(max_tokens=6, stop_at_eos=False, logprobs=2, temperature=1.0, seed=0)
+    events = [e for e in Engine(target, 256).generate(PROMPT, params) if e.token is not None]
+    seq = list(PROMPT)
+    for e in events:
+        with torch.no_grad():
+            logits = target.model(torch.tensor([seq]), KVCache.for_model(target.model))[0, -1].float()
+        want = torch.log_softmax(logits, -1)
+        assert abs(e.logprob - float(want[e.token])) < 0.05
+        assert e.top_logprobs[0][0] == int(want.argmax())
+        seq.append(e.token)

@@ -76,34 +76,47 @@ class Tokenizer:
         kinds = {d.get("type") for d in [spec, *spec.get("decoders", [])]}
         return "level" if "ByteLevel" in kinds else "fallback" if "ByteFallback" in kinds else ""
 
+    @functools.cached_property
+    def _added(self) -> dict:
+        return self.backend.get_added_tokens_decoder()
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to the output (a byte-level or byte-fallback token may be part of a character)."""
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.content.encode("utf-8")
+        piece = self.backend.id_to_token(token_id) or ""
+        kind = self._byte_kind
+        if kind == "level":
+            return bytes(_BYTE_OF.get(c, 0x20) for c in piece)
+        if kind == "fallback":
+            if _BYTE_TOKEN.fullmatch(piece):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8", "replace")
+        return self.decode([token_id]).encode("utf-8")
+
     def ends_mid_character(self, ids: list[int]) -> bool | None:
         """Whether the bytes of ids end inside a UTF-8 character (a streamed detokenizer holds those back);
         None when this tokenizer's bytes are not known (then only a trailing U+FFFD says so)."""
         kind = self._byte_kind
         if not kind:
             return None
-        tail = bytearray()
-        for i in ids[-4:]:  # a character is at most 4 bytes
-            piece = self.backend.id_to_token(i) or ""
-            if kind == "level":
-                tail += bytes(_BYTE_OF.get(c, 0x20) for c in piece)
-            elif _BYTE_TOKEN.fullmatch(piece):
-                tail.append(int(piece[3:5], 16))
-            else:
-                tail += piece.encode("utf-8", "replace")
-        return _incomplete_utf8(bytes(tail[-4:]))
+        tail = b"".join(self.token_bytes(i) for i in ids[-4:])  # a character is at most 4 bytes
+        return _incomplete_utf8(tail[-4:])
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own chat template, as the model was trained to see them."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                            **variables) -> str:
+        """Render messages with the model's own chat template, as the model was trained to see them (tools: OpenAI's
+        function specs, for templates that describe them; variables: more for the template, e.g. enable_thinking)."""
         if not self.chat_template:
             raise QuickdraftError(
                 "this model has no chat template in its metadata: drop --chat and give a raw prompt"
             )
         return _compile_template(self.chat_template).render(
+            **{**variables, **self.special_tokens},
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            tools=None,
-            **self.special_tokens,
+            tools=tools or None,
         )
 
     # ---- builders -------------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""Tool-call formats against the real chat templates that define them (llama.cpp's models/templates/): a call as the
+template itself writes it into an assistant turn is parsed back to the same call, and is accepted by the grammar
+quickdraft constrains generation with; the grammar refuses a call that breaks its function's schema."""
+
+import json
+import re
+
+import pytest
+
+from quickdraft import grammar as grammars, tools
+from quickdraft.tokenizer import Tokenizer
+from quickdraft.weights import gguf as gguf_io
+from tests import llamacpp
+
+WEATHER = tools.Tool("get_weather", "Current weather in a city", {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"], "additionalProperties": False})
+TIME = tools.Tool("get_time", "Local time in a city", {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+CALLS = [tools.ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}', "abcDEF123"),
+         tools.ToolCall("get_time", '{"city": "Oslo"}', "xyz789QRS")]
+TEMPLATES = {  # template file -> (format, style, whether it writes several calls in one turn)
+    "Qwen-Qwen2.5-7B-Instruct.jinja": ("hermes", None, True),
+    "Qwen-Qwen3-0.6B.jinja": ("hermes", None, True),
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": ("hermes", None, True),
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": ("mistral", "list", True),
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": ("mistral", "call_id", True),
+    "unsloth-mistral-Devstral-Small-2507.jinja": ("mistral", "args", True),
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": ("llama3", None, False),
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": ("llama3", None, False),
+    "google-gemma-2-2b-it.jinja": ("generic", None, True),
+    "microsoft-Phi-3.5-mini-instruct.jinja": ("generic", None, True),
+    "Qwen3-Coder.jinja": ("generic", None, True),  # XML parameters: not a JSON format
+}
+END = ("<|im_end|>", "</s>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    """A real vocabulary (Qwen2's, vocabulary-only GGUF) for llguidance: none of the Mistral/Llama markers are single
+    tokens in it, so those formats' grammars are checked with their markers spelled out."""
+    path = llamacpp.tree() / "models" / "ggml-vocab-qwen2.gguf"
+    tokenizer = Tokenizer.from_gguf_metadata(gguf_io.metadata(gguf_io.open_gguf(path)))
+    return tokenizer, grammars.ll_tokenizer(tokenizer.backend.to_str(), tokenizer.vocab_size,
+                                            sorted(tokenizer.eos_ids))
+
+
+def with_template(tokenizer, name):
+    source = (llamacpp.tree() / "models" / "templates" / name).read_text(encoding="utf-8")
+    return Tokenizer(tokenizer.backend, chat_template=source, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def assistant_turn(tok, fmt, calls):
+    """What the template writes for an assistant turn holding these calls (the text after the generation prompt,
+    its end-of-turn marker dropped: a generation stops at it)."""
+    user = [{"role": "user", "content": "Weather in Paris, time in Oslo?"}]
+    call_message = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+    specs = [t.spec() for t in (WEATHER, TIME)]
+    before = tok.apply_chat_template(fmt.messages(user, [WEATHER, TIME]), True, tools=specs if fmt.native else None)
+    after = tok.apply_chat_template(fmt.messages(user + [call_message], [WEATHER, TIME]), False,
+                                    tools=specs if fmt.native else None)
+    assert after.startswith(before), "the template renders the history differently once a turn is added"
+    turn = re.sub(r"^<think>\s*</think>\s*", "", after[len(before):])  # Qwen3 marks the last turn's (empty) thought
+    for end in END:
+        turn = turn.split(end)[0]
+    return turn.strip() if fmt.name != "hermes" else turn.rstrip()
+
+
+def accepts(ll_tok, tokenizer, grammar, text) -> bool:
+    matcher = grammars.matcher(ll_tok, grammars.to_llguidance(grammar), grammar)
+    return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_bos=False)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_the_format_is_found_from_the_template(vocab, name):
+    tok = with_template(vocab[0], name)
+    fmt = tools.detect(tok)
+    kind, style, _ = TEMPLATES[name]
+    assert fmt.name == kind and getattr(fmt, "style", None) == style
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_a_call_as_the_template_writes_it_parses_back_and_fits_the_grammar(vocab, name):
+    tokenizer, ll_tok = vocab
+    tok = with_template(tokenizer, name)
+    fmt = tools.detect(tok)
+    several = TEMPLATES[name][2]
+    calls = CALLS if several else CALLS[:1]
+    if fmt.native:
+        turn = assistant_turn(tok, fmt, calls)
+    else:  # generic: the answer quickdraft asks for, as the history shows it
+        turn = fmt.messages([{"role": "assistant", "tool_calls": [c.to_dict() for c in calls]}], [])[0]["content"]
+    content, parsed = fmt.parse(turn)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [(c.name, json.loads(c.arguments)) for c in calls]
+    assert content == ""
+    if fmt.name == "mistral" and fmt.style != "args":  # the ids it writes come back
+        assert [c.id for c in parsed] == [c.id for c in calls]
+    for choice in ("required", "auto"):
+        assert accepts(ll_tok, tokenizer, fmt.grammar([WEATHER, TIME], choice, several), turn), (choice, turn)
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+                                  "meta-llama-Llama-3.1-8B-Instruct.jinja", "google-gemma-2-2b-it.jinja"])
+def test_the_grammar_holds_calls_to_their_schema_and_choice(vocab, name):
+    tokenizer, ll_tok = vocab
+    tok = with_template(tokenizer, name)
+    fmt = tools.detect(tok)
+    good = assistant_turn(tok, fmt, CALLS[:1]) if fmt.native else \
+        json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
+    bad_value = good.replace('"celsius"', '"kelvin"') if "celsius" in good else good.replace('"Paris"', "7")
+    unknown = good.replace("get_weather", "get_wether")
+    for choice in ("required", "auto", "get_weather"):
+        grammar = fmt.grammar([WEATHER, TIME], choice, True)
+        assert accepts(ll_tok, tokenizer, grammar, good)
+        assert not accepts(ll_tok, tokenizer, grammar, bad_value), (choice, bad_value)
+        assert not accepts(ll_tok, tokenizer, grammar, unknown), (choice, unknown)
+    assert not accepts(ll_tok, tokenizer, fmt.grammar([WEATHER, TIME], "get_time", True), good)
+    prose = "It is sunny." if fmt.native else json.dumps({"response": "It is sunny."})
+    assert accepts(ll_tok, tokenizer, fmt.grammar([WEATHER, TIME], "auto", True), prose)
+    assert accepts(ll_tok, tokenizer, fmt.grammar([WEATHER, TIME], "none", True), prose)
+    assert not accepts(ll_tok, tokenizer, fmt.grammar([WEATHER, TIME], "none", True), good)
+    assert not accepts(ll_tok, tokenizer, fmt.grammar([WEATHER, TIME], "required", True), prose)
+
+
+def test_hermes_reads_a_bare_or_fenced_call_and_holds_it_to_the_schema(vocab):
+    """Small models answer with the JSON alone or in a ```json fence: under "auto" such an answer must be a valid call,
+    and it is read as one; JSON later in prose stays prose."""
+    tokenizer, ll_tok = vocab
+    fmt = tools.Hermes(with_template(tokenizer, "Qwen-Qwen2.5-7B-Instruct.jinja"))
+    grammar = fmt.grammar([WEATHER, TIME], "auto", True)
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+    for text in (fenced, '{"name": "get_time", "arguments": {"city": "Oslo"}}'):
+        assert accepts(ll_tok, tokenizer, grammar, text)
+        content, calls = fmt.parse(text)
+        assert content == "" and len(calls) == 1
+    assert not accepts(ll_tok, tokenizer, grammar, fenced.replace("get_weather", "get_wether"))
+    assert not accepts(ll_tok, tokenizer, grammar, fenced.replace('"Paris"', "3"))
+    prose = 'Here is JSON: {"name": "x"} and ```python\nprint(1)\n```'
+    assert accepts(ll_tok, tokenizer, grammar, prose) and fmt.parse(prose) == (prose, [])
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct.jinja", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                                  "meta-llama-Llama-3.1-8B-Instruct.jinja", "google-gemma-2-2b-it.jinja"])
+def test_streamed_text_holds_back_the_call_and_gives_the_same_result(vocab, name):
+    tokenizer, _ = vocab
+    tok = with_template(tokenizer, name)
+    fmt = tools.detect(tok)
+    turn = assistant_turn(tok, fmt, CALLS[:1]) if fmt.native else \
+        json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
+    for prefix in ("", "Let me look. ") if fmt.name in ("hermes", "mistral") else ("",):
+        stream = tools.ToolStream(fmt)
+        streamed = "".join(stream.push(turn_piece) for turn_piece in _pieces(prefix + turn))
+        rest, calls = stream.finish()
+        assert streamed + rest == prefix.rstrip() or streamed + rest == prefix
+        assert [c.name for c in calls] == ["get_weather"] and all(len(c.id) == 9 for c in calls)
+    stream = tools.ToolStream(fmt)
+    prose = "Sunny, 18 degrees." if fmt.native else json.dumps({"response": "Sunny, 18 degrees."})
+    streamed = "".join(stream.push(p) for p in _pieces(prose))
+    rest, calls = stream.finish()
+    assert streamed + rest == "Sunny, 18 degrees." and calls == []
+
+
+def _pieces(text, size=3):
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+def test_history_with_calls_and_results_reaches_the_template_as_it_expects(vocab):
+    """Arguments as objects (templates tojson them), results with the name of the call they answer."""
+    tok = with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja")
+    fmt = tools.detect(tok)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [CALLS[0].to_dict()]},
+               {"role": "tool", "tool_call_id": CALLS[0].id, "content": '{"temp": 18}'}]
+    shaped = fmt.messages(history, [WEATHER])
+    assert shaped[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
+    assert shaped[2]["name"] == "get_weather"
+    text = tok.apply_chat_template(shaped, tools=[WEATHER.spec()])
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
+    assert "<tool_response>\n{\"temp\": 18}\n</tool_response>" in text

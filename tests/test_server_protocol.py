@@ -71,15 +71,56 @@ def test_bad_chat_bodies_say_what_to_fix(body, fragment):
     assert e.value.status == 400 and fragment in e.value.message
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"n": 2}, "n", "not supported"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "send tools"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    ({"mirostat": 2}, "mirostat", "set it to 0 (mirostat off)"),
+    ({"dry_multiplier": 0.8}, "dry_multiplier", "set it to 0 (DRY off)"),
+    ({"typical_p": 0.9}, "typical_p", "set it to 1"),
+    ({"store": True}, "store", "nothing is stored here"),
+    ({"frobnicate": 1}, "frobnicate", "unknown field 'frobnicate'"),
+    ({"max_tokens": 5, "n_predict": 6}, "n_predict", "disagree"),
+    ({"samplers": ["top_p", "temperature"], "top_p": 0.9, "temperature": 0.7}, "samplers", "order"),
+    ({"samplers": ["temperature"], "top_k": 40, "temperature": 0.7}, "samplers", "leaves out top_k"),
+    ({"samplers": ["banana"]}, "samplers", "unknown sampler"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
 ])
-def test_unsupported_features_are_refused_not_ignored(extra, param):
+def test_unsupported_features_are_refused_not_ignored(extra, param, fragment):
     req = p.ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
     with pytest.raises(p.APIError) as e:
-        req.refuse_unsupported()
-    assert e.value.param == param and "not supported" in e.value.message
+        req.check_fields()
+        req.tool_choice_name()
+    assert e.value.param == param and fragment in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("extra", [
+    {"mirostat": 0, "mirostat_tau": 5.0, "typical_p": 1.0, "dry_multiplier": 0, "dry_base": 1.75, "xtc_probability": 0,
+     "xtc_threshold": 0.1, "top_n_sigma": -1, "dynatemp_range": 0, "min_keep": 0, "n_keep": -1, "id_slot": -1,
+     "cache_prompt": True, "user": "u1", "service_tier": "auto", "store": False, "logit_bias": {}},
+    {"samplers": ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"], "top_p": 0.9},
+    {"samplers": "edkypmxt", "min_p": 0.05, "temperature": 1.0},
+])
+def test_llama_server_fields_at_their_off_values_are_accepted(extra):
+    req = p.ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
+    req.check_fields()
+
+
+def test_llama_server_names_map_to_ours():
+    from quickdraft.server.requests import sampling
+
+    req = p.CompletionRequest.model_validate({"prompt": "x", "n_predict": 7, "repeat_penalty": 1.3,
+                                              "repeat_last_n": -1, "n_probs": 3, "post_sampling_probs": True})
+    req.check_fields()
+    params = sampling(req, req.requested_max_tokens())
+    assert (params.max_tokens, params.repetition_penalty, params.repetition_window) == (7, 1.3, 0)
+    assert params.logprobs == 3 and params.post_sampling
+    off = p.CompletionRequest.model_validate({"prompt": "x", "repeat_penalty": 1.3, "presence_penalty": 0.5,
+                                              "repeat_last_n": 0})
+    params = sampling(off, 4)
+    assert params.repetition_penalty == 1.0 and params.presence_penalty == 0.0  # llama-server: 0 turns them off
+    assert p.CompletionRequest.model_validate({"prompt": "x", "n_predict": -1}).requested_max_tokens() is None
 
 
 @pytest.mark.parametrize("extra, want", [
@@ -90,11 +131,12 @@ def test_unsupported_features_are_refused_not_ignored(extra, param):
      Grammar("json_schema", '{"type": "integer"}')),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, Grammar("json_schema", '{"type": "object"}')),
     ({"grammar": 'root ::= "a"'}, Grammar("grammar", 'root ::= "a"')),
+    ({"json_schema": {"type": "integer"}}, Grammar("json_schema", '{"type": "integer"}')),  # llama-server's
     ({"regex": "a+"}, Grammar("regex", "a+")),
 ])
 def test_structured_output_fields_become_one_constraint(extra, want):
     req = p.ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
-    req.refuse_unsupported()
+    req.check_fields()
     assert req.requested_grammar() == want
 
 

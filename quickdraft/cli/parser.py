@@ -179,6 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--request-timeout", type=float, default=20.0, metavar="S",
                     help="a connection must send a complete request head within S seconds of opening (or of its "
                          "last response), or it is closed (default: %(default)s)")
+    sv.add_argument("--alias", action="append", default=[], metavar="NAME",
+                    help="another name requests may give as `model` for the served model, listed by /v1/models "
+                         "(repeatable)")
+    sv.add_argument("--strict-model-name", action="store_true",
+                    help="answer a request that names another model with 404 (default: the served model answers "
+                         "it, and the response's `model` says which: clients hard-code names)")
+    sv.add_argument("--cors-origins", default=None, metavar="ORIGINS",
+                    help="comma-separated browser origins (e.g. https://chat.example.org) whose pages may call the "
+                         "API, '*' for any; pages served from this machine (http://localhost:PORT, 127.0.0.1, [::1]) "
+                         "always may (default: only those). The API key is still required when one is set")
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
     _common(sv)

@@ -7,9 +7,10 @@ import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -28,10 +29,26 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 class ServerState:
     worker: EngineWorker
     model_id: str  # the name /v1/models lists
-    model_aliases: frozenset[str]  # other names a request may use for it
+    model_aliases: frozenset[str]  # other names a request may use for it (--alias, the file's name)
     api_key: str | None = None
     allowed_hosts: frozenset[str] | None = None  # Host header names answered (None: any); see check_host
     sandbox: GrammarSandbox | None = None  # where request constraints compile first (made at startup)
+    strict_model_name: bool = False  # a request naming another model gets 404 (else the served model answers)
+    cors_origins: tuple[str, ...] | None = None  # browser origins allowed besides loopback pages; ("*",): any
+    tool_format: object | None = None  # the model's tool-call format (quickdraft.tools), found on first use
+    other_names: set[str] = field(default_factory=set)  # names requests used that are not the model's
+    created: int = field(default_factory=p.now)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self.model_aliases | {self.model_id}
+
+    def note_other_name(self, name: str) -> None:
+        """Say once per name, on the console, that requests naming another model get this one."""
+        if name not in self.other_names and len(self.other_names) < 64:
+            self.other_names.add(name)
+            log.warning("requests name model %r: %s answers them (start with --strict-model-name to refuse)",
+                        name[:100], self.model_id)
 
     @property
     def engine(self):
@@ -68,28 +85,38 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card(name: str) -> dict:
+        engine = state.engine
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "quickdraft",
+                "context_length": engine.context, "draft": engine.drafter_name, "served_as": state.model_id}
+
     @app.get("/v1/models")
     async def models():
-        engine = state.engine
-        return {"object": "list", "data": [{
-            "id": state.model_id, "object": "model", "created": p.now(), "owned_by": "quickdraft",
-            "context_length": engine.context, "draft": engine.drafter_name,
-        }]}
+        names = [state.model_id] + sorted(state.model_aliases - {state.model_id})
+        return {"object": "list", "data": [model_card(n) for n in names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name not in state.names:
+            raise p.APIError(404, f"model {name!r} is not served here: this server serves {state.model_id!r}",
+                             "model", code="model_not_found")
+        return model_card(name)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = p.parse_body(await prepare.read_body(request), p.CompletionRequest)
         prepare.check_model(state, req)
         prompt = await prepare.completion_prompt(state, req)
-        return await respond(state, request, req, prompt, chat=False, max_tokens=req.max_tokens)
+        return await respond(state, request, req, prompt, chat=False, max_tokens=req.requested_max_tokens())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = p.parse_body(await prepare.read_body(request), p.ChatRequest)
         prepare.check_model(state, req)
-        prompt = await prepare.chat_prompt(state, req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await respond(state, request, req, prompt, chat=True, max_tokens=max_tokens)
+        tools = prepare.tool_plan(state, req)
+        prompt = await prepare.chat_prompt(state, req, tools)
+        return await respond(state, request, req, prompt, chat=True, max_tokens=req.requested_max_tokens(),
+                             tools=tools)
 
     return app
 
@@ -123,6 +150,10 @@ def _errors(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(body, status_code=500)
 
 
+# pages served from this machine (any port): allowed to call the API from a browser unless --cors-origins says else
+LOOPBACK_ORIGINS = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"
+
+
 def _guards(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def check_caller(request: Request, call_next):
@@ -132,6 +163,13 @@ def _guards(app: FastAPI, state: ServerState) -> None:
             state.metrics.rejected.labels(str(refused.status)).inc()
             return JSONResponse(refused.body(), status_code=refused.status)
         return await call_next(request)
+
+    # outside the checks above: a browser's preflight (OPTIONS, never with the key) is answered here, and the
+    # answers of the checks carry the CORS headers, so a page on an allowed origin can read why it was refused
+    origins = list(state.cors_origins or ())
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_origin_regex=None if "*" in origins else
+                       LOOPBACK_ORIGINS, allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                       expose_headers=["Retry-After"], max_age=600)
 
 
 def check_host(state: ServerState, host: str) -> p.APIError | None:

@@ -8,7 +8,8 @@ is tokenised, and tokenising, chat templating and compiling run on other threads
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+import json
+from dataclasses import dataclass, replace
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -43,10 +44,15 @@ async def read_body(request: Request) -> bytes:
 
 
 def check_model(state, req) -> None:
-    if req.model is not None and req.model not in state.model_aliases | {state.model_id}:
-        raise p.APIError(404, f"model {req.model!r} is not served here: use {state.model_id!r} "
-                              "(see GET /v1/models)", "model", code="model_not_found")
-    req.refuse_unsupported()
+    """The model a request names: the served one by any of its names; another name is answered by the served model
+    too (clients hard-code names), and the response's `model` says which, unless the server was started with
+    --strict-model-name."""
+    if req.model is not None and req.model not in state.names:
+        if state.strict_model_name:
+            raise p.APIError(404, f"model {req.model!r} is not served here: use {state.model_id!r} "
+                                  "(see GET /v1/models)", "model", code="model_not_found")
+        state.note_other_name(req.model)
+    req.check_fields()
 
 
 def _max_chars(state) -> int:
@@ -78,16 +84,24 @@ async def completion_prompt(state, req: p.CompletionRequest) -> list[int]:
     return list(prompt)
 
 
-async def chat_prompt(state, req: p.ChatRequest) -> list[int]:
+async def chat_prompt(state, req: p.ChatRequest, tools: "ToolPlan | None") -> list[int]:
     messages = req.template_messages()
-    _check_chars(state, sum(len(m["content"]) for m in messages), "messages")
+    chars = sum(len(m["content"]) + sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"]))
+                                        for c in m.get("tool_calls", [])) for m in messages)
+    _check_chars(state, chars + sum(len(json.dumps(t.parameters)) for t in tools.tools) if tools else chars,
+                 "messages")
     tokenizer = state.engine.target.tokenizer
-    return await asyncio.to_thread(_render, tokenizer, messages)
+    extra = dict(req.chat_template_kwargs or {})
+    if tools is not None:
+        messages = tools.format.messages(messages, tools.tools)
+        if tools.format.native:
+            extra["tools"] = [t.spec() for t in tools.tools]
+    return await asyncio.to_thread(_render, tokenizer, messages, extra)
 
 
-def _render(tokenizer, messages: list[dict]) -> list[int]:
+def _render(tokenizer, messages: list[dict], extra: dict) -> list[int]:
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages, **extra)
     except QuickdraftError as e:
         raise p.APIError(400, str(e).replace("drop --chat and give a raw prompt",
                                              "use /v1/completions with a raw prompt"), "messages") from None
@@ -96,13 +110,46 @@ def _render(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode(text)
 
 
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's tools: the model's format for them, the tools, and the choice ("auto", "none", "required" or a
+    function's name)."""
+
+    format: object  # quickdraft.tools.ToolFormat
+    tools: list
+    choice: str
+    parallel: bool
+
+    def grammar(self):
+        return self.format.grammar(self.tools, self.choice, self.parallel)
+
+
+def tool_plan(state, req) -> ToolPlan | None:
+    if not isinstance(req, p.ChatRequest):
+        return None
+    choice = req.tool_choice_name()
+    if choice is None:
+        return None
+    from quickdraft import tools
+
+    fmt = state.tool_format
+    if fmt is None:
+        fmt = state.tool_format = tools.detect(state.engine.target.tokenizer)
+    return ToolPlan(fmt, req.tool_list(), choice, req.parallel_tool_calls)
+
+
 def sampling(req, max_tokens: int) -> SamplingParams:
+    window = req.penalty_window()
+    penalties = dict(repetition_penalty=req.penalty_value(), presence_penalty=req.presence_penalty,
+                     frequency_penalty=req.frequency_penalty)
+    if window == 0 and (req.repeat_last_n == 0 or req.penalty_last_n == 0):  # llama-server: 0 turns them off
+        penalties = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        window = None
     try:
         return SamplingParams(
-            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, seed=req.seed, max_tokens=max_tokens,
-            stop_at_eos=not req.ignore_eos,
+            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p, **penalties,
+            **({"repetition_window": window} if window is not None else {}), seed=req.seed, max_tokens=max_tokens,
+            stop_at_eos=not req.ignore_eos, logprobs=req.logprobs_count(), post_sampling=req.post_sampling_probs,
         )
     except QuickdraftError as e:
         raise p.APIError(400, str(e)) from None
@@ -123,16 +170,16 @@ def speculation(state, req):
     return replace(base, draft_max=draft_max, draft_min=draft_min, adaptive=adaptive)
 
 
-async def constraint(state, req):
+async def constraint(state, req, tools: ToolPlan | None = None):
     """The request's constraint compiled (checked in the sandbox, then built here off the event loop), or None."""
-    grammar = req.requested_grammar()
+    grammar = tools.grammar() if tools is not None else req.requested_grammar()
     if grammar is None:
         return None
     try:
         compiled = await state.sandbox.compile(grammar) if state.sandbox is not None else None
         return await asyncio.to_thread(state.engine.grammars.constraint, grammar, compiled)
     except QuickdraftError as e:
-        raise p.APIError(400, str(e), p.constraint_field(grammar.kind)) from None
+        raise p.APIError(400, str(e), "tools" if tools is not None else p.constraint_field(grammar.kind)) from None
 
 
 async def unless_disconnected(request: Request, work):

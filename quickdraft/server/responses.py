@@ -14,9 +14,10 @@ from starlette.requests import Request
 from quickdraft.server import protocol as p
 from quickdraft.server import requests as prepare
 from quickdraft.server.worker import Done, Failed, Job, Piece, QueueFull
+from quickdraft.tools import ToolStream
 
 
-async def respond(state, request: Request, req, prompt: list[int], chat: bool, max_tokens: int | None):
+async def respond(state, request: Request, req, prompt: list[int], chat: bool, max_tokens: int | None, tools=None):
     context, field = state.engine.context, "messages" if chat else "prompt"
     if not prompt:
         raise p.APIError(400, "the prompt is empty: send some text", field)
@@ -37,23 +38,24 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
         raise p.APIError(503, "the server is busy: every queue slot is taken; retry later",
                          type="server_busy", headers={"Retry-After": str(full.retry_after_s)}) from None
     try:
-        constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req))
+        constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
         job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket)
         state.worker.submit(job)
     except BaseException:
         ticket.release()
         raise
-    reply = _Reply(state, req, chat, len(prompt))
+    reply = _Reply(state, req, chat, len(prompt), tools)
     if req.stream:
         return StreamingResponse(_stream(request, job, reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    pieces = []
+    pieces, scored = [], []
     async with _watch_disconnect(request, job):
         while not isinstance(item := await job.events.get(), (Done, Failed)):
             pieces.append(item.text)
+            scored += item.logprobs or []
     if isinstance(item, Failed):
         raise _error(item)
-    return reply.whole("".join(pieces), item)
+    return reply.whole("".join(pieces), item, scored + (item.logprobs or []))
 
 
 def _error(failed: Failed) -> p.APIError:
@@ -62,20 +64,34 @@ def _error(failed: Failed) -> p.APIError:
 
 
 async def _stream(request: Request, job: Job, reply: "_Reply") -> AsyncIterator[str]:
+    calls = ToolStream(reply.tools.format) if reply.tools is not None else None
     async with _watch_disconnect(request, job):
         if reply.chat:
             yield _sse(reply.chunk({"role": "assistant", "content": ""}))
         while True:
             item = await job.events.get()
             if isinstance(item, Piece):
-                yield _sse(reply.chunk(item.text))
+                text = calls.push(item.text) if calls is not None else item.text
+                if text or item.logprobs:
+                    yield _sse(reply.chunk(text, logprobs=item.logprobs))
             elif isinstance(item, Failed):
                 yield _sse(_error(item).body())
                 break
             else:
-                yield _sse(reply.chunk(None, item))
+                finish = item.finish_reason
+                if calls is not None:
+                    rest, found = calls.finish()
+                    if rest or item.logprobs:
+                        yield _sse(reply.chunk(rest, logprobs=item.logprobs))
+                    if found:
+                        yield _sse(reply.chunk({"tool_calls": [c.to_dict(i) for i, c in enumerate(found)]}))
+                        finish = "tool_calls" if finish == "stop" else finish
+                elif item.logprobs:
+                    yield _sse(reply.chunk("", logprobs=item.logprobs))
+                yield _sse(reply.chunk(None, item, finish=finish))
                 if reply.include_usage:
-                    yield _sse({**reply.chunk(None), "choices": [], "usage": p.usage(reply.prompt_n, item.completion_n)})
+                    yield _sse({**reply.chunk(None), "choices": [], "usage": p.usage(reply.prompt_n, item.completion_n),
+                                "timings": p.timings(item.timings, item.stats, item.completion_n)})
                 break
         yield "data: [DONE]\n\n"
 
@@ -103,36 +119,65 @@ async def _watch_disconnect(request: Request, job: Job):
 class _Reply:
     """Builds the response objects of one request (ids and timestamps shared by all its chunks)."""
 
-    def __init__(self, state, req, chat: bool, prompt_n: int):
+    def __init__(self, state, req, chat: bool, prompt_n: int, tools=None):
         self.chat, self.prompt_n, self.model = chat, prompt_n, state.model_id
+        self.tools = tools
         self.id = p.new_id("chatcmpl" if chat else "cmpl")
         self.created = p.now()
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.offset = 0  # characters of text so far (the legacy logprobs' text_offset)
 
     def _envelope(self, object_: str) -> dict:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
-    def chunk(self, content, done: Done | None = None) -> dict:
+    def chunk(self, content, done: Done | None = None, logprobs: list[dict] | None = None,
+              finish: str | None = None) -> dict:
         """A streamed chunk: content is a str (a piece of text), a dict (a chat delta) or None (final)."""
-        finish = done.finish_reason if done else None
+        finish = finish or (done.finish_reason if done else None)
+        scored = self._logprobs(logprobs) if logprobs else None
         if self.chat:
             delta = content if isinstance(content, dict) else ({} if content is None else {"content": content})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": scored, "finish_reason": finish}
             out = {**self._envelope("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": content or "", "logprobs": scored, "finish_reason": finish}
             out = {**self._envelope("text_completion"), "choices": [choice]}
         if done:
             out["timings"] = p.timings(done.timings, done.stats, done.completion_n)
         return out
 
-    def whole(self, text: str, done: Done) -> dict:
+    def whole(self, text: str, done: Done, logprobs: list[dict]) -> dict:
+        scored = self._logprobs(logprobs) if logprobs else None
+        finish = done.finish_reason
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": done.finish_reason}
+            message = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                stream = ToolStream(self.tools.format)
+                stream.push(text)
+                content, calls = stream.finish()
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [c.to_dict() for c in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+                elif not self.tools.format.native:
+                    message["content"] = content
+            choice = {"index": 0, "message": message, "logprobs": scored, "finish_reason": finish}
             out = self._envelope("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": done.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": scored, "finish_reason": finish}
             out = self._envelope("text_completion")
         return {**out, "choices": [choice], "usage": p.usage(self.prompt_n, done.completion_n),
                 "timings": p.timings(done.timings, done.stats, done.completion_n)}
+
+    def _logprobs(self, entries: list[dict]) -> dict:
+        """Token entries (worker.py) in the shape of this endpoint: chat's {"content": [...]}, or the legacy
+        completions' parallel lists."""
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}

@@ -31,6 +31,7 @@ log = logging.getLogger("quickdraft.server")
 @dataclass
 class Piece:
     text: str
+    logprobs: list[dict] | None = None  # with logprobs asked: an entry per token since the last piece
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Done:
     completion_n: int
     timings: Timings
     stats: SpeculationStats
+    logprobs: list[dict] | None = None  # entries of tokens whose text never came (held back, then cut)
 
 
 @dataclass
@@ -191,17 +193,33 @@ class EngineWorker:
     def _generate(self, job: Job) -> None:
         stops = StopMatcher(job.stops)
         n = 0
+        scored = [] if job.params.logprobs is not None else None  # entries not yet handed over
         for event in self.engine.generate(job.prompt, job.params, job.speculation, job.halt, job.constraint):
+            if scored is not None and event.token is not None and not stops.matched:
+                scored.append(self._entry(event))
             text = stops.push(event.text)
             if stops.matched and job.halt.reason is None:
                 job.halt.reason = "stop"
             if text:
-                job.put(Piece(text))
+                job.put(Piece(text, scored))
+                scored = [] if scored is not None else None
             if event.token is not None:
                 n += 1
                 continue
             tail = stops.flush()
             if tail:
-                job.put(Piece(tail))
+                job.put(Piece(tail, scored))
+                scored = [] if scored is not None else None
             self.metrics.record_generation(event.finish_reason, n, event.timings, event.stats)
-            job.put(Done(event.finish_reason, n, event.timings, event.stats))
+            job.put(Done(event.finish_reason, n, event.timings, event.stats, scored or None))
+
+    def _entry(self, event) -> dict:
+        """A token's log-probabilities as OpenAI gives them: token text, its UTF-8 bytes, and the alternatives."""
+        tokenizer = self.engine.target.tokenizer
+
+        def one(token: int, logprob: float) -> dict:
+            raw = tokenizer.token_bytes(token)
+            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw), "id": token}
+
+        return {**one(event.token, event.logprob),
+                "top_logprobs": [one(t, lp) for t, lp in event.top_logprobs or []]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -60,6 +60,11 @@ class Event:
     stats: SpeculationStats | None = None
     logprob: float | None = None  # with SamplingParams.logprobs: the token's log-probability
     top_logprobs: list[tuple[int, float]] | None = None  # and the likeliest tokens' there, most likely first
+    # where the token came from: "target" (chosen by the target alone: the prefill, a plain step, or the token a
+    # round adds after its kept drafts), else the drafter source whose draft the target kept ("draft", "ngram")
+    source: str = "target"
+    step: int = 0  # the pass that gave it: 0 the prefill, then one per plain step or speculative round
+    k: int = 0  # the tokens drafted in that step (0: a plain step)
 
 
 @dataclass
@@ -174,6 +179,7 @@ class Engine:
         start = time.perf_counter()
         seq = list(prompt)
         new_tokens, scores = self._prefill(seq, params, generator, constraint)
+        origin, step = _TARGET, 0  # who proposed the tokens of this step (Event.source)
         if drafter is not None:
             drafter.begin(prompt)
         finish, first = "length", None
@@ -191,7 +197,8 @@ class Engine:
                 seq.append(token)
                 if constraint is not None:
                     constraint.advance(token)
-                yield Event(token, detok.push(token), **_logprobs(scores, j, token, params.logprobs))
+                yield Event(token, detok.push(token), source=origin.source if j < origin.kept else "target",
+                            step=step, k=origin.k, **_logprobs(scores, j, token, params.logprobs))
                 if halt.reason is not None:
                     finish = halt.reason
                     break
@@ -201,8 +208,9 @@ class Engine:
                 if len(seq) - len(prompt) == params.max_tokens:
                     break
             else:
-                new_tokens, scores = self._step(seq, params, generator, len(prompt), stats, drafter, speculation,
-                                                constraint)
+                new_tokens, scores, origin = self._step(seq, params, generator, len(prompt), stats, drafter,
+                                                        speculation, constraint)
+                step += 1
                 continue
             break
         if first is None:  # max_tokens == 0
@@ -243,8 +251,8 @@ class Engine:
         return self._per_position(masked, history, k, lambda x, h: sampling.process(x, params, h)).log()
 
     def _step(self, seq, params, generator, prompt_n: int, stats: SpeculationStats, drafter: Drafter | None,
-              speculation: SpeculationConfig, constraint: Constraint | None) -> list[int]:
-        """One plain step or one speculative round; returns the tokens it adds to seq."""
+              speculation: SpeculationConfig, constraint: Constraint | None):
+        """One plain step or one speculative round: the tokens it adds to seq, their scores and their Origin."""
         budget = draft_budget(params.max_tokens, len(seq) - prompt_n, self.context - len(seq))
 
         def k_for(source: str) -> int:
@@ -264,14 +272,14 @@ class Engine:
             seconds = time.perf_counter() - t0
             self.policy.record_plain(seconds + draft_s)
             stats.record_plain(seconds + draft_s)
-            return chosen
+            return (*chosen, _TARGET)
         t0 = time.perf_counter()
         tokens, accepted, scores = self._verify(seq, proposal, params, generator, constraint)
         verify_s = time.perf_counter() - t0
         k = len(proposal.tokens)
         self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s)
         stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
-        return tokens, scores
+        return tokens, scores, Origin(proposal.source, accepted, k)
 
     def _plain(self, seq, params, generator, constraint):
         logits = self.target.forward(torch.tensor([seq[-1:]], device=self.target.device), self.cache)[0]
@@ -317,6 +325,16 @@ class Engine:
         if history is None:
             return fn(logits, None)
         return torch.cat([fn(logits[i:i + 1], history[: history.shape[0] - k + i]) for i in range(k + 1)])
+
+
+class Origin(NamedTuple):
+    """Where a step's tokens came from: its first `kept` are drafts of `source` the target kept, out of k drafted."""
+    source: str
+    kept: int
+    k: int
+
+
+_TARGET = Origin("target", 0, 0)  # the prefill or a plain step: the target's own token
 
 
 def _logprobs(scores: torch.Tensor | None, j: int, token: int, top: int | None) -> dict:

@@ -282,3 +282,27 @@ def test_raw_logprobs_are_the_models_distribution(models):
         assert abs(e.logprob - float(want[e.token])) < 0.05
         assert e.top_logprobs[0][0] == int(want.argmax())
         seq.append(e.token)
+
+
+@pytest.mark.parametrize("kind", ["combined", "ngram"])
+def test_each_token_says_which_drafter_proposed_it(models, kind):
+    """Event.source/step/k (the chat page's colours) agree with the statistics: the kept drafts are the tokens of a
+    drafter's source, each step ends with one token of the target's own, and a step's k is what it drafted."""
+    target, draft = models
+    params = SamplingParams(max_tokens=48, stop_at_eos=False)
+    events = list(Engine(target, 256, drafter(kind, target, draft), SPECS["fixed-3"]).generate(PROMPT, params))
+    tokens, stats = [e for e in events if e.token is not None], events[-1].stats
+    kept = [e for e in tokens if e.source != "target"]
+    assert len(kept) == stats.draft_n_accepted > 0
+    assert {e.source for e in kept} <= set(stats.sources) and stats.sources  # "draft" / "ngram"
+    steps = {}
+    for e in tokens:
+        steps.setdefault(e.step, []).append(e)
+    assert sorted(steps) == list(range(len(steps)))
+    assert [steps[s][0].k for s in sorted(steps)][1:] == stats.k_history[:len(steps) - 1]
+    for run_ in steps.values():  # a step: its kept drafts, then the target's token (unless the budget cut it)
+        sources = [e.source for e in run_]
+        assert sources.count("target") <= 1 and "target" not in sources[:-1]
+        assert len(sources) <= run_[0].k + 1
+    plain = [e for e in Engine(target, 256).generate(PROMPT, params) if e.token is not None]
+    assert {e.source for e in plain} == {"target"} and [e.step for e in plain] == list(range(48))

@@ -399,8 +399,10 @@ class ToolStream:
     """Streams a tool-calling generation's text: content as it comes, held back from where a call may begin (a
     trigger, or the start of one at the end of the text so far); the calls once the output is complete."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, choice: str | None = "auto"):
         self.fmt = fmt
+        # tool_choice "none": whatever the text holds is text (a bare JSON call written as an answer too)
+        self.text_only = choice == "none" and fmt.native
         self.text = ""
         self.sent = 0  # characters of text already streamed as content
         self.calling = False
@@ -408,6 +410,9 @@ class ToolStream:
     def push(self, piece: str) -> str:
         """Content to stream now."""
         self.text += piece
+        if self.text_only:
+            self.sent = len(self.text)
+            return piece
         if self.calling or not self.fmt.native:  # generic: the whole answer is JSON, parsed at the end
             return ""
         starts = [i for t in self.fmt.triggers if (i := self.text.find(t, self.sent)) >= 0]
@@ -435,6 +440,8 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content not yet streamed, calls) once the generation has ended."""
+        if self.text_only:
+            return "", []
         content, calls = self.fmt.parse(self.text)
         calls = [c if c.id else ToolCall(c.name, c.arguments, new_call_id()) for c in calls]
         if calls:

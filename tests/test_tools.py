@@ -161,6 +161,31 @@ def test_streamed_text_holds_back_the_call_and_gives_the_same_result(vocab, name
     assert streamed + rest == "Sunny, 18 degrees." and calls == []
 
 
+def test_parallel_calls_stream_and_parse_as_several_calls(vocab):
+    """Two calls in one answer (as Qwen's template writes them): two calls back, in order, each with its own id."""
+    tok = with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja")
+    fmt = tools.detect(tok)
+    turn = assistant_turn(tok, fmt, CALLS)
+    stream = tools.ToolStream(fmt, "auto")
+    streamed = "".join(stream.push(p) for p in _pieces(turn))
+    rest, calls = stream.finish()
+    assert streamed + rest == "" and [c.name for c in calls] == [c.name for c in CALLS]
+    assert [json.loads(c.arguments) for c in calls] == [json.loads(c.arguments) for c in CALLS]
+    assert len({c.id for c in calls}) == 2 and [c.to_dict(i)["index"] for i, c in enumerate(calls)] == [0, 1]
+    assert not accepts(vocab[1], vocab[0], fmt.grammar([WEATHER, TIME], "required", False), turn)  # one at most
+
+
+def test_under_tool_choice_none_a_call_written_as_text_stays_text(vocab):
+    """The grammar forbids the trigger under "none", but a model may still write a bare JSON call as its answer:
+    it is the answer's text then, never a call (the real 1.5B did this after a tool result)."""
+    fmt = tools.detect(with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja"))
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    assert fmt.parse(bare)[1]  # under auto it is a call
+    stream = tools.ToolStream(fmt, "none")
+    streamed = "".join(stream.push(p) for p in _pieces(bare))
+    assert streamed == bare and stream.finish() == ("", [])
+
+
 def _pieces(text, size=3):
     return [text[i:i + size] for i in range(0, len(text), size)]
 
@@ -178,3 +203,20 @@ def test_history_with_calls_and_results_reaches_the_template_as_it_expects(vocab
     text = tok.apply_chat_template(shaped, tools=[WEATHER.spec()])
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text
     assert "<tool_response>\n{\"temp\": 18}\n</tool_response>" in text
+
+
+def test_parallel_calls_and_their_results_reach_the_template_in_one_turn_each(vocab):
+    """An answer with two calls, then their two results: both calls in the assistant's turn, both results (in order)
+    in the one turn the template gives tool results."""
+    tok = with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja")
+    fmt = tools.detect(tok)
+    history = [{"role": "user", "content": "Weather in Paris, time in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [c.to_dict() for c in CALLS]},
+               {"role": "tool", "tool_call_id": CALLS[0].id, "content": '{"temp": 18}'},
+               {"role": "tool", "tool_call_id": CALLS[1].id, "content": '{"time": "21:40"}'}]
+    text = tok.apply_chat_template(fmt.messages(history, [WEATHER, TIME]), tools=[WEATHER.spec(), TIME.spec()])
+    turn = text.split("<|im_start|>assistant\n")[1]
+    assert turn.count("<tool_call>") == 2 and turn.index("get_weather") < turn.index("get_time")
+    results = text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
+    assert results == ('<tool_response>\n{"temp": 18}\n</tool_response>\n'
+                       '<tool_response>\n{"time": "21:40"}\n</tool_response>')

@@ -356,6 +356,7 @@ def cmd_serve(args) -> int:
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}) at {url}/v1",
           flush=True)
+    print(f"chat page: {url}/", flush=True)
     auth = ' -H "Authorization: Bearer $QUICKDRAFT_API_KEY"' if api_key else ""  # the key itself is never printed
     print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           """-d '{"messages": [{"role": "user", "content": "Write hello world in C"}], "max_tokens": 64}'""",

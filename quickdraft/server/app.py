@@ -8,6 +8,7 @@ import hmac
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -23,6 +24,14 @@ from quickdraft.server.worker import EngineWorker
 
 log = logging.getLogger("quickdraft.server")
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# the chat page (server/page/): static files read once, served at / and /page/NAME without the API key (the
+# page asks for the key and sends it with its API calls); nothing there comes from elsewhere
+PAGE = Path(__file__).with_name("page")
+PAGE_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+              ".css": "text/css; charset=utf-8"}
+PAGE_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+                "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+                                           "connect-src 'self'; frame-ancestors 'none'"}
 
 
 @dataclass
@@ -76,6 +85,18 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.quickdraft = state
     _errors(app, state)
     _guards(app, state)
+
+    page = {f.name: (f.read_bytes(), PAGE_TYPES[f.suffix]) for f in PAGE.iterdir() if f.suffix in PAGE_TYPES}
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return Response(page["index.html"][0], media_type=page["index.html"][1], headers=PAGE_HEADERS)
+
+    @app.get("/page/{name}", include_in_schema=False)
+    async def page_file(name: str):
+        if name not in page:
+            raise p.APIError(404, f"no page file {name!r}", code="not_found")
+        return Response(page[name][0], media_type=page[name][1], headers=PAGE_HEADERS)
 
     @app.get("/health")
     async def health():
@@ -195,7 +216,9 @@ def host_name(host: str) -> str:
 
 
 def check_key(state: ServerState, request: Request) -> p.APIError | None:
-    if not state.api_key or request.url.path == "/health":
+    """The API key, on every route but /health and the chat page's static files."""
+    path = request.url.path
+    if not state.api_key or path in ("/health", "/") or path.startswith("/page/"):
         return None
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if hmac.compare_digest(given.encode(), state.api_key.encode()):

@@ -135,6 +135,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     speculative: Speculative | None = None
+    speculation_trace: bool = False  # ours: each token's source, step and k in the chunks (the chat page's colours)
     cache_prompt: bool = False  # llama-server's prefix reuse hint: accepted; the whole prompt is always prefilled
     samplers: list[str] | str | None = None  # llama-server's sampler order: accepted when it is ours
     n_probs: int | None = Field(None, ge=0, le=20)  # llama-server's count of top log-probabilities

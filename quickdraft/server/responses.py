@@ -39,7 +39,8 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
                          type="server_busy", headers={"Retry-After": str(full.retry_after_s)}) from None
     try:
         constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
-        job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket)
+        job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket,
+                  trace=req.speculation_trace)
         state.worker.submit(job)
     except BaseException:
         ticket.release()
@@ -48,14 +49,16 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
     if req.stream:
         return StreamingResponse(_stream(request, job, reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    pieces, scored = [], []
+    pieces, scored, traced = [], [], []
     async with _watch_disconnect(request, job):
         while not isinstance(item := await job.events.get(), (Done, Failed)):
             pieces.append(item.text)
             scored += item.logprobs or []
+            traced += item.trace or []
     if isinstance(item, Failed):
         raise _error(item)
-    return reply.whole("".join(pieces), item, scored + (item.logprobs or []))
+    return reply.whole("".join(pieces), item, scored + (item.logprobs or []),
+                       traced + (item.trace or []) if job.trace else None)
 
 
 def _error(failed: Failed) -> p.APIError:
@@ -64,7 +67,7 @@ def _error(failed: Failed) -> p.APIError:
 
 
 async def _stream(request: Request, job: Job, reply: "_Reply") -> AsyncIterator[str]:
-    calls = ToolStream(reply.tools.format) if reply.tools is not None else None
+    calls = ToolStream(reply.tools.format, reply.tools.choice) if reply.tools is not None else None
     async with _watch_disconnect(request, job):
         if reply.chat:
             yield _sse(reply.chunk({"role": "assistant", "content": ""}))
@@ -72,8 +75,8 @@ async def _stream(request: Request, job: Job, reply: "_Reply") -> AsyncIterator[
             item = await job.events.get()
             if isinstance(item, Piece):
                 text = calls.push(item.text) if calls is not None else item.text
-                if text or item.logprobs:
-                    yield _sse(reply.chunk(text, logprobs=item.logprobs))
+                if text or item.logprobs or item.trace:
+                    yield _sse(reply.chunk(text, logprobs=item.logprobs, trace=item.trace))
             elif isinstance(item, Failed):
                 yield _sse(_error(item).body())
                 break
@@ -81,13 +84,13 @@ async def _stream(request: Request, job: Job, reply: "_Reply") -> AsyncIterator[
                 finish = item.finish_reason
                 if calls is not None:
                     rest, found = calls.finish()
-                    if rest or item.logprobs:
-                        yield _sse(reply.chunk(rest, logprobs=item.logprobs))
+                    if rest or item.logprobs or item.trace:
+                        yield _sse(reply.chunk(rest, logprobs=item.logprobs, trace=item.trace))
                     if found:
                         yield _sse(reply.chunk({"tool_calls": [c.to_dict(i) for i, c in enumerate(found)]}))
                         finish = "tool_calls" if finish == "stop" else finish
-                elif item.logprobs:
-                    yield _sse(reply.chunk("", logprobs=item.logprobs))
+                elif item.logprobs or item.trace:
+                    yield _sse(reply.chunk("", logprobs=item.logprobs, trace=item.trace))
                 yield _sse(reply.chunk(None, item, finish=finish))
                 if reply.include_usage:
                     yield _sse({**reply.chunk(None), "choices": [], "usage": p.usage(reply.prompt_n, item.completion_n),
@@ -131,7 +134,7 @@ class _Reply:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
     def chunk(self, content, done: Done | None = None, logprobs: list[dict] | None = None,
-              finish: str | None = None) -> dict:
+              finish: str | None = None, trace: list[dict] | None = None) -> dict:
         """A streamed chunk: content is a str (a piece of text), a dict (a chat delta) or None (final)."""
         finish = finish or (done.finish_reason if done else None)
         scored = self._logprobs(logprobs) if logprobs else None
@@ -142,17 +145,19 @@ class _Reply:
         else:
             choice = {"index": 0, "text": content or "", "logprobs": scored, "finish_reason": finish}
             out = {**self._envelope("text_completion"), "choices": [choice]}
+        if trace:  # speculation_trace: the tokens' origins (an extension OpenAI clients ignore)
+            choice["trace"] = trace
         if done:
             out["timings"] = p.timings(done.timings, done.stats, done.completion_n)
         return out
 
-    def whole(self, text: str, done: Done, logprobs: list[dict]) -> dict:
+    def whole(self, text: str, done: Done, logprobs: list[dict], trace: list[dict] | None = None) -> dict:
         scored = self._logprobs(logprobs) if logprobs else None
         finish = done.finish_reason
         if self.chat:
             message = {"role": "assistant", "content": text}
             if self.tools is not None:
-                stream = ToolStream(self.tools.format)
+                stream = ToolStream(self.tools.format, self.tools.choice)
                 stream.push(text)
                 content, calls = stream.finish()
                 if calls:
@@ -166,6 +171,8 @@ class _Reply:
         else:
             choice = {"index": 0, "text": text, "logprobs": scored, "finish_reason": finish}
             out = self._envelope("text_completion")
+        if trace is not None:
+            choice["trace"] = trace
         return {**out, "choices": [choice], "usage": p.usage(self.prompt_n, done.completion_n),
                 "timings": p.timings(done.timings, done.stats, done.completion_n)}
 

@@ -32,6 +32,7 @@ log = logging.getLogger("quickdraft.server")
 class Piece:
     text: str
     logprobs: list[dict] | None = None  # with logprobs asked: an entry per token since the last piece
+    trace: list[dict] | None = None  # with speculation_trace asked: likewise, each token's origin (_traced)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Done:
     timings: Timings
     stats: SpeculationStats
     logprobs: list[dict] | None = None  # entries of tokens whose text never came (held back, then cut)
+    trace: list[dict] | None = None
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     halt: Halt = field(default_factory=Halt)
     submitted: float = field(default_factory=time.perf_counter)
+    trace: bool = False  # hand each token's origin over with the text (Piece.trace)
 
     def cancel(self) -> None:
         if self.halt.reason is None:
@@ -193,25 +196,30 @@ class EngineWorker:
     def _generate(self, job: Job) -> None:
         stops = StopMatcher(job.stops)
         n = 0
-        scored = [] if job.params.logprobs is not None else None  # entries not yet handed over
+        # entries not yet handed over: log-probabilities and origins of the tokens since the last piece
+        scored = [] if job.params.logprobs is not None else None
+        traced = [] if job.trace else None
         for event in self.engine.generate(job.prompt, job.params, job.speculation, job.halt, job.constraint):
-            if scored is not None and event.token is not None and not stops.matched:
-                scored.append(self._entry(event))
+            if event.token is not None and not stops.matched:
+                if scored is not None:
+                    scored.append(self._entry(event))
+                if traced is not None:
+                    traced.append(_traced(event))
             text = stops.push(event.text)
             if stops.matched and job.halt.reason is None:
                 job.halt.reason = "stop"
             if text:
-                job.put(Piece(text, scored))
-                scored = [] if scored is not None else None
+                job.put(Piece(text, scored, traced))
+                scored, traced = _fresh(scored), _fresh(traced)
             if event.token is not None:
                 n += 1
                 continue
             tail = stops.flush()
             if tail:
-                job.put(Piece(tail, scored))
-                scored = [] if scored is not None else None
+                job.put(Piece(tail, scored, traced))
+                scored, traced = _fresh(scored), _fresh(traced)
             self.metrics.record_generation(event.finish_reason, n, event.timings, event.stats)
-            job.put(Done(event.finish_reason, n, event.timings, event.stats, scored or None))
+            job.put(Done(event.finish_reason, n, event.timings, event.stats, scored or None, traced or None))
 
     def _entry(self, event) -> dict:
         """A token's log-probabilities as OpenAI gives them: token text, its UTF-8 bytes, and the alternatives."""
@@ -223,3 +231,14 @@ class EngineWorker:
 
         return {**one(event.token, event.logprob),
                 "top_logprobs": [one(t, lp) for t, lp in event.top_logprobs or []]}
+
+
+def _fresh(entries: list | None) -> list | None:
+    return [] if entries is not None else None
+
+
+def _traced(event) -> dict:
+    """A token's origin as the chunks carry it: its text as decoded (the message's text is authoritative: a stop
+    string is cut from it), which drafter proposed it ("draft", "ngram"; "target": the target's own), the step
+    that gave it (0: the prefill, then one per plain step or round) and what that step drafted (k)."""
+    return {"text": event.text, "source": event.source, "step": event.step, "k": event.k}

@@ -67,6 +67,13 @@ def assistant_turn(tok, fmt, calls):
     return turn.strip() if fmt.name != "hermes" else turn.rstrip()
 
 
+def one_call(tok, fmt) -> str:
+    """An answer with one get_weather call: as the template writes it, or the generic format's JSON."""
+    if fmt.native:
+        return assistant_turn(tok, fmt, CALLS[:1])
+    return json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
+
+
 def accepts(ll_tok, tokenizer, grammar, text) -> bool:
     matcher = grammars.matcher(ll_tok, grammars.to_llguidance(grammar), grammar)
     return all(matcher.consume_token(t) for t in tokenizer.encode(text, add_bos=False)) and matcher.is_accepting()
@@ -106,8 +113,7 @@ def test_the_grammar_holds_calls_to_their_schema_and_choice(vocab, name):
     tokenizer, ll_tok = vocab
     tok = with_template(tokenizer, name)
     fmt = tools.detect(tok)
-    good = assistant_turn(tok, fmt, CALLS[:1]) if fmt.native else \
-        json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
+    good = one_call(tok, fmt)
     bad_value = good.replace('"celsius"', '"kelvin"') if "celsius" in good else good.replace('"Paris"', "7")
     unknown = good.replace("get_weather", "get_wether")
     for choice in ("required", "auto", "get_weather"):
@@ -146,8 +152,7 @@ def test_streamed_text_holds_back_the_call_and_gives_the_same_result(vocab, name
     tokenizer, _ = vocab
     tok = with_template(tokenizer, name)
     fmt = tools.detect(tok)
-    turn = assistant_turn(tok, fmt, CALLS[:1]) if fmt.native else \
-        json.dumps({"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]})
+    turn = one_call(tok, fmt)
     for prefix in ("", "Let me look. ") if fmt.name in ("hermes", "mistral") else ("",):
         stream = tools.ToolStream(fmt)
         streamed = "".join(stream.push(turn_piece) for turn_piece in _pieces(prefix + turn))

@@ -275,7 +275,7 @@ function blocks(text) {  // [{code, start, end}]: ``` fenced code (fences includ
 
 function renderChart(svg, rounds) {
   const shown = rounds.slice(-400);
-  const height = Math.max(4, ...shown.map((r) => Math.max(r.k, r.n)));
+  const height = Math.max(4, ...shown.map((r) => Math.max(r.k, r.n))) + 0.5;  // room for the top tick
   svg.setAttribute("viewBox", `0 0 ${Math.max(shown.length, 20)} ${height}`);
   let out = "";
   shown.forEach((r, x) => {

@@ -24,8 +24,33 @@ def tree() -> Path:
     from quickdraft.weights import hub
 
     root = hub.cache_dir() / "ext" / f"llama.cpp-{VERSION}"
-    if (root / ".complete").exists():
-        return root
+    if not (root / ".complete").exists():
+        _extract(root, WANTED)
+    return root
+
+
+def server_binary(log=None) -> Path:
+    """llama.cpp's own llama-server, built once from the vendored source into the cache (about 10 minutes on 2
+    cores: for slow tests and benchmark scripts only)."""
+    from quickdraft.weights import hub
+
+    root = hub.cache_dir() / "ext" / f"llama-server-{VERSION}"
+    binary = root / "build" / "bin" / "llama-server"
+    if (root / ".complete").exists() and binary.exists():
+        return binary
+    if not (root / "src" / "CMakeLists.txt").exists():
+        _extract(root / "src", ("",))
+    out = log or subprocess.DEVNULL
+    for command in (["cmake", "-S", str(root / "src"), "-B", str(root / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                    ["cmake", "--build", str(root / "build"), "-j", str(os.cpu_count() or 2), "--target", "llama-server"]):
+        subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
+    (root / ".complete").write_text(COMMIT + "\n")
+    return binary
+
+
+def _extract(root: Path, wanted: tuple[str, ...]) -> None:
+    """The parts of vendor/llama.cpp named by wanted (prefixes; "" for all) from the sdist, sha256-checked."""
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q",
@@ -37,12 +62,11 @@ def tree() -> Path:
         prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
             members = [m for m in tar.getmembers() if m.name.startswith(prefix)
-                       and m.name[len(prefix):].startswith(WANTED) and (m.isfile() or m.isdir())]
+                       and m.name[len(prefix):].startswith(wanted) and (m.isfile() or m.isdir())]
             for m in members:
                 m.name = m.name[len(prefix):]
             tar.extractall(root, members=members, filter="data")
     (root / ".complete").write_text(COMMIT + "\n")
-    return root
 
 
 def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:

@@ -183,13 +183,26 @@ def cmd_pull(args) -> int:
 
 
 def _prompts(args, tokenizer) -> dict[str, list[int]]:
-    from quickdraft.prompts import PROMPTS, encoded
+    from quickdraft.prompts import encoded
+
+    return encoded(tokenizer, _prompt_names(args))
+
+
+def _prompt_names(args) -> list[str]:
+    from quickdraft.prompts import PROMPTS
 
     names = args.prompts.split(",") if args.prompts else list(PROMPTS)
     unknown = [n for n in names if n not in PROMPTS]
     if unknown:
         raise QuickdraftError(f"unknown prompt {unknown[0]!r}: choose from {', '.join(PROMPTS)}")
-    return encoded(tokenizer, names)
+    return names
+
+
+def _prompt_texts(args) -> dict[str, str]:
+    """The bundled prompts as text: a server applies its own chat template."""
+    from quickdraft.prompts import PROMPTS
+
+    return {name: PROMPTS[name] for name in _prompt_names(args)}
 
 
 def _counter(update):
@@ -208,6 +221,8 @@ def cmd_verify(args) -> int:
     from quickdraft.ui import progress_bar
     from quickdraft.verify import verify
 
+    if args.url or args.reference_url:
+        return _verify_remote(args)
     apply_profile(args)
     if draft_of(args).kind == "none":
         raise QuickdraftError("verify needs a draft: give --draft MODEL, --draft ngram, or --draft ngram+MODEL")
@@ -225,11 +240,29 @@ def cmd_verify(args) -> int:
     return 0 if report.passed else 1
 
 
+def _verify_remote(args) -> int:
+    from quickdraft import remote
+
+    if not (args.url and args.reference_url):
+        raise QuickdraftError("verify against servers needs both --url (the speculative one) and --reference-url "
+                              "(the same model without speculation)")
+    spec = remote.Endpoint(args.url, args.api_key, args.served_model)
+    reference = remote.Endpoint(args.reference_url, args.api_key, args.served_model)
+    result = remote.verify(spec, reference, _prompt_texts(args), args.max_tokens)
+    print(json.dumps(result) if args.json else remote.verify_report(result))
+    return 0 if result["identical"] else 1
+
+
 def cmd_tune(args) -> int:
     from quickdraft import tune
     from quickdraft.speculative.draft import NONE, Draft
     from quickdraft.weights import hub
 
+    if args.from_profile is not None:
+        if args.export is None:
+            raise QuickdraftError("--from exports a profile: give --export llama-server, vllm or sglang")
+        print(_export(args, tune.read_profile(args.from_profile)))
+        return 0
     candidates = args.drafts or [hub.DEFAULT_DRAFT, "ngram", f"ngram+{hub.DEFAULT_DRAFT}"]
     drafts = [Draft.parse(c, weights=args.draft_weights) for c in candidates]
     llm = load(args, NONE)
@@ -240,7 +273,21 @@ def cmd_tune(args) -> int:
         return 0
     print(tune.report(profile))
     print(f"profile: {args.profile} (use it with: quickdraft generate --profile {args.profile} ...)")
+    if args.export:
+        print(_export(args, profile))
     return 0
+
+
+def _export(args, profile: dict) -> str:
+    """The profile as another engine's flags; llama-server gets the GGUF files of the default models' aliases."""
+    from quickdraft.export import export
+    from quickdraft.weights import hub
+
+    def gguf(name: str | None) -> str | None:
+        return str(hub.model_path(name)) if name in hub.DEFAULT_MODELS else name
+
+    draft = profile["draft"].removeprefix("ngram+") if profile["draft"] not in ("none", "ngram") else None
+    return export(profile, args.export, gguf(profile["target"]), gguf(draft))
 
 
 def cmd_bench(args) -> int:
@@ -248,6 +295,8 @@ def cmd_bench(args) -> int:
     from quickdraft.speculative.draft import NONE
     from quickdraft.ui import progress_bar
 
+    if args.url:
+        return _bench_remote(args)
     apply_profile(args)
     draft = draft_of(args)
     configs = bench.parse_configs(args.configs or bench.default_configs(draft), draft)
@@ -403,3 +452,23 @@ def _read_text(path: Path) -> str:
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo,
             "tokenize": cmd_tokenize,
             "serve": cmd_serve, "verify": cmd_verify, "doctor": cmd_doctor, "bench": cmd_bench, "tune": cmd_tune}
+
+
+def _bench_remote(args) -> int:
+    from quickdraft import remote
+    from quickdraft.ui import progress_bar
+
+    metrics = args.metrics_url or []
+    if len(metrics) > len(args.url):
+        raise QuickdraftError("more --metrics-url than --url: give one per server, in the order of the --url flags")
+    endpoints = [remote.Endpoint(url, args.api_key, args.served_model, metrics[i] if i < len(metrics) else None)
+                 for i, url in enumerate(args.url)]
+    prompts = _prompt_texts(args)
+    with progress_bar("benchmarking", len(prompts) * len(endpoints) * args.runs, unit="items") as update:
+        result = remote.bench(endpoints, prompts, args.max_tokens, args.runs, args.warmup, args.concurrency,
+                              _counter(update))
+    print(remote.bench_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"results: {args.json}", file=sys.stderr)
+    return 0

@@ -81,6 +81,13 @@ def _prompts_arg(parser) -> None:
                         help="comma-separated bundled prompts (default: all of " + ", ".join(PROMPTS) + ")")
 
 
+def _remote_args(group) -> None:
+    group.add_argument("--api-key", default=os.environ.get("QUICKDRAFT_API_KEY"),
+                       help="the servers' API key, sent as a Bearer token (default: $QUICKDRAFT_API_KEY)")
+    group.add_argument("--served-model", default=None, metavar="NAME",
+                       help="the model name to request (default: the first one each server lists)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quickdraft",
@@ -207,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples for the distribution test; 0 skips it (default: %(default)s)")
     _prompts_arg(v)
     v.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    r = v.add_argument_group("against running servers (no model is loaded here)")
+    r.add_argument("--url", default=None, metavar="URL",
+                   help="a speculative deployment (any OpenAI-compatible server: llama-server, vLLM, SGLang, quickdraft "
+                        "serve): its greedy output over the bundled prompts is compared token by token (text where it "
+                        "gives no tokens) with --reference-url's, with the first difference shown, then one seeded "
+                        "answer where the reference reproduces its own")
+    r.add_argument("--reference-url", default=None, metavar="URL", help="the same model served without speculation")
+    _remote_args(r)
     _common(v)
 
     tu = sub.add_parser("tune", help="measure candidate drafts, predict the best draft and k, write a profile",
@@ -233,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--profile", type=Path, default=Path("quickdraft-profile.json"),
                     help="where to write the profile (default: %(default)s)")
     tu.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
+    tu.add_argument("--export", choices=["llama-server", "vllm", "sglang"], default=None, metavar="ENGINE",
+                    help="also print the tuned draft and k as ENGINE's flags (llama-server, vllm or sglang), with the "
+                         "measured acceptance and predicted speed-up as comments: tune here, deploy there")
+    tu.add_argument("--from", dest="from_profile", type=Path, default=None, metavar="PROFILE",
+                    help="with --export: export a profile tune wrote before instead of measuring again")
     _common(tu)
 
     b = sub.add_parser("bench", help="benchmark plain and speculative configurations side by side",
@@ -255,6 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--roofline", action="store_true",
                    help="also measure the memory bandwidth now and v(k) for k = 1..16, and report each "
                         "configuration's bytes read per token and the share of the bandwidth it achieves")
+    r = b.add_argument_group("against running servers (no model is loaded here)")
+    r.add_argument("--url", action="append", default=None, metavar="URL",
+                   help="benchmark an OpenAI-compatible server at URL instead (llama-server, vLLM, SGLang, quickdraft "
+                        "serve); repeat to compare deployments side by side in one run: the same prompts, interleaved")
+    r.add_argument("--metrics-url", action="append", default=None, metavar="URL",
+                   help="a server's Prometheus metrics (e.g. vLLM's http://HOST:8000/metrics), read before and after "
+                        "for its spec_decode counters; one per --url, in order")
+    r.add_argument("--concurrency", type=int, default=1, metavar="N",
+                   help="streams at once per request (default: %(default)s): per-stream and aggregate tok/s, to see "
+                        "where speculation stops paying under batching")
+    _remote_args(r)
     _common(b)
 
     dr = sub.add_parser("doctor", help="check placement, memory, tokenizers and that speculation really works",

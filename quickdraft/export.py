@@ -1,0 +1,97 @@
+"""A tuned profile (quickdraft tune) as another engine's configuration: tune on one box, deploy on a cluster.
+
+Each export names the engine version whose documented flags it uses, and carries the measured acceptance and
+the predicted speed-up as comments. The flags:
+- llama-server: llama.cpp at 0c1e570 (the tree llama-cpp-python 0.3.36 vendors; common/arg.cpp): `-md`,
+  `--spec-type draft-simple|ngram-simple`, `--spec-draft-n-max/-n-min`, `--spec-draft-p-min`,
+  `--spec-ngram-simple-size-n/-size-m` (the older `--draft-max` / `--draft-min` were removed there).
+- vLLM 0.11 (vllm.config.speculative): `--speculative-config` JSON with `method` "ngram" (`num_speculative_tokens`,
+  `prompt_lookup_max`, `prompt_lookup_min`) or "draft_model" (`model`, `num_speculative_tokens`).
+- SGLang (docs.sglang.io, "Speculative Decoding"): `--speculative-algorithm STANDALONE` with
+  `--speculative-draft-model-path`, `--speculative-num-steps`, `--speculative-eagle-topk 1`,
+  `--speculative-num-draft-tokens`; or `NGRAM` (CUDA only) with `--speculative-num-draft-tokens`.
+Neither vLLM nor SGLang puts n-gram lookup in front of a draft model: an "ngram+MODEL" profile exports its model.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from quickdraft.errors import QuickdraftError
+
+ENGINES = ("llama-server", "vllm", "sglang")
+VERSIONS = {"llama-server": "llama.cpp 0c1e570 (llama-cpp-python 0.3.36)", "vllm": "vLLM 0.11",
+            "sglang": "SGLang (docs.sglang.io, speculative decoding)"}
+# the Hugging Face repositories of the default models, for engines that load checkpoints by name
+HF_REPOS = {"qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+            "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
+NGRAM_MIN, NGRAM_MAX = 2, 4  # quickdraft's prompt lookup matches 2..4-token suffixes (NgramDrafter)
+
+
+def export(profile: dict, engine: str, target_file: str | None = None, draft_file: str | None = None) -> str:
+    """The profile as engine's command-line flags (a shell fragment with comment lines). target_file / draft_file:
+    the GGUF files llama-server loads (default: the profile's names)."""
+    if engine not in ENGINES:
+        raise QuickdraftError(f"unknown engine {engine!r}: export to one of {', '.join(ENGINES)}")
+    draft, k = profile["draft"], int(profile["draft_max"])
+    model = draft.split("+", 1)[1] if draft.startswith("ngram+") else None if draft in ("none", "ngram") else draft
+    winner = next((c for c in profile.get("candidates", []) if c["name"] == draft), None)
+    notes = [f"{engine} flags for quickdraft's tuned profile ({VERSIONS[engine]})",
+             f"target {profile['target']}; draft {draft}, k = {k}"]
+    if winner is not None:
+        accepted = ", ".join(f"{a:.2f}" for a in winner["acceptance"][:k])
+        notes.append(f"measured acceptance per draft position 1..{k} (each given the ones before): {accepted}")
+        notes.append(f"so of {k} drafted tokens {100 * kept_share(winner['acceptance'], k):.0f}% kept: compare the "
+                     "server's draft_n_accepted / draft_n (quickdraft bench --url shows it)")
+    notes.append(f"predicted speed-up {profile.get('predicted_speedup', 0):.2f}x, measured "
+                 f"{profile.get('measured_speedup', 0):.2f}x (quickdraft, one stream, on the machine that tuned)")
+    if draft == "none":
+        notes.append("speculation did not pay on the tuning machine: no speculative flags")
+        return _comment(notes)
+    if engine == "llama-server":
+        flags = ["-m", target_file or profile["target"]]
+        types = []
+        if draft.startswith("ngram"):
+            types.append("ngram-simple")
+            flags += ["--spec-ngram-simple-size-n", str(NGRAM_MAX), "--spec-ngram-simple-size-m", str(k)]
+        if model:
+            types.append("draft-simple")
+            flags += ["-md", draft_file or model, "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
+                      "--spec-draft-p-min", f"{profile.get('p_min', 0.0):g}"]
+        flags = flags[:2] + ["--spec-type", ",".join(types)] + flags[2:]
+        return _comment(notes) + "\nllama-server " + shlex.join(flags)
+    target = HF_REPOS.get(profile["target"], profile["target"])
+    if engine == "vllm":
+        if model:
+            config = {"method": "draft_model", "model": HF_REPOS.get(model, model), "num_speculative_tokens": k}
+            if draft.startswith("ngram+"):
+                notes.append("vLLM runs one method: the draft model (no n-gram lookup in front of it)")
+        else:
+            config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": NGRAM_MAX,
+                      "prompt_lookup_min": NGRAM_MIN}
+        return _comment(notes) + "\nvllm serve " + shlex.join([target, "--speculative-config", json.dumps(config)])
+    if model:
+        flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", HF_REPOS.get(model, model),
+                 "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+                 "--speculative-num-draft-tokens", str(k + 1)]
+        if draft.startswith("ngram+"):
+            notes.append("SGLang runs one algorithm: the draft model (no n-gram lookup in front of it)")
+    else:
+        flags = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k)]
+        notes.append("SGLang's NGRAM runs on CUDA only")
+    return _comment(notes) + "\npython -m sglang.launch_server " + shlex.join(["--model-path", target, *flags])
+
+
+def kept_share(acceptance: list[float], k: int) -> float:
+    """The expected share of k drafted tokens the target keeps, from the conditional acceptance per position (the
+    round stops at the first rejection)."""
+    kept, reach = 0.0, 1.0
+    for a in acceptance[:k]:
+        reach *= a
+        kept += reach
+    return kept / k if k else 0.0
+
+
+def _comment(lines: list[str]) -> str:
+    return "\n".join("# " + line for line in lines)

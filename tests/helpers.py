@@ -202,6 +202,16 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
     return path
 
 
+def add_noise(model, share: float = 0.2, seed: int = 1):
+    """model's weights plus seeded noise of `share` of each tensor's spread, in place: a draft that agrees with the
+    model often but not always (commits and rollbacks both). Returns the model."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(share * p.std() * torch.randn_like(p))
+    return model
+
+
 def target_and_noisy_draft(directory: Path, config):
     """A tiny qwen2 target and a draft that agrees with it often but not always (its weights plus noise),
     both loaded with `config`."""
@@ -209,11 +219,7 @@ def target_and_noisy_draft(directory: Path, config):
 
     target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), directory / "t")), config,
                         False)
-    draft_hf = tiny_hf_model("qwen2", seed=0, logit_scale=20)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in draft_hf.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
+    draft_hf = add_noise(tiny_hf_model("qwen2", seed=0, logit_scale=20))
     return target, load_model(str(save_hf_dir(draft_hf, directory / "d")), config, False)
 
 

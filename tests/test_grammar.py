@@ -18,7 +18,7 @@ from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
-from tests.helpers import tiny_hf_model, write_gguf_from_hf
+from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "n"],
@@ -33,10 +33,7 @@ def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("grammar")
     hf = tiny_hf_model("llama", seed=3, logit_scale=4)
     target = load_model(str(write_gguf_from_hf(hf, d / "t.gguf", eos=True)), BF16, False)
-    torch.manual_seed(1)
-    with torch.no_grad():  # a draft that agrees with the target often but not always
-        for p in hf.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
+    add_noise(hf)  # a draft that agrees with the target often but not always
     draft = load_model(str(write_gguf_from_hf(hf, d / "d.gguf", eos=True)), BF16, False)
     return target, draft
 

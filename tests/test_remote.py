@@ -11,10 +11,9 @@ import sys
 import threading
 
 import pytest
-import torch
 
 from quickdraft import export, remote
-from tests.helpers import tiny_hf_model, write_gguf_from_hf
+from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
 from tests.server_process import ServerProcess
 
 KEY = "remote-key"
@@ -26,11 +25,7 @@ TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("remote")
     target = write_gguf_from_hf(tiny_hf_model("llama", logit_scale=5), d / "tiny.gguf", chat_template=TEMPLATE)
-    noisy = tiny_hf_model("llama", logit_scale=5)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in noisy.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
+    noisy = add_noise(tiny_hf_model("llama", logit_scale=5))
     return target, write_gguf_from_hf(noisy, d / "noisy.gguf", chat_template=TEMPLATE)
 
 

@@ -10,9 +10,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 
-from tests.helpers import tiny_hf_model, write_gguf_from_hf
+from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
 from tests.server_process import ServerProcess
 
 KEY = "test-key"
@@ -38,11 +37,7 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("feat")
     path = write_gguf_from_hf(tiny_hf_model("llama", logit_scale=5), d / "tiny.gguf", chat_template=TEMPLATE)
     # the target with noise added drafts: its guesses are often right, not always (commits and rollbacks both)
-    noisy = tiny_hf_model("llama", logit_scale=5)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in noisy.parameters():
-            p.add_(0.2 * p.std() * torch.randn_like(p))
+    noisy = add_noise(tiny_hf_model("llama", logit_scale=5))
     draft = write_gguf_from_hf(noisy, d / "draft.gguf", chat_template=TEMPLATE)
     with ServerProcess("-m", str(path), "--draft", str(draft), "--ctx", "256", "--api-key", KEY, "--dtype", "bfloat16",
                        "--alias", "tiny-alias", "--cors-origins", "https://app.example.org",

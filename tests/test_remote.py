@@ -123,6 +123,11 @@ def test_a_server_that_is_not_openai_compatible_is_one_line():
         httpd.shutdown()
 
 
+def test_local_only_flags_are_refused_with_url():
+    r = cli("bench", "--url", "http://127.0.0.1:9", "--configs", "plain", "--roofline", timeout=60)
+    assert r.returncode == 1 and "--configs, --roofline measure local configurations" in r.stderr
+
+
 def test_the_key_is_sent_and_a_missing_one_is_named(spec):
     r = cli("bench", "--url", spec.url, "--runs", "1", "-n", "4", "--prompts", "qa-en", timeout=120)
     assert r.returncode == 1 and "refused the request (401): give its key with --api-key" in r.stderr

@@ -458,6 +458,11 @@ def _bench_remote(args) -> int:
     from quickdraft import remote
     from quickdraft.ui import progress_bar
 
+    local = [flag for flag, given in (("--configs", args.configs), ("--roofline", args.roofline),
+                                      ("--plots", args.plots), ("--profile", args.profile)) if given]
+    if local:  # the servers' own settings decide: refuse what would be ignored
+        raise QuickdraftError(f"{', '.join(local)} measure local configurations: with --url each server runs its "
+                              "own settings; drop them, or drop --url")
     metrics = args.metrics_url or []
     if len(metrics) > len(args.url):
         raise QuickdraftError("more --metrics-url than --url: give one per server, in the order of the --url flags")

@@ -246,6 +246,8 @@ def _verify_remote(args) -> int:
     if not (args.url and args.reference_url):
         raise QuickdraftError("verify against servers needs both --url (the speculative one) and --reference-url "
                               "(the same model without speculation)")
+    if args.profile is not None:
+        raise QuickdraftError("--profile sets a local draft: with --url each server runs its own settings; drop it")
     spec = remote.Endpoint(args.url, args.api_key, args.served_model)
     reference = remote.Endpoint(args.reference_url, args.api_key, args.served_model)
     result = remote.verify(spec, reference, _prompt_texts(args), args.max_tokens)

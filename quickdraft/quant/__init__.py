@@ -7,21 +7,22 @@ QUANTIZED = ("int8", "int4", "mixed")
 
 
 def resolve(fmt: str, device, dtype, role: str = "target") -> str:
-    """The format `auto` stands for. On a CPU with bf16 activations where quickdraft's VNNI kernels run: a target
-    in `mixed` (int4 where the file holds 4-bit blocks, int8 elsewhere: the file's own quality at fewer bytes
-    than int8; a float checkpoint gets int8 throughout), a draft in int4 (it decodes one token at a time: the
-    fewest bytes win); bf16 everywhere else. The README has the measurements behind these choices."""
+    """The format `auto` stands for. With bf16 activations on CUDA, or on a CPU where quickdraft's VNNI kernels
+    run: a target in `mixed` (int4 where the file holds 4-bit blocks, int8 elsewhere: the file's own quality at
+    fewer bytes than int8; a float checkpoint gets int8 throughout), a draft in int4 (it decodes one token at a
+    time: the fewest bytes win); bf16 everywhere else. The README has the measurements behind these choices."""
     if fmt != "auto":
         return fmt
     import torch
 
     from quickdraft.quant import vnni
 
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda") or dtype != torch.bfloat16:
         return "bf16"
     if role == "draft":
         return "int4"
-    return "mixed" if vnni.available() else "bf16"
+    return "mixed" if kind == "cuda" or vnni.available() else "bf16"
 
 
 def for_source(fmt: str, source_types) -> str:
@@ -37,9 +38,10 @@ def for_source(fmt: str, source_types) -> str:
     return "int4" if types and all(t in FOUR_BIT_TYPES for t in types) else "int8"
 
 
-def layer(fmt: str, weight, bias):
-    """fmt's linear layer (int8 or int4) for this weight, or None where its kernel does not apply."""
+def layer(fmt: str, weight, bias, device=None):
+    """fmt's linear layer (int8 or int4) for this weight (float rows, or an int4.Grid) on `device` (the CPU by
+    default), or None where its kernel does not apply."""
     from quickdraft.quant import int4, int8
 
     kind, supported = {"int4": (int4.Int4Linear, int4.supported), "int8": (int8.Int8Linear, int8.supported)}[fmt]
-    return kind(weight, bias) if supported(weight) else None
+    return kind(weight, bias, device) if supported(weight, device or "cpu") else None

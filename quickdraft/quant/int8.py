@@ -1,10 +1,11 @@
 """int8 weight-only linear layers (bf16 activations in and out).
 
 Weights are quantized once at load, per output row, symmetric: q = round(w / s) in -127..127 with
-s = max |w| / 127, about 0.4% of a row's largest weight as the worst rounding error. Two kernels:
+s = max |w| / 127, about 0.4% of a row's largest weight as the worst rounding error. Three kernels:
 - quickdraft's own (quant/vnni.py, AVX-512 VNNI CPUs): the activations are quantized per row to int8
   too and multiplied as bytes, so one row reads the weights at memory speed and k+1 rows cost little more;
-- PyTorch's `_weight_int8pack_mm` elsewhere (float multiply, bf16 activations).
+- on CUDA, quickdraft's Triton kernel (quant/gpu.py: bf16 activations, the weights read once for all rows);
+- PyTorch's `_weight_int8pack_mm` elsewhere (float multiply, bf16 activations; on CUDA where Triton is missing).
 `dequantized()` gives q s, the weight both multiply by; `vnni.int8_reference` is the first's plain reference.
 """
 
@@ -13,24 +14,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quickdraft.quant import vnni
+from quickdraft.quant import gpu, vnni
 
 
-def supported(weight: torch.Tensor) -> bool:
-    """2-D on the CPU, with whole blocks of 16 inputs: PyTorch's kernel reads past the end of a row otherwise
-    (it crashes the process for K = 8)."""
-    return weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % 16 == 0
+def supported(weight, device=None) -> bool:
+    """2-D, on the CPU with whole blocks of 16 inputs (PyTorch's kernel reads past the end of a row otherwise: it
+    crashes the process for K = 8), on CUDA any shape."""
+    device = torch.device(device) if device is not None else weight.device
+    return len(weight.shape) == 2 and (device.type == "cuda" or (device.type == "cpu" and weight.shape[1] % 16 == 0))
 
 
 ROWS = 4096  # rows quantized at a time: a vocabulary-sized head never has float32 copies in full
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (q int8 (N, K), scales (N,) bf16)."""
-    q = torch.empty(weight.shape, dtype=torch.int8)
-    scale = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+def quantize(weight, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float rows (a tensor, or anything that gives them by slicing) -> (q int8 (N, K), scales (N,) bf16),
+    made on `device` (the CPU by default) ROWS rows at a time."""
+    q = torch.empty(weight.shape, dtype=torch.int8, device=device)
+    scale = torch.empty(weight.shape[0], dtype=torch.bfloat16, device=device)
     for i in range(0, weight.shape[0], ROWS):
-        w = weight[i:i + ROWS].float()
+        w = weight[i:i + ROWS].to(device).float()
         scale[i:i + ROWS] = (w.abs().amax(-1) / 127).clamp_min(1e-8)  # bf16 scales, as PyTorch's kernel takes
         q[i:i + ROWS] = (w / scale[i:i + ROWS].float()[:, None]).round().clamp(-127, 127)
     return q, scale
@@ -39,12 +42,20 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8Linear(nn.Module):
     format = "int8"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight, bias: torch.Tensor | None, device=None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        q, scale = quantize(weight)
-        self.vnni = vnni.available() and self.in_features % 64 == 0 and self.out_features % vnni.TILE == 0
-        if self.vnni:  # codes + 128 as unsigned bytes, each tile of 4 rows interleaved (ROWS % TILE == 0)
+        device = torch.device(device or "cpu")
+        q, scale = quantize(weight, device)
+        self.on_cuda = device.type == "cuda"
+        self.triton = self.on_cuda and gpu.triton_reason() is None
+        self.splits = gpu.int8_splits(self.out_features, self.in_features) if self.triton else 1
+        self.vnni = (not self.on_cuda and vnni.available() and self.in_features % 64 == 0
+                     and self.out_features % vnni.TILE == 0)
+        if self.on_cuda:
+            self.register_buffer("q", q)
+            self.register_buffer("scales", scale.float())
+        elif self.vnni:  # codes + 128 as unsigned bytes, each tile of 4 rows interleaved (ROWS % TILE == 0)
             for i in range(0, self.out_features, ROWS):
                 q[i:i + ROWS] = vnni.tile(q[i:i + ROWS].view(torch.uint8) ^ 128, 64).view(torch.int8)
             self.register_buffer("q", q.view(torch.uint8))
@@ -52,13 +63,17 @@ class Int8Linear(nn.Module):
         else:
             self.register_buffer("q", q)
             self.register_buffer("scales", scale)
-        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+        if bias is not None and hasattr(bias, "full"):
+            bias = bias.full()
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.vnni:
             out = torch.ops.quickdraft_vnni.int8_linear(x2.contiguous(), self.q, self.scales, self.bias)
+        elif self.triton:
+            out = gpu.int8_mm(x2.contiguous(), self.q, self.scales, self.bias, self.splits)
         else:
             out = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales)
             if self.bias is not None:
@@ -86,6 +101,8 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.vnni:
             out = vnni.int8_reference(x2, vnni.untile(self.q, 64), self.scales, self.bias)
+        elif self.on_cuda:
+            out = gpu.int8_reference(x2, self.q, self.scales, self.bias)
         else:
             out = (x2.float() @ self.dequantized().t() + (self.bias.float() if self.bias is not None else 0))
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

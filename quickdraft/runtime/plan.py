@@ -33,5 +33,12 @@ def layer_format(module) -> str:
     """How a linear layer holds its weight: int8 / int4 on quickdraft's kernel or PyTorch's, or a float dtype."""
     fmt = getattr(module, "format", None)
     if fmt is not None:
-        return f"{fmt} ({'quickdraft' if module.vnni else 'PyTorch'})"
+        return f"{fmt} ({kernel_of(module)})"
     return str(module.weight.dtype).removeprefix("torch.")
+
+
+def kernel_of(module) -> str:
+    """Whose kernel multiplies a quantized layer: quickdraft's (VNNI on the CPU, Triton on CUDA) or PyTorch's."""
+    if getattr(module, "on_cuda", False):
+        return "quickdraft Triton" if getattr(module, "triton", False) else "PyTorch"
+    return "quickdraft" if module.vnni else "PyTorch"

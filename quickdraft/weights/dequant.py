@@ -33,7 +33,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     """(n, 1) int32 -> (n, 32) of bit j of qh, as the 5th bit of element j."""
-    shifts = torch.arange(32, dtype=torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=qh.device)
     return ((qh >> shifts) & 1).to(torch.uint8) << 4
 
 
@@ -84,7 +84,7 @@ def _q5_k(b):
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
     qh = b[:, 16:48].reshape(-1, 1, 32)
-    shifts = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
     q = _k_low_nibbles(b[:, 48:176]) | (((qh >> shifts) & 1) << 4)  # (n, 8, 32)
     y = (d * sc)[:, :, None] * q.float() - (dmin * mn)[:, :, None]
     return y.reshape(-1, 256)
@@ -96,11 +96,39 @@ def _q6_k(b):
     sc = b[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16): one scale per 16 elements
     d = _f16(b[:, 208:210])
     low = torch.cat([ql & 0xF, ql >> 4], dim=2)  # (n, 2, 128)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
     high = ((qh >> shifts) & 3).reshape(-1, 2, 128)
     q = (low | (high << 4)).float() - 32
     y = (d * sc)[:, :, None] * q.reshape(-1, 16, 16)
     return y.reshape(-1, 256)
+
+
+def _grid_q4_0(b):
+    d = _f16(b[:, 0:2])
+    return _nibbles(b[:, 2:18]), d, -8 * d
+
+
+def _grid_q4_1(b):
+    return _nibbles(b[:, 4:20]), _f16(b[:, 0:2]), _f16(b[:, 2:4])
+
+
+def _grid_q4_k(b):
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _k_scales(b[:, 4:16])
+    return _k_low_nibbles(b[:, 16:144]).reshape(-1, 32), (d * sc).reshape(-1, 1), (-dmin * mn).reshape(-1, 1)
+
+
+_GRIDS = {T.Q4_0: _grid_q4_0, T.Q4_1: _grid_q4_1, T.Q4_K: _grid_q4_k}
+
+
+def four_bit_grid(rows: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of a Q4_0 / Q4_1 / Q4_K matrix, (n, bytes per row) uint8 on any device -> the blocks' own codes and
+    grids: (codes uint8 (n, K) in 0..15, scale, lo: float32 (n, K / 32)), each group of 32 inputs exactly
+    codes * scale + lo (the values `dequantize` gives, up to float32 rounding of Q4_K's d * sc products)."""
+    _, block_bytes = GGML_QUANT_SIZES[qtype]
+    n = rows.shape[0]
+    q, scale, lo = _GRIDS[qtype](rows.reshape(-1, block_bytes))
+    return q.reshape(n, -1), scale.reshape(n, -1), lo.reshape(n, -1)
 
 
 _BLOCK_FORMATS = {

@@ -10,7 +10,7 @@ from gguf import GGUFReader
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.weights.dequant import SUPPORTED_TYPES, dequantize
+from quickdraft.weights.dequant import BLOCK_TYPES, FOUR_BIT_TYPES, SUPPORTED_TYPES, dequantize
 from quickdraft.weights.names import gguf_to_model, unpermute_rotary
 
 
@@ -158,12 +158,13 @@ def check_tensor_types(reader: GGUFReader) -> None:
 
 
 def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progress=None, lazy: bool = False,
-                 types: dict | None = None):
+                 types: dict | None = None, lazy_matrices: bool = False):
     """Dequantize every tensor the model uses into `dtype`, one at a time: yields (model name, tensor).
     types: filled with each model name's GGUF tensor type as it is read.
 
     lazy: the vocabulary-sized tables come as FileRows, dequantized by the consumer a block of rows at a time
-    (for a loader that quantizes them: they are never in full precision in full).
+    (for a loader that quantizes them: they are never in full precision in full). lazy_matrices: every matrix
+    in a block format too (a loader that converts the blocks themselves: FileRows.grid).
     `progress(nbytes)` is called after each tensor with the bytes it covered.
     """
     for t in reader.tensors:
@@ -174,6 +175,12 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
             shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
             if lazy and name in FileRows.NAMES:
                 w = FileRows(t.data, t.tensor_type, shape, dtype)
+            elif lazy_matrices and len(shape) == 2 and t.tensor_type in BLOCK_TYPES:
+                raw = t.data
+                if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                    heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
+                    raw = raw[unpermute_rotary(torch.arange(shape[0])[:, None], heads)[:, 0].numpy()]
+                w = FileRows(raw, t.tensor_type, shape, dtype)
             else:
                 w = dequantize(t.data, t.tensor_type, shape, dtype)
                 if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
@@ -208,6 +215,22 @@ class FileRows:
     def full(self) -> torch.Tensor:
         return self[:]
 
+    @property
+    def four_bit(self) -> bool:
+        """Whether the rows are in 4-bit blocks that `grid` converts as they are."""
+        return self.qtype in FOUR_BIT_TYPES
+
+    def grid(self):
+        """The rows as their blocks' own 4-bit codes and grids (an int4.Grid), for a Q4_0 / Q4_1 / Q4_K tensor:
+        the bytes go to the device as they are and are unpacked there."""
+        from quickdraft.quant.int4 import Grid
+        from quickdraft.weights.dequant import _as_torch, four_bit_grid
+
+        def rows(i: int, j: int, device):
+            return four_bit_grid(_as_torch(self.raw[i:j]).to(device), self.qtype)
+
+        return Grid(self.shape, rows)
+
 
 def _release(reader: GGUFReader, t) -> None:
     """Drop the file pages of a tensor already read from the process (the file stays mapped: they come back
@@ -220,3 +243,68 @@ def _release(reader: GGUFReader, t) -> None:
         mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
     except (OSError, ValueError):  # advice only
         pass
+
+
+class StackedRows:
+    """Row-wise concatenated matrices still in the file (a fused projection's parts, as FileRows): slicing rows
+    dequantizes them, `grid` gives their 4-bit blocks' codes when every part is in 4-bit blocks."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.offsets = [0]
+        for p in parts:
+            self.offsets.append(self.offsets[-1] + p.shape[0])
+        self.shape = torch.Size((self.offsets[-1], parts[0].shape[1]))
+        self.dtype = parts[0].dtype
+
+    def dim(self) -> int:
+        return 2
+
+    @property
+    def four_bit(self) -> bool:
+        return all(getattr(p, "four_bit", False) for p in self.parts)
+
+    def _pieces(self, start: int, stop: int):
+        """(part index, first row, end row) of each part rows start:stop cover, in the part's own rows."""
+        for n, (lo, hi) in enumerate(zip(self.offsets, self.offsets[1:])):
+            if lo < stop and start < hi:
+                yield n, max(start, lo) - lo, min(stop, hi) - lo
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(self.shape[0])
+        return torch.cat([self.parts[n][i:j] for n, i, j in self._pieces(start, stop)])
+
+    def full(self) -> torch.Tensor:
+        return self[:]
+
+    def grid(self):
+        from quickdraft.quant.int4 import Grid
+
+        grids = [p.grid() for p in self.parts]
+
+        def rows(start: int, stop: int, device):
+            got = [grids[n].rows(i, j, device) for n, i, j in self._pieces(start, stop)]
+            return tuple(torch.cat(ts) for ts in zip(*got))
+
+        return Grid(self.shape, rows)
+
+
+def cat_rows(parts: list):
+    """Row-wise concatenation of tensors, or of matrices still in the file (StackedRows) when any part is one."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    return StackedRows([p if not isinstance(p, torch.Tensor) else _InMemory(p) for p in parts])
+
+
+class _InMemory:
+    """A tensor among file rows (a float part of a fused projection): sliced as it is, never 4-bit blocks."""
+
+    four_bit = False
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.shape, self.dtype = t, t.shape, t.dtype
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self.t[rows]

@@ -14,7 +14,7 @@ from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.transformer import Transformer
-from quickdraft.quant import embedding
+from quickdraft.quant import embedding, int4
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.plan import plan as plan_kernels
 from quickdraft.tokenizer import Tokenizer
@@ -111,9 +111,9 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
     device = resolve_device(engine.device)
     dtype = resolve_dtype(engine.dtype, device)
     weights = quant.resolve(engine.weights, device, dtype)
-    kept = None  # where the conversion is kept on disk (quantized formats: weights/converted.py)
-    if weights in quant.QUANTIZED and engine.weight_cache:
-        _check_format(weights, device, dtype)
+    kept = None  # where the conversion is kept on disk (quantized formats on the CPU: weights/converted.py)
+    _check_format(weights, device, dtype)
+    if weights in quant.QUANTIZED and engine.weight_cache and device.type == "cpu":
         kept = converted.location(path, weights, dtype)
         restored = kept and converted.load(kept, lambda cfg: _context(engine, cfg))
         if restored:
@@ -140,8 +140,9 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
         total = sum(int(t.n_bytes) for t in reader.tensors)
         with progress_bar(f"loading {path.name}", total, progress) as update:
             types: dict = {}  # each tensor's type in the file, for the `mixed` format
-            tensors = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update), lazy=weights in quant.QUANTIZED,
-                                           types=types)
+            quantized = weights in quant.QUANTIZED
+            tensors = gguf_io.read_tensors(reader, cfg, dtype, _accumulate(update), lazy=quantized, types=types,
+                                           lazy_matrices=quantized and int4.tinygemm_layout(device))
             model = build_model(cfg, tensors, device, context, weights, dtype, types)
     _return_freed_memory()
     if kept is not None:
@@ -226,15 +227,18 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
 
 def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.device, weights: str,
            source_types: dict) -> None:
-    """Put one complete module's tensors on the device, as a quantized layer where the format asks (on the
-    CPU: _check_format saw to it). A tensor may be the file's rows (gguf.FileRows), read here and only here."""
+    """Put one complete module's tensors on the device, as a quantized layer where the format asks. A tensor may
+    be the file's rows (gguf.FileRows, StackedRows), read here and only here: on CUDA a matrix in 4-bit blocks goes
+    to the GPU as its blocks, which become the int4 layer's codes and grids there (nothing fitted, never a float
+    copy; likewise on a CPU without quickdraft's kernels); others are converted a block of rows at a time on the
+    device."""
     from quickdraft.models.transformer import Linear
 
     if weights in quant.QUANTIZED:
         sources = [source_types[p] for p in names.parts(f"{owner}.weight") if p in source_types]
         weights = quant.for_source(weights, sources or [source_types.get(f"{owner}.weight")])
     if weights in quant.QUANTIZED and isinstance(module, Linear):
-        layer = quant.layer(weights, tensors["weight"], tensors.get("bias"))
+        layer = _linear(weights, tensors["weight"], tensors.get("bias"), device)
         if layer is not None:
             parent, _, attr = owner.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, layer)
@@ -242,26 +246,34 @@ def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.
     if weights in quant.QUANTIZED and isinstance(module, torch.nn.Embedding):
         table = tensors["weight"]
         if owner == "tok_embeddings" and model.output is None:  # tied: the head is a quantized copy, made first
-            model.output = quant.layer(weights, table, None)
+            model.output = _linear(weights, table, None, device)
         compact = embedding.table(weights, table) if owner != "tok_embeddings" or model.output is not None else None
         if compact is not None:
-            setattr(model, owner, compact)
+            setattr(model, owner, compact.to(device))
             return
     for leaf, w in tensors.items():
         module._parameters[leaf] = torch.nn.Parameter(_full(w).to(device), requires_grad=False)
 
 
+def _linear(fmt: str, weight, bias, device: torch.device):
+    """fmt's layer for weight on device: from the file's 4-bit blocks themselves where they are that and the
+    layer takes tinygemm's layout (int4.tinygemm_layout)."""
+    if fmt == "int4" and getattr(weight, "four_bit", False) and int4.tinygemm_layout(device):
+        weight = weight.grid()
+    return quant.layer(fmt, weight, bias, device)
+
+
 def _full(w):
-    return w.full() if isinstance(w, gguf_io.FileRows) else w
+    return w.full() if hasattr(w, "full") else w  # the file's rows (gguf.FileRows, StackedRows)
 
 
 def _check_format(fmt: str, device: torch.device, dtype: torch.dtype | None) -> None:
 
     if fmt not in quant.FORMATS:
         raise QuickdraftError(f"--weights {fmt!r}: choose {', '.join(quant.FORMATS)}")
-    if fmt in quant.QUANTIZED and (device.type != "cpu" or dtype != torch.bfloat16):
-        raise QuickdraftError(f"--weights {fmt} runs on the CPU with bfloat16 activations: add --device cpu "
-                              "--dtype bfloat16, or use --weights bf16")
+    if fmt in quant.QUANTIZED and (device.type not in ("cpu", "cuda") or dtype != torch.bfloat16):
+        raise QuickdraftError(f"--weights {fmt} runs with bfloat16 activations on the CPU or CUDA: add --dtype "
+                              "bfloat16, or use --weights bf16")
 
 
 def _accumulate(update):

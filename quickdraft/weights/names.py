@@ -172,7 +172,9 @@ def fused(tensors, expected=lambda key: 3 if key.rpartition(".")[0].endswith("wq
         group = held.setdefault(key, {})
         group[index] = w
         if len(group) == expected(key):
-            yield key, torch.cat([group[i] for i in sorted(group)])
+            from quickdraft.weights.gguf import cat_rows
+
+            yield key, cat_rows([group[i] for i in sorted(group)])
             del held[key]
     if held:
         raise QuickdraftError(f"the checkpoint lacks parts of fused projections: {sorted(held)[:3]}")

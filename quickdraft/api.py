@@ -12,6 +12,7 @@ The command line, the server, tune, bench, verify, doctor and the scripts all go
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -20,10 +21,11 @@ from quickdraft.engine import Engine, Event, Halt, Timings
 from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint
 from quickdraft.grammar import Grammar
+from quickdraft.runtime import memory
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.speculative.stats import SpeculationStats
 from quickdraft.weights import hub
-from quickdraft.weights.loader import LoadedModel, load_model
+from quickdraft.weights.loader import LoadedModel, load_model, resolve_device
 
 
 @dataclass
@@ -141,5 +143,8 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
                           weight_cache=weight_cache)
     if isinstance(draft, str):
         draft = Draft.parse(draft, device=draft_device, weights=draft_weights)
+    if resolve_device(device).type == "cuda":  # what fits is known before any weight is read
+        memory.check(memory.for_load(model, draft, engine),
+                     warn=lambda text: print(f"warning: {text}", file=sys.stderr))
     target = load_model(model, engine, progress)
     return LLM(target, engine, draft, speculation or SpeculationConfig(), progress)

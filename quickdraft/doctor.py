@@ -69,6 +69,15 @@ def kernels(*models) -> Finding:
 
     formats = ", ".join(f"{m.name.split('/')[-1]} {m.weights}" for m in models)
     figures = {"formats": formats, "plans": {m.name: m.plan for m in models}}
+    on_cuda = [m for m in models if m.device.type == "cuda" and m.weights in quant.QUANTIZED]
+    if on_cuda:
+        from quickdraft.quant import gpu
+
+        layers = sorted({k for m in on_cuda for k in m.plan.get("linear", {}) if not k.startswith(("bfloat", "float"))})
+        reason = gpu.triton_reason()
+        slow = (f"; int8 runs on PyTorch's kernel, which reads the weights once per row ({reason}): install Triton"
+                if reason and any(m.weights in ("int8", "mixed") for m in on_cuda) else "")
+        return Finding("kernels", "warn" if slow else "ok", f"CUDA: {', '.join(layers)} ({formats}){slow}", figures)
     if not any(m.device.type == "cpu" and m.model.dtype == torch.bfloat16 for m in models):
         return Finding("kernels", "ok", f"not on a bf16 CPU path ({formats})", figures)
     if vnni.available():
@@ -159,6 +168,22 @@ def memory(target, drafts: list, engine, available: int) -> Finding:
     return Finding("memory", "ok", line, figures)
 
 
+def memory_plan(plan) -> Finding:
+    """The memory plan made before loading (runtime/memory.py): what each part will take on the device, whether it
+    fits, and above 90% what to lower."""
+    figures = {"device": plan.device, "capacity_bytes": plan.capacity, "free_bytes": plan.free,
+               "total_bytes": plan.used, "share": plan.share,
+               "items": [{"what": i.what, "bytes": i.nbytes, "detail": i.detail} for i in plan.items]}
+    parts = ", ".join(f"{i.what} {i.nbytes / 2**30:.2f}" for i in plan.items)
+    line = (f"{parts} GiB = {plan.used / 2**30:.2f} GiB of {plan.capacity / 2**30:.1f} GiB on {plan.device} "
+            f"({100 * plan.share:.0f}%); no layer is offloaded")
+    if not plan.fits:
+        return Finding("memory plan", "error", plan.refusal(), figures)
+    if plan.warning():
+        return Finding("memory plan", "warn", f"{line}: {plan.warning()}", figures)
+    return Finding("memory plan", "ok", line, figures)
+
+
 def tokenizers(target, draft) -> Finding:
     if draft is None:
         return Finding("tokenizer", "ok", "no draft model: n-gram lookup uses the target's own tokens")
@@ -227,16 +252,19 @@ def speculation(engine, prompt: list[int], n: int = 32) -> Finding:
                                          f"{stats.mean_accepted_length:.2f} tokens per round{tail}{advice}", figures)
 
 
-def run(llm, draft, available: int | None = None, prompt: list[int] | None = None) -> tuple[list[Finding], Engine]:
+def run(llm, draft, available: int | None = None, prompt: list[int] | None = None,
+        planned: Finding | None = None) -> tuple[list[Finding], Engine]:
     """Every check for llm's target with `draft` (a Draft), the memory budget against `available` bytes (else the
-    device's); the engine the checks ran (its drafter None when the draft cannot speak for the target)."""
+    device's), after `planned` (the memory plan's finding, made before loading); the engine the checks ran (its
+    drafter None when the draft cannot speak for the target)."""
     from quickdraft.prompts import encoded
 
     target = llm.target
     drafts = llm.draft_models(draft)
     first = drafts[0] if drafts else None
     tokenizer = tokenizers(target, first)
-    findings = [placement(target.model, target.device, "target")]
+    findings = [planned] if planned is not None else []
+    findings += [placement(target.model, target.device, "target")]
     findings += [placement(m.model, m.device, "draft") for m in drafts]
     findings += [kernels(target, *drafts), loading(target, *drafts),
                  draft_device(target.device, first.device if first else None), tokenizer]

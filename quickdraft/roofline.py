@@ -11,7 +11,36 @@ import time
 
 import torch
 
+from quickdraft.config import ModelConfig
 from quickdraft.runtime.kv_cache import KVCache
+
+# Random-weight stand-ins for real models where the files are not at hand (a GPU machine has no network; a pass's
+# speed and a plan's bytes depend on the shapes, not the values): the default pair (MODELS.md), the 0.5B-class
+# draft, and a 27B-class target of Qwen3.5-27B's dimensions with all 64 layers as attention layers (until the
+# hybrid layers are built, the nearest dense model of the size the seeds' users run: about 24B parameters, 15 GiB
+# in int4). Used by scripts/gpu_bench.py and the memory plan's tests.
+STAND_INS = {
+    "qwen2.5-coder-1.5b": ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
+    "qwen2.5-coder-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768, qkv_bias=True),
+    "dense-27b-class": ModelConfig("qwen3", 248320, 5120, 64, 24, 4, 256, 17408, 1e-6, 1e7, 262144, qk_norm=True),
+}
+
+
+def q4_k_m_types(cfg: ModelConfig) -> dict:
+    """The tensor types llama.cpp's Q4_K_M recipe gives a model of cfg's shape (llama-quant.cpp): Q6_K for the output
+    head and for attn_v and ffn_down on the layers its use_more_bits rule picks (the first and last eighth, and
+    every third between), Q4_K everywhere else; by model name."""
+    from gguf import GGMLQuantizationType as T
+
+    n = cfg.n_layers
+    types = {"tok_embeddings.weight": T.Q4_K, "output.weight": T.Q6_K}
+    for i in range(n):
+        more = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+        for name in ("attention.wq", "attention.wk", "attention.wo", "feed_forward.w1", "feed_forward.w3"):
+            types[f"layers.{i}.{name}.weight"] = T.Q4_K
+        for name in ("attention.wv", "feed_forward.w2"):
+            types[f"layers.{i}.{name}.weight"] = T.Q6_K if more else T.Q4_K
+    return types
 
 
 def pass_bytes(model, context: int) -> int:

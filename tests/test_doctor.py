@@ -105,9 +105,11 @@ def test_doctor_command(paths):
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] and {f["check"] for f in out["findings"]} >= {
-        "target placement", "draft placement", "draft device", "tokenizer", "memory", "sampler", "speculation"}
+        "memory plan", "target placement", "draft placement", "draft device", "tokenizer", "memory", "sampler",
+        "speculation"}
     small = run("doctor", "-m", str(target), "--draft", str(draft), "--ctx", "128", "--device-memory", "0.0001")
-    assert small.returncode == 1 and "ERROR memory" in small.stdout and "does not fit" in small.stdout
+    assert small.returncode == 1 and "ERROR memory plan" in small.stdout and "do not fit" in small.stdout
+    assert "not loaded: the plan does not fit" in small.stdout
     bad = run("doctor", "-m", str(target), "--draft", str(other), "--ctx", "128")
     assert bad.returncode == 1 and "ERROR tokenizer" in bad.stdout
 

@@ -55,6 +55,15 @@ def load(args, draft=None):
                     cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True))
 
 
+def engine_config(args):
+    """The EngineConfig the flags describe (as `load` passes them on)."""
+    from quickdraft.config import EngineConfig
+
+    return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"), weights=getattr(args, "weights", "auto"),
+                        max_context=getattr(args, "ctx", None), cuda_graphs=getattr(args, "cuda_graphs", True),
+                        weight_cache=getattr(args, "weight_cache", True))
+
+
 def apply_profile(args) -> None:
     """--profile FILE: the draft and k that `quickdraft tune` chose."""
     if not getattr(args, "profile", None):
@@ -326,17 +335,29 @@ def cmd_bench(args) -> int:
 
 
 def cmd_doctor(args) -> int:
+    import torch
+
     from quickdraft import doctor
+    from quickdraft.doctor import Finding
+    from quickdraft.runtime import memory
     from quickdraft.speculative.draft import NONE
 
     apply_profile(args)
     draft = draft_of(args)
-    llm = load(args, NONE)
     available = int(args.device_memory * 2**30) if args.device_memory else None
-    findings, _ = doctor.run(llm, draft, available)
+    plan = memory.for_load(args.model, draft, engine_config(args), available)
+    planned = doctor.memory_plan(plan)
+    cuda_absent = plan.device_type == "cuda" and not torch.cuda.is_available()
+    if planned.level == "error" or cuda_absent:  # nothing to load: the plan says it all
+        note = Finding("load", "ok" if planned.level != "error" else "error",
+                       "no CUDA device here: the plan only" if cuda_absent else "not loaded: the plan does not fit")
+        findings = [planned, note]
+    else:
+        llm = load(args, NONE)
+        findings, _ = doctor.run(llm, draft, available, planned=planned)
     errors = sum(f.level == "error" for f in findings)
     if args.json:
-        print(json.dumps({"target": llm.target.name, "draft": str(draft), "ok": errors == 0,
+        print(json.dumps({"target": args.model, "draft": str(draft), "ok": errors == 0,
                           "findings": [f.to_dict() for f in findings]}))
     else:
         marks = {"ok": "ok   ", "warn": "WARN ", "error": "ERROR"}

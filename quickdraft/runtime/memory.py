@@ -1,0 +1,284 @@
+"""The memory plan: what a target and its draft will take on a device, worked out before any weight is read.
+
+Each model's weights are counted in the runtime format each of its modules will have (the loader's own rules:
+`quant.for_source` per module, the kernels' shape rules, compact embedding tables, a tied head's quantized copy),
+from the file's tensor list and config alone; then its KV cache for the context, the activations of the largest
+pass (a prefill of the whole context), and on CUDA the context PyTorch and cuBLAS create. Against the device's
+free memory (or a stated size): a plan that does not fit is refused with the numbers; above TIGHT of the device
+the load goes on with a warning that names what to lower (speculation slows down when memory is that tight:
+the allocator has no room for a draft's passes and the cache's growth). quickdraft never offloads a layer to
+the host: a model is on its device in full, or it is not loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quickdraft.config import ModelConfig
+from quickdraft.errors import QuickdraftError
+
+TIGHT = 0.90  # of the device's memory: above it, a warning
+CUDA_CONTEXT = 600 * 2**20  # the CUDA context, cuBLAS workspaces and the caching allocator's slack (an estimate)
+GIB = 2**30
+
+
+@dataclass
+class Item:
+    what: str  # e.g. "target weights"
+    nbytes: int
+    detail: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    capacity: int  # the device's memory in bytes
+    free: int  # of which free now (or the stated size)
+    items: list[Item] = field(default_factory=list)
+    device_type: str = "cpu"  # cpu | cuda
+    formats: dict = field(default_factory=dict)  # role -> the weight format planned
+
+    @property
+    def used(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return self.used <= self.free
+
+    @property
+    def share(self) -> float:
+        return self.used / self.capacity if self.capacity else 0.0
+
+    def lines(self) -> list[str]:
+        rows = [f"  {i.what:<22} {i.nbytes / GIB:7.2f} GiB  {i.detail}" for i in self.items]
+        rows.append(f"  {'total':<22} {self.used / GIB:7.2f} GiB  of {self.capacity / GIB:.1f} GiB "
+                    f"({100 * self.share:.0f}%), {self.free / GIB:.1f} GiB free")
+        return rows
+
+    def largest(self) -> str:
+        """What to lower, the parts of the plan that can be."""
+        kv = sum(i.nbytes for i in self.items if "KV cache" in i.what)
+        draft = sum(i.nbytes for i in self.items if i.what.startswith("draft"))
+        hints = [f"the context (--ctx: the KV caches take {kv / GIB:.1f} GiB)"] if kv else []
+        if draft:
+            fmt = self.formats.get("draft")
+            hints.append(f"the draft ({draft / GIB:.1f} GiB: " + ("a smaller one, or none" if fmt == "int4" else
+                                                                   "--draft-weights int4, a smaller one, or none") + ")")
+        if self.formats.get("target") not in (None, "int4"):
+            hints.append(f"the target's format (--weights int4, from {self.formats['target']})")
+        return "; ".join(hints) or "nothing: the models alone are larger than the device"
+
+    def refusal(self) -> str:
+        return (f"the models do not fit on {self.device}: they need {self.used / GIB:.1f} GiB and "
+                f"{self.free / GIB:.1f} GiB of {self.capacity / GIB:.1f} GiB is free ("
+                + ", ".join(f"{i.what} {i.nbytes / GIB:.1f}" for i in self.items)
+                + f" GiB); lower {self.largest()}")
+
+    def warning(self) -> str | None:
+        if self.share <= TIGHT:
+            return None
+        return (f"the models take {100 * self.share:.0f}% of {self.device}'s {self.capacity / GIB:.1f} GiB "
+                f"(above {TIGHT:.0%}, speculation slows down: no room for its passes); lower {self.largest()}")
+
+
+def linear_bytes(fmt: str, n: int, k: int, device: torch.device, dtype_size: int = 2) -> int:
+    """Bytes of an (n, k) linear layer's weight in fmt (int8 / int4, else float) on device, as quant/ stores it."""
+    from quickdraft.quant import int4, int8
+
+    shape = torch.Size((n, k))
+    if fmt == "int4" and int4.supported(_Shape(shape), device):
+        return n * k // 2 + (k // int4.GROUP) * n * 4  # codes + a 2-byte scale and zero (or low) per group
+    if fmt == "int8" and int8.supported(_Shape(shape), device):
+        from quickdraft.quant import vnni
+
+        wide = device.type == "cuda" or (vnni.available() and k % 64 == 0 and n % vnni.TILE == 0)
+        return n * k + n * (4 if wide else 2)  # codes + a scale per row (float32; bf16 on PyTorch's CPU kernel)
+    return n * k * dtype_size
+
+
+class _Shape:
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict | None = None,
+                 file_bytes: dict | None = None, dtype_size: int = 2) -> tuple[int, str]:
+    """(bytes, how) of a model's weights in format fmt (concrete: bf16, int8, int4 or mixed) on device.
+    types: the file's tensor type by model name (GGUF), None for a float checkpoint; file_bytes: the file's bytes
+    by model name (a block-format embedding table keeps them)."""
+    from quickdraft import quant
+    from quickdraft.models.transformer import Linear, Transformer
+    from quickdraft.quant import embedding
+    from quickdraft.weights import names
+    from quickdraft.weights.dequant import BLOCK_TYPES
+
+    types, file_bytes = types or {}, file_bytes or {}
+    with torch.device("meta"):
+        model = Transformer(cfg, 16)
+    total, counts = 0, {}
+    quantized = fmt in quant.QUANTIZED
+    for owner, module in model.named_modules():
+        if isinstance(module, Linear):
+            n, k = module.weight.shape
+            kind = "bf16"
+            if quantized:
+                sources = [types[p] for p in names.parts(f"{owner}.weight") if p in types]
+                kind = quant.for_source(fmt, sources or [types.get(f"{owner}.weight")])
+            size = linear_bytes(kind, n, k, device, dtype_size)
+            kind = kind if size < n * k * dtype_size else "bf16"
+            counts[kind] = counts.get(kind, 0) + n * k
+            total += size + (module.bias.numel() * 2 if module.bias is not None else 0)
+        elif isinstance(module, torch.nn.Embedding):
+            v, d = module.weight.shape
+            name = f"{owner}.weight"
+            kind = quant.for_source(fmt, [types.get(name)]) if quantized else "bf16"
+            if quantized and owner == "tok_embeddings" and model.output is None:  # tied: the head's quantized copy
+                total += linear_bytes(kind, v, d, device, dtype_size)
+                counts[kind] = counts.get(kind, 0) + v * d
+            if quantized and types.get(name) in BLOCK_TYPES:
+                total += file_bytes.get(name, v * d)  # the file's own blocks
+            elif quantized and d % (embedding.GROUP if kind == "int8" else 128) == 0:
+                total += v * d // (1 if kind == "int8" else 2) + v * d // embedding.GROUP * (2 if kind == "int8" else 4)
+            else:
+                total += v * d * dtype_size
+        else:
+            total += sum(p.numel() * dtype_size for p in module.parameters(recurse=False))
+    share = sum(counts.values()) or 1
+    how = ", ".join(f"{100 * c / share:.0f}% {k}" for k, c in sorted(counts.items(), key=lambda kv: -kv[1]))
+    return total, f"{fmt}: linear layers {how}"
+
+
+def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
+    """The KV cache of `capacity` positions (runtime/kv_cache.py: every layer that owns one, at full capacity)."""
+    from quickdraft.models.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg, 16)
+    return sum(2 * heads * dim * capacity * dtype_size for i, (heads, dim, source) in enumerate(model.kv_layout())
+               if source == i)
+
+
+def activation_bytes(cfg: ModelConfig, rows: int, width: int = 17) -> int:
+    """The largest pass's activations, estimated: a prefill of `rows` tokens (the hidden states, q/k/v, the
+    FFN's gate, up and product in bf16, the attention mask) and a verification's float32 logits."""
+    q = cfg.n_heads * cfg.head_dim
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim
+    per_row = 2 * (4 * cfg.dim + q + kv + 3 * max(cfg.ffn_dim, cfg.ffn_dim_shared or 0))
+    return rows * per_row + rows * rows * 2 + 2 * width * cfg.vocab_size * 4
+
+
+@dataclass
+class ModelSpec:
+    """What the plan needs of one model: its config, its file's tensor types and bytes, its concrete format."""
+
+    role: str  # target | draft
+    name: str
+    cfg: ModelConfig
+    fmt: str
+    types: dict | None = None
+    file_bytes: dict | None = None
+
+
+def spec_from_source(role: str, source: str, fmt: str) -> ModelSpec:
+    """A model's spec from its file's metadata and tensor list (nothing else is read)."""
+    from quickdraft.weights import gguf as gguf_io, safetensors as st_io
+    from quickdraft.weights.loader import resolve
+    from quickdraft.weights.names import gguf_to_model
+
+    path = resolve(source)
+    if path.is_dir():
+        return ModelSpec(role, Path(source).name, st_io.read_config(path), fmt)
+    reader = gguf_io.open_gguf(path)
+    cfg = gguf_io.config_from_metadata(gguf_io.metadata(reader), reader)
+    types, nbytes = {}, {}
+    for t in reader.tensors:
+        name = gguf_to_model(t.name, cfg.arch)
+        if name is not None:
+            types[name], nbytes[name] = t.tensor_type, int(t.n_bytes)
+    return ModelSpec(role, Path(source).name, cfg, fmt, types, nbytes)
+
+
+def plan(models: list[ModelSpec], context: int, device: torch.device, capacity: int | None = None,
+         free: int | None = None) -> MemoryPlan:
+    """The plan of `models` (the target first) with caches of `context` positions on device; capacity and free
+    default to the device's own (CUDA: what the driver reports now)."""
+    device = torch.device(device)
+    if capacity is None:
+        if device.type == "cuda":
+            free_now, capacity = torch.cuda.mem_get_info(device)
+            free = free_now if free is None else free
+        else:
+            capacity = _host_memory()
+    free = capacity if free is None else free
+    out = MemoryPlan(_name(device), capacity, free, device_type=device.type)
+    for m in models:
+        out.formats[m.role] = m.fmt
+        weights, how = weight_bytes(m.cfg, m.fmt, device, m.types, m.file_bytes)
+        out.items.append(Item(f"{m.role} weights", weights, f"{m.name}, {how}"))
+        out.items.append(Item(f"{m.role} KV cache", kv_bytes(m.cfg, context), f"{context} positions, bf16"))
+    if models:
+        out.items.append(Item("activations", max(activation_bytes(m.cfg, context) for m in models),
+                              f"a prefill of {context} tokens, estimated"))
+    if device.type == "cuda":
+        out.items.append(Item("CUDA context", CUDA_CONTEXT, "PyTorch, cuBLAS, allocator slack (estimated)"))
+    return out
+
+
+def check(plan_: MemoryPlan, warn=None) -> None:
+    """Refuse a plan that does not fit (QuickdraftError with the numbers); warn (warn(text)) above TIGHT."""
+    if not plan_.fits:
+        raise QuickdraftError(plan_.refusal())
+    text = plan_.warning()
+    if text and warn is not None:
+        warn(text)
+
+
+def _name(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
+
+
+def _host_memory() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def parse_size(text: str) -> int:
+    """'24GB', '24 GiB', '24G', '16000MB' -> bytes (GB and GiB alike: 2**30, as device memory is quoted)."""
+    t = text.strip().upper().replace(" ", "").removesuffix("B").removesuffix("I")
+    scale = {"G": 2**30, "M": 2**20, "T": 2**40}.get(t[-1:], None)
+    try:
+        return int(float(t[:-1] if scale else t) * (scale or 2**30))
+    except ValueError:
+        raise QuickdraftError(f"memory size {text!r}: write it like 24GB or 16000MB") from None
+
+
+def for_load(target: str, draft, engine, capacity: int | None = None, free: int | None = None) -> MemoryPlan:
+    """The plan of loading target (a source) with draft (a Draft, `auto` resolved here) under engine (an
+    EngineConfig): each model in the format the loader will give it, caches for the context the load gives."""
+    from quickdraft import quant
+    from quickdraft.config import DEFAULT_MAX_CONTEXT
+    from quickdraft.weights.loader import resolve_device, resolve_dtype
+
+    # a stated size may plan for a device this machine lacks (--device cuda on a CPU machine)
+    device = torch.device(engine.device) if capacity is not None and engine.device != "auto" else \
+        resolve_device(engine.device)
+    dtype = resolve_dtype(engine.dtype, device)
+    specs = [spec_from_source("target", target, quant.resolve(engine.weights, device, dtype))]
+    draft = draft.resolve(target)
+    if draft.kind == "model":
+        draft_device = torch.device(draft.device) if draft.device else device
+        if draft_device.type == device.type:
+            specs.append(spec_from_source("draft", draft.model, quant.resolve(draft.weights, draft_device, dtype,
+                                                                              role="draft")))
+    context = engine.max_context or min(specs[0].cfg.max_context, DEFAULT_MAX_CONTEXT)
+    return plan(specs, context, device, capacity, free)

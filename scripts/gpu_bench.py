@@ -1,15 +1,21 @@
 #!/usr/bin/env python
-"""The CUDA benchmark that scripts/gpu_check.sh runs: plain decoding of the 1.5B target and of the 0.5B
-draft against the memory roofline, and v(k) for k = 1..16.
+"""The CUDA benchmark that scripts/gpu_check.sh runs, its table printed last:
 
-The models are the default pair when their GGUF files are in the cache (`quickdraft pull`), else random
-weights of exactly their shapes (a GPU machine without network has no models; a pass's speed depends on
-the shapes, not the values). Decoding is timed three ways: eager (each kernel launched from Python) and
-replaying CUDA graphs (runtime/graphs.py: what the engine does on CUDA), each with every token's argmax
-read back to the host before the next step (as the engine does); and graphs with the next token kept on
-the device (no host sync). Prints one table last.
+1. plain decoding of the 1.5B target in bf16, int8 and int4 against the memory roofline (eager, replaying CUDA
+   graphs with each token read back to the host as the engine does, and graphs without that sync), and v(k) for
+   k = 1..16 in each format;
+2. the default pair: r of the 0.5B draft in int4 against each target format, and the speed-up the speed model
+   predicts at the acceptance the pair reaches on the CPU (--alpha: 0.75 per drafted token, the code prompt of
+   issue 20's table), k chosen as the policy would;
+3. the seeds' case: a 27B-class target in int4 (roofline.STAND_INS, ~15 GiB) with the 0.5B-class draft in int4:
+   plain tok/s against the roofline, v(k), r, the speed-up predicted at 4.8 tokens a round at k = 7, and the
+   memory plan's figures for it on a 24 GiB card and on this one.
 
-Usage: python scripts/gpu_bench.py [-n 256] [--device cuda]
+The models are the default pair when their GGUF files are in the cache, else random weights of their shapes (a GPU
+machine has no network; a pass's speed depends on the shapes, not the values), made on the GPU one module at a
+time through the loader's own build_model, so they are converted as a file's would be.
+
+Usage: python scripts/gpu_bench.py [-n 256] [--runs 3] [--device cuda] [--skip-27b]
 """
 
 from __future__ import annotations
@@ -23,34 +29,42 @@ from pathlib import Path
 import torch
 
 from quickdraft import roofline
-from quickdraft.config import EngineConfig, ModelConfig
+from quickdraft.config import EngineConfig
 from quickdraft.models.transformer import Transformer
+from quickdraft.runtime import memory
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.plan import plan
+from quickdraft.speculative.speed import expected_length, speedup
 from quickdraft.weights import hub
-from quickdraft.weights.loader import LoadedModel, load_model
+from quickdraft.weights.loader import LoadedModel, build_model, load_model
 
-SHAPES = {  # the default pair's shapes (MODELS.md), for random weights
-    hub.DEFAULT_TARGET: ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
-    hub.DEFAULT_DRAFT: ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768, qkv_bias=True),
-}
+TARGET, DRAFT, SEEDS = hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT, "dense-27b-class"
 
 
-def load(alias: str, device: torch.device, context: int) -> tuple[LoadedModel, str]:
-    if hub.is_pulled(alias):
-        return load_model(alias, EngineConfig(device=str(device), dtype="bfloat16", max_context=context), False), \
-            "real weights"
-    cfg = SHAPES[alias]
-    with torch.device(device):
-        model = Transformer(cfg, context).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02)
-    model.set_rotary(context, device)
-    model = model.eval().requires_grad_(False)
-    graphs = StepGraphs(model) if device.type == "cuda" else None
-    return LoadedModel(alias, Path(alias), cfg, model, None, 0.0, plan=plan(model), graphs=graphs), "random weights"
+def random_tensors(cfg, device, context):
+    """(model name, tensor) for every parameter of a model of cfg's shape, made on the device when asked for."""
+    with torch.device("meta"):
+        shapes = [(n, tuple(p.shape)) for n, p in Transformer(cfg, context).named_parameters()]
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, shape in shapes:
+        if "norm" in name:
+            yield name, torch.ones(shape, dtype=torch.bfloat16, device=device)
+        else:
+            yield name, (torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02)
+
+
+def load(name: str, fmt: str, device: torch.device, context: int) -> tuple[LoadedModel, str]:
+    if name in hub.DEFAULT_MODELS and hub.is_pulled(name):
+        config = EngineConfig(device=str(device), dtype="bfloat16", weights=fmt, max_context=context,
+                              weight_cache=False)
+        return load_model(name, config, False), "real weights"
+    cfg = roofline.STAND_INS[name]
+    t0 = time.perf_counter()
+    model = build_model(cfg, random_tensors(cfg, device, context), device, context, fmt, torch.bfloat16)
+    lm = LoadedModel(name, Path(name), cfg, model, None, time.perf_counter() - t0, fmt, plan=plan(model))
+    lm.graphs = StepGraphs(model) if device.type == "cuda" else None
+    return lm, "random weights"
 
 
 @torch.inference_mode()
@@ -58,28 +72,28 @@ def decode_tok_s(lm: LoadedModel, n: int, host_sync: bool, graphs: bool, prompt_
     saved = lm.graphs
     lm.graphs = saved if graphs else None
     try:
-        return _decode_tok_s(lm, n, host_sync, prompt_len)
+        device = lm.device
+        cache = KVCache.for_model(lm.model, prompt_len + n + 32)  # room for a graph's padded rows at every step
+        prompt = torch.randint(0, 1000, (1, prompt_len), device=device)
+        token = lm.forward(prompt, cache, last_only=True)[0, -1].argmax().reshape(1, 1)
+        for _ in range(4):  # warm-up steps, then back to the prompt
+            lm.forward(token, cache, last_only=True)
+        cache.rollback(prompt_len)
+        roofline.sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            token = lm.forward(token, cache, last_only=True)[0, -1].argmax().reshape(1, 1)
+            if host_sync:
+                token = torch.tensor([[int(token)]], device=device)
+        roofline.sync(device)
+        return n / (time.perf_counter() - t0)
     finally:
         lm.graphs = saved
 
 
-def _decode_tok_s(lm: LoadedModel, n: int, host_sync: bool, prompt_len: int) -> float:
-    device = lm.device
-    cache = KVCache.for_model(lm.model, prompt_len + n + 32)  # room for a graph's padded rows at every step
-    prompt = torch.randint(0, 1000, (1, prompt_len), device=device)
-    token = lm.forward(prompt, cache, last_only=True)[0, -1].argmax().reshape(1, 1)
-    for _ in range(4):  # warm-up steps, then back to the prompt
-        lm.forward(token, cache, last_only=True)
-    cache.rollback(prompt_len)
-    roofline.sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        logits = lm.forward(token, cache, last_only=True)
-        token = logits[0, -1].argmax().reshape(1, 1)
-        if host_sync:
-            token = torch.tensor([[int(token)]], device=device)
-    roofline.sync(device)
-    return n / (time.perf_counter() - t0)
+def free(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -87,6 +101,9 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=256, help="tokens decoded per timing (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--alpha", type=float, default=0.75, help="acceptance per drafted token for the default pair's "
+                                                              "prediction (default: %(default)s)")
+    ap.add_argument("--skip-27b", action="store_true", help="leave out the seeds' 27B-class case")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -94,33 +111,81 @@ def main() -> int:
         return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     bw = roofline.bandwidth(device)
-    print(f"gpu_bench: {name}, torch {torch.__version__}, bandwidth {bw / 1e9:.0f} GB/s (copy/read, measured now)",
-          file=sys.stderr)
-    rows, v = [], {}
-    for alias in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT):
-        lm, source = load(alias, device, 1024)
+    log = lambda text: print(f"gpu_bench: {text}", file=sys.stderr, flush=True)  # noqa: E731
+    log(f"{name}, torch {torch.__version__}, bandwidth {bw / 1e9:.0f} GB/s (copy/read, measured now)")
+    median = statistics.median
+    rows, curves, steps = [], {}, {}
+
+    def measure(label, lm, source, with_eager=False, v_curve=True):
         per_pass = roofline.pass_bytes(lm.model, 64 + args.n // 2)
-        eager = statistics.median(decode_tok_s(lm, args.n, True, False) for _ in range(args.runs))
-        sync = statistics.median(decode_tok_s(lm, args.n, True, True) for _ in range(args.runs))
-        free = statistics.median(decode_tok_s(lm, args.n, False, True) for _ in range(args.runs))
-        graphs = lm.graphs
-        if graphs is not None and graphs.disabled:
-            print(f"gpu_bench: CUDA graphs off for {alias}: {graphs.disabled}", file=sys.stderr)
-        limit = bw / per_pass
-        rows.append((f"{alias} ({source})", per_pass / 1e6, eager, sync, free, limit))
-        if alias == hub.DEFAULT_TARGET:
+        eager = median(decode_tok_s(lm, args.n, True, False) for _ in range(args.runs)) if with_eager else None
+        sync = median(decode_tok_s(lm, args.n, True, True) for _ in range(args.runs))
+        nosync = median(decode_tok_s(lm, args.n, False, True) for _ in range(args.runs))
+        if lm.graphs is not None and lm.graphs.disabled:
+            log(f"CUDA graphs off for {label}: {lm.graphs.disabled}")
+        rows.append((f"{label} ({source})", per_pass / 1e6, eager, sync, nosync, bw / per_pass))
+        steps[label] = 1 / sync
+        if v_curve:
             prompt = torch.randint(0, 1000, (64,)).tolist()
-            t1, v = roofline.v_curve(lm, prompt, 16)
+            _, curves[label] = roofline.v_curve(lm, prompt, 16, reps=3)
+        log(f"{label}: {sync:.1f} tok/s with graphs, {', '.join(sorted(lm.plan.get('linear', {})))}; "
+            f"loaded in {lm.load_seconds:.1f} s")
+
+    for fmt in ("bf16", "int8", "int4"):
+        lm, source = load(TARGET, fmt, device, 1024)
+        measure(f"1.5B {fmt}", lm, source, with_eager=fmt == "bf16")
         del lm
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(f"\n{'model (bf16), tok/s':44} {'MB/pass':>8} {'eager':>7} {'graphs':>7} {'no sync':>8} {'limit':>7} "
-          f"{'% eager':>7} {'% graphs':>8} {'% no sync':>9}")
-    for label, mb, eager, sync, free, limit in rows:
-        print(f"{label:44} {mb:8.0f} {eager:7.1f} {sync:7.1f} {free:8.1f} {limit:7.0f} {100 * eager / limit:6.0f}% "
-              f"{100 * sync / limit:7.0f}% {100 * free / limit:8.0f}%")
-    print("v(k) of the target (graphs: every pass of up to 17 tokens is padded to 17 rows): "
-          + ", ".join(f"{k}: {x:.2f}" for k, x in v.items()))
+        free(device)
+    draft, source = load(DRAFT, "int4", device, 1024)
+    measure("0.5B int4 (draft)", draft, source, v_curve=False)
+    del draft
+    free(device)
+
+    seeds = None
+    if not args.skip_27b:
+        torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
+        lm, source = load(SEEDS, "int4", device, 1024)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
+        measure("27B-class int4", lm, source)
+        seeds = (lm.load_seconds, peak, sum(t.numel() * t.element_size() for t in lm.model.buffers()) / 2**30)
+        del lm
+        free(device)
+
+    print(f"\n{'plain decode, tok/s':40} {'MB/pass':>8} {'eager':>7} {'graphs':>7} {'no sync':>8} {'limit':>7} "
+          f"{'% graphs':>8} {'% no sync':>9}")
+    for label, mb, eager, sync, nosync, limit in rows:
+        e = f"{eager:7.1f}" if eager else f"{'-':>7}"
+        print(f"{label:40} {mb:8.0f} {e} {sync:7.1f} {nosync:8.1f} {limit:7.0f} {100 * sync / limit:7.0f}% "
+              f"{100 * nosync / limit:8.0f}%")
+    print("\nv(k), graphs padded to 17 rows (k = 1..16):")
+    for label, v in curves.items():
+        print(f"  {label:16} " + " ".join(f"{v[k]:.2f}" for k in sorted(v)))
+    draft_step = steps["0.5B int4 (draft)"]
+    print(f"\ndefault pair (0.5B int4 draft), predicted at alpha = {args.alpha} per drafted token:")
+    for fmt in ("bf16", "int8", "int4"):
+        label = f"1.5B {fmt}"
+        r = draft_step / steps[label]
+        v = curves[label]
+        best = max(v, key=lambda k: speedup(expected_length([args.alpha] * k), v[k], k, r))
+        length = expected_length([args.alpha] * best)
+        s = speedup(length, v[best], best, r)
+        print(f"  target {fmt:5}  r = {r:.2f}  best k = {best:2}  E[L] = {length:.2f}  v(k) = {v[best]:.2f}  "
+              f"speed-up {s:.2f}x -> {s / steps[label]:.0f} tok/s")
+    if seeds is not None:
+        v, r = curves["27B-class int4"], draft_step / steps["27B-class int4"]
+        plain = 1 / steps["27B-class int4"]
+        s = speedup(4.8, v[7], 7, r)
+        print(f"\nseeds' case: 27B-class int4 target + 0.5B int4 draft (random weights of the shapes)")
+        print(f"  plain {plain:.1f} tok/s ({100 * plain / rows[-1][5]:.0f}% of the roofline), r = {r:.3f}, "
+              f"v(7) = {v[7]:.2f}; at 4.8 tokens a round, k = 7: predicted {s:.2f}x -> {s * plain:.0f} tok/s")
+        print(f"  load: {seeds[0]:.1f} s module by module on the GPU, peak {seeds[1]:.2f} GiB allocated for "
+              f"{seeds[2]:.2f} GiB of weights")
+        cfg, dcfg = roofline.STAND_INS[SEEDS], roofline.STAND_INS[DRAFT]
+        specs = [memory.ModelSpec("target", "27B-class Q4_K_M", cfg, "mixed", roofline.q4_k_m_types(cfg)),
+                 memory.ModelSpec("draft", "0.5B-class", dcfg, "int4")]
+        for capacity in (24 * 2**30, None):
+            p = memory.plan(specs, 8192, device, capacity)
+            print(f"  memory plan, 8k context, {p.capacity / 2**30:.0f} GiB:\n" + "\n".join(p.lines()))
     return 0
 
 

@@ -117,12 +117,6 @@ def test_cuda_kv_rollback_then_rewrite_equals_straight(models):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_cpu_weight_formats_say_so_on_cuda(tmp_path):
-    path = str(save_hf_dir(tiny_hf_model("qwen2"), tmp_path))
-    with pytest.raises(QuickdraftError, match="int4 runs on the CPU"):
-        load_model(path, EngineConfig(device="cuda", dtype="bfloat16", weights="int4"), progress=False)
-
-
 def test_cuda_graphs_replay_what_the_eager_passes_compute(models):
     """Loading on CUDA turns graphs on; a prefill, steps and a verification replayed as graphs give the eager
     logits (to bf16 rounding: the graph pads every pass to the same rows), and the check that guards each
@@ -165,3 +159,134 @@ def test_every_family_runs_on_cuda_as_on_the_cpu_and_speculates_exactly(tmp_path
     ours, final = tokens_of(Engine(gpu, 256, DraftModelDrafter(gpu, gpu.config.vocab_size, 256),
                                    SpeculationConfig(draft_max=4, adaptive=False)), params, TOKENS)
     assert ours == plain and final.stats.draft_n_accepted == final.stats.draft_n > 0
+
+
+# --- the quantized formats on CUDA ------------------------------------------------------------------------------
+
+FORMATS = ("int8", "int4", "mixed")
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def quantized(request, tmp_path_factory):
+    fmt = request.param
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_context=256, weights=fmt)
+    return fmt, target_and_noisy_draft(tmp_path_factory.mktemp(f"cuda-{fmt}"), config)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 17, 40])
+def test_cuda_quantized_layers_match_their_dequantized_reference(fmt, rows):
+    """Each CUDA kernel against x @ (its own dequantized weight), for the row counts a step, a verification, the
+    padded graph pass and a prefill give; and row i alone equal to row i among the others (batch invariance)."""
+    from quickdraft import quant
+
+    torch.manual_seed(0)
+    n, k = 384, 896  # the draft's shapes, in small: K with inner tiles of 8 (896 = 7 x 128)
+    w, bias = torch.randn(n, k) * 0.05, torch.randn(n) * 0.1
+    layer = quant.layer(fmt, w, bias, torch.device("cuda"))
+    assert layer is not None and layer.on_cuda
+    if fmt == "int8":
+        assert layer.triton, "Triton is on the GPU image: the int8 kernel is ours"
+    x = torch.randn(rows, k, device="cuda").bfloat16()
+    got = layer(x).float()
+    want = (x.float() @ layer.dequantized().cuda().t() + layer.bias.float())
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    assert float((layer.dequantized().cpu() - w).abs().max()) <= (0.02 if fmt == "int8" else 0.1) * float(w.abs().max())
+    if fmt == "int8":  # ours is batch invariant by construction; PyTorch's int4 kernel is run padded (graphs)
+        alone = layer(x[rows - 1:rows].contiguous())
+        assert torch.equal(alone[0], layer(x)[rows - 1]), "a row's result depends on the other rows"
+
+
+def test_cuda_loads_gguf_4_bit_blocks_as_they_are(tmp_path):
+    """A GGUF file's Q4_0 / Q4_1 layers become int4 layers on the GPU from their own codes: each weight within 1/16
+    of a quantization step of the file's value."""
+    from gguf import GGMLQuantizationType as T
+
+    from quickdraft.quant import int4
+    from quickdraft.weights import gguf as gguf_io
+    from quickdraft.weights.dequant import dequantize
+    from tests.helpers import write_gguf_from_hf
+
+    types = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q4_1, "ffn_gate.weight": T.Q4_1,
+             "ffn_up.weight": T.Q4_0}
+    path = write_gguf_from_hf(tiny_hf_model("qwen2", vocab=512), tmp_path / "m.gguf", table_type=T.Q8_0,
+                              layer_types=types)
+    lm = load_model(str(path), EngineConfig(device="cuda", dtype="bfloat16", weights="int4", max_context=64), False)
+    layer = lm.model.layers[0].attention.wqkv
+    assert isinstance(layer, int4.Int4Linear) and layer.on_cuda
+    raw = {t.name: t for t in gguf_io.open_gguf(path).tensors}
+    want = torch.cat([dequantize(raw[f"blk.0.attn_{p}.weight"].data, raw[f"blk.0.attn_{p}.weight"].tensor_type,
+                                 tuple(int(n) for n in reversed(raw[f"blk.0.attn_{p}.weight"].shape)), torch.float32)
+                      for p in "qkv"])
+    groups = want.reshape(want.shape[0], -1, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (layer.dequantized().cpu() - want).abs().reshape(want.shape[0], -1, 32).amax(-1)
+    assert float((err / step.clamp_min(1e-12)).max()) < 1 / 16
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_cuda_quantized_greedy_speculation_equals_plain(quantized, kind):
+    fmt, (target, draft) = quantized
+    assert target.weights == fmt and target.graphs is not None
+    model = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    drafter = {"draft": model, "ngram": NgramDrafter()}[kind]
+    params = SamplingParams(max_tokens=48, stop_at_eos=False)
+    plain, _ = tokens_of(Engine(target, 256), params)
+    for spec in (SpeculationConfig(draft_max=3, adaptive=False), SpeculationConfig(draft_max=8)):
+        ours, final = tokens_of(Engine(target, 256, drafter, spec, kind), params)
+        assert ours == plain, (fmt, kind, spec)
+        assert final.stats.rounds > 0
+    assert target.graphs.disabled is None, target.graphs.disabled
+
+
+def test_cuda_quantized_seeded_sampling_equals_plain(quantized):
+    fmt, (target, draft) = quantized
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, stop_at_eos=False)
+    plain, _ = tokens_of(Engine(target, 256), params)
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    ours, final = tokens_of(Engine(target, 256, drafter, SpeculationConfig(draft_max=4, adaptive=False)), params)
+    assert ours == plain and final.stats.rounds > 0, fmt
+
+
+def test_cuda_int4_sampled_output_follows_the_target(tmp_path):
+    """The chi-square test of rejection sampling, with both models in int4 on the GPU."""
+    V, draws = 8, 600
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", max_context=256, weights="int4")
+    target = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=1, vocab=V, logit_scale=8), tmp_path / "t")),
+                        cfg, False)
+    draft = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=2, vocab=V, logit_scale=8), tmp_path / "d")),
+                       cfg, False)
+    assert target.plan["linear"], target.plan
+    params = SamplingParams(temperature=1.0, max_tokens=3, stop_at_eos=False)
+    prompt = [1, 2, 3]
+    exact = torch.zeros(V, dtype=torch.float64)
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = sampling.process(target.forward(torch.tensor([prompt], device="cuda"), cache, last_only=True)[0],
+                              params)[0].double().cpu()
+        for t1 in range(V):
+            cache.rollback(3)
+            p2 = sampling.process(target.forward(torch.tensor([[t1]], device="cuda"), cache)[0], params)[0]
+            exact += p1[t1] * p2.double().cpu()
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16), SpeculationConfig(draft_max=1, adaptive=False))
+    counts = torch.zeros(V, dtype=torch.float64)
+    torch.manual_seed(0)
+    for _ in range(draws):
+        tokens, final = tokens_of(engine, params, prompt)
+        counts[tokens[1]] += 1
+    assert final.stats.rounds >= 1
+    _, dof, p_value = chi_square(counts, exact)
+    assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
+
+
+def test_cuda_refuses_a_plan_that_does_not_fit(tmp_path, monkeypatch):
+    """The plan is checked before any weight is read: a card reported 1 MiB free refuses the load with the
+    numbers; the loader is never called."""
+    import quickdraft
+    from quickdraft import api
+
+    path = str(save_hf_dir(tiny_hf_model("qwen2"), tmp_path))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 24 * 2**30))
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(QuickdraftError, match="do not fit on cuda"):
+        quickdraft.load(path, "none", device="cuda", context=64)

@@ -349,8 +349,8 @@ def cmd_doctor(args) -> int:
     planned = doctor.memory_plan(plan)
     cuda_absent = plan.device_type == "cuda" and not torch.cuda.is_available()
     if planned.level == "error" or cuda_absent:  # nothing to load: the plan says it all
-        note = Finding("load", "ok" if planned.level != "error" else "error",
-                       "no CUDA device here: the plan only" if cuda_absent else "not loaded: the plan does not fit")
+        note = (Finding("load", "warn", "not loaded: the plan does not fit") if planned.level == "error" else
+                Finding("load", "ok", "no CUDA device here: the plan only"))
         findings = [planned, note]
     else:
         llm = load(args, NONE)

@@ -144,7 +144,10 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     if isinstance(draft, str):
         draft = Draft.parse(draft, device=draft_device, weights=draft_weights)
     if resolve_device(device).type == "cuda":  # what fits is known before any weight is read
-        memory.check(memory.for_load(model, draft, engine),
-                     warn=lambda text: print(f"warning: {text}", file=sys.stderr))
+        plan = memory.for_load(model, draft, engine)
+        memory.check(plan, warn=lambda text: print(f"warning: {text}", file=sys.stderr))
+        if (sys.stderr.isatty() if progress is None else progress) and plan.warning() is None:
+            print(f"memory plan: {plan.used / 2**30:.1f} GiB of {plan.device}'s {plan.capacity / 2**30:.1f} GiB "
+                  f"({100 * plan.share:.0f}%; `quickdraft doctor` itemises it)", file=sys.stderr)
     target = load_model(model, engine, progress)
     return LLM(target, engine, draft, speculation or SpeculationConfig(), progress)

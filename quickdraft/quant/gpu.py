@@ -26,13 +26,24 @@ BLOCK_N, BLOCK_K = 64, 128
 
 @functools.cache
 def triton_reason() -> str | None:
-    """None where the Triton kernel can run (Triton imports, and a GPU or the interpreter is there), else why not."""
+    """None where the Triton kernel runs here (Triton imports, and a first launch on the GPU compiles and gives
+    the reference's result; or the interpreter is on), else why not."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed"
-    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    if not torch.cuda.is_available():
         return "no CUDA device"
+    try:  # compiling needs a C compiler for the launcher too: a failure here is a fallback, not a crash later
+        x = torch.ones(2, 64, dtype=torch.bfloat16, device="cuda")
+        q = torch.ones(64, 64, dtype=torch.int8, device="cuda")
+        got = int8_mm(x, q, torch.ones(64, device="cuda"), None, 1)
+        if not torch.equal(got.float(), torch.full((2, 64), 64.0, device="cuda")):
+            return "its first launch gave a wrong result"
+    except Exception as e:  # noqa: BLE001: any failure means PyTorch's kernel runs instead
+        return f"its first launch failed ({type(e).__name__}: {str(e)[:200]})"
     return None
 
 
@@ -65,27 +76,42 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Te
     return torch.ops.aten._weight_int4pack_mm(x, packed, GROUP, sz)
 
 
-def int8_splits(n: int, k: int) -> int:
-    """Slices of K each output tile is split into: enough programs to fill the GPU (two per multiprocessor)
-    when N alone gives too few, at least BLOCK_K inputs a slice. From the shapes only: the same for every pass."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+def int8_splits(n: int, k: int, device=None) -> int:
+    """Slices of K each output tile is split into for passes of up to DECODE_ROWS rows: enough programs to fill the
+    GPU (two per multiprocessor) when N alone gives too few, at least BLOCK_K inputs a slice. From the shapes only:
+    the same for every such pass."""
+    cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    sms = torch.cuda.get_device_properties(device or 0).multi_processor_count if cuda else 132
     tiles = -(-n // BLOCK_N)
     return max(1, min(-(-2 * sms // tiles), k // BLOCK_K, 16))
 
 
+DECODE_ROWS = 32  # passes of up to this many rows (steps, verifications, the padded graph pass) share one shape
+
+
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
             splits: int) -> torch.Tensor:
-    """x (M, K) bf16 times int8 q (N, K) with per-row scales (N,) float32 -> (M, N) bf16, on the Triton kernel."""
+    """x (M, K) bf16 times int8 q (N, K) with per-row scales (N,) float32 -> (M, N) bf16, on the Triton kernel.
+
+    Passes of up to DECODE_ROWS rows run one tile of DECODE_ROWS rows with K in `splits` slices (float32 partial
+    sums added in a fixed order): every row computed the same way whatever the pass. Longer passes (a prefill) run
+    tiles of 64 rows, K whole, scaled and rounded in the kernel."""
     kernel = _int8_kernel()
     m, k = x.shape
     n = q.shape[0]
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    decode = m <= DECODE_ROWS
+    block_m, splits = (DECODE_ROWS, splits) if decode else (64, 1)
     per_split = -(-k // (splits * BLOCK_K)) * BLOCK_K
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (-(-n // BLOCK_N), -(-m // block_m), splits)
-    kernel[grid](x, q, partial, m, n, k, per_split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                 FLOAT32_DOT=not x.is_cuda)
-    out = (partial.sum(0) if splits > 1 else partial[0]) * scale
+    common = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FLOAT32_DOT=not x.is_cuda)
+    if splits == 1:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+        kernel[grid](x, q, out, scale, bias if bias is not None else scale, m, n, k, per_split, FINAL=True,
+                     HAS_BIAS=bias is not None, **common)
+        return out
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    kernel[grid](x, q, partial, scale, scale, m, n, k, per_split, FINAL=False, HAS_BIAS=False, **common)
+    out = partial.sum(0) * scale
     if bias is not None:
         out = out + bias.float()
     return out.to(torch.bfloat16)
@@ -103,11 +129,11 @@ def _int8_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x, w, out, M, N, K, per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr):
+    def kernel(x, w, out, scale, bias, M, N, K, per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, FLOAT32_DOT: tl.constexpr, FINAL: tl.constexpr, HAS_BIAS: tl.constexpr):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit offsets: a long prefill's M * K
+        rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, per_split, BLOCK_K):  # slices never overlap: per_split is a whole number of blocks
             rk = pid_k * per_split + k0 + tl.arange(0, BLOCK_K)
@@ -117,6 +143,13 @@ def _int8_kernel():
                 acc += tl.dot(a.to(tl.float32), b.to(tl.float32))
             else:
                 acc += tl.dot(a, b.to(tl.bfloat16))  # int8 codes are exact in bf16
-        tl.store(out + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if FINAL:  # the whole K: scale, bias, round to bf16 here
+            acc = acc * tl.load(scale + rn, mask=rn < N, other=0.0)[None, :]
+            if HAS_BIAS:
+                acc += tl.load(bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(out + pid_k.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
     return kernel

@@ -65,7 +65,7 @@ def fit(w: torch.Tensor, steps: int = REFINE) -> tuple[torch.Tensor, torch.Tenso
     MIN_SPAN steps between them, then `steps` rounds of the least-squares (scale, lo) for the current
     codes, kept where they lower the error. The GGUF files' 4-bit blocks lie on grids that min-max over
     15 steps misses whenever a block's codes do not span 0..15."""
-    if vnni.available() and w.device.type == "cpu":  # the same in C++, much faster
+    if w.device.type == "cpu" and vnni.available():  # the same in C++, much faster
         scale, lo = torch.ops.quickdraft_vnni.int4_fit(w.contiguous(), steps)
         return scale.reshape(*w.shape[:-1], 1), lo.reshape(*w.shape[:-1], 1)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)

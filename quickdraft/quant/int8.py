@@ -49,7 +49,7 @@ class Int8Linear(nn.Module):
         q, scale = quantize(weight, device)
         self.on_cuda = device.type == "cuda"
         self.triton = self.on_cuda and gpu.triton_reason() is None
-        self.splits = gpu.int8_splits(self.out_features, self.in_features) if self.triton else 1
+        self.splits = gpu.int8_splits(self.out_features, self.in_features, device) if self.triton else 1
         self.vnni = (not self.on_cuda and vnni.available() and self.in_features % 64 == 0
                      and self.out_features % vnni.TILE == 0)
         if self.on_cuda:

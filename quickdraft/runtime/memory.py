@@ -207,9 +207,10 @@ def plan(models: list[ModelSpec], context: int, device: torch.device, capacity: 
     """The plan of `models` (the target first) with caches of `context` positions on device; capacity and free
     default to the device's own (CUDA: what the driver reports now)."""
     device = torch.device(device)
+    measured = capacity is None and device.type == "cuda"
     if capacity is None:
         if device.type == "cuda":
-            free_now, capacity = torch.cuda.mem_get_info(device)
+            free_now, capacity = torch.cuda.mem_get_info(device)  # the CUDA context exists now: out of free_now
             free = free_now if free is None else free
         else:
             capacity = _host_memory()
@@ -223,7 +224,7 @@ def plan(models: list[ModelSpec], context: int, device: torch.device, capacity: 
     if models:
         out.items.append(Item("activations", max(activation_bytes(m.cfg, context) for m in models),
                               f"a prefill of {context} tokens, estimated"))
-    if device.type == "cuda":
+    if device.type == "cuda" and not measured:  # a measured free memory has the context taken out already
         out.items.append(Item("CUDA context", CUDA_CONTEXT, "PyTorch, cuBLAS, allocator slack (estimated)"))
     return out
 
@@ -277,7 +278,8 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
     draft = draft.resolve(target)
     if draft.kind == "model":
         draft_device = torch.device(draft.device) if draft.device else device
-        if draft_device.type == device.type:
+        if draft_device == device or (draft_device.type == device.type and device.index in (None, 0)
+                                      and draft_device.index in (None, 0)):  # the same card
             specs.append(spec_from_source("draft", draft.model, quant.resolve(draft.weights, draft_device, dtype,
                                                                               role="draft")))
     context = engine.max_context or min(specs[0].cfg.max_context, DEFAULT_MAX_CONTEXT)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.rope import RopeConfig
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gemma4")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "phi3", "gemma2", "gemma3", "gemma4")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,14 @@ class ModelConfig:
     ple_dim: int = 0  # per-layer embeddings: their width (0: none)
     ple_vocab: int = 0  # and their table's rows
     layer_scalar: bool = False  # each layer's output is multiplied by a learned scalar
+    # qwen3_5 (Qwen3.5 / 3.6 hybrids): gated attention and Gated DeltaNet linear-attention layers ("linear" in
+    # layer_types)
+    attn_output_gate: bool = False  # q_proj also gives a gate per head: attention output * sigmoid(gate)
+    linear_k_heads: int = 0  # a linear layer's query/key heads
+    linear_v_heads: int = 0  # and value heads (a multiple of the key heads)
+    linear_k_dim: int = 0  # their sizes
+    linear_v_dim: int = 0
+    linear_conv: int = 4  # the short causal convolution's kernel
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -76,6 +84,13 @@ class ModelConfig:
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise QuickdraftError(f"model metadata is inconsistent: {len(self.layer_types)} layer types for "
                                   f"{self.n_layers} layers")
+        if self.layer_types is not None and "linear" in self.layer_types:
+            if not all(n > 0 for n in (self.linear_k_heads, self.linear_v_heads, self.linear_k_dim, self.linear_v_dim,
+                                       self.linear_conv)) or self.linear_v_heads % self.linear_k_heads:
+                raise QuickdraftError(
+                    f"model metadata is inconsistent: linear-attention layers with {self.linear_k_heads} key heads of "
+                    f"{self.linear_k_dim} and {self.linear_v_heads} value heads of {self.linear_v_dim}, kernel "
+                    f"{self.linear_conv} (value heads must be a multiple of key heads)")
         if self.activation not in ("silu", "gelu_tanh"):
             raise QuickdraftError(f"unsupported activation {self.activation!r}: quickdraft runs silu and gelu_tanh")
         if not 0 <= self.kv_shared_layers < self.n_layers:
@@ -85,7 +100,7 @@ class ModelConfig:
     # ---- per layer ------------------------------------------------------------------------------------------
 
     def layer_kind(self, i: int) -> str:
-        """"full" or "sliding" (a sliding-window attention layer)."""
+        """"full", "sliding" (a sliding-window attention layer) or "linear" (a Gated DeltaNet layer)."""
         if self.layer_types is not None:
             return self.layer_types[i]
         return "sliding" if self.sliding_window else "full"

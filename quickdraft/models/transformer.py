@@ -107,8 +107,9 @@ class Attention(nn.Module):
         self.values_from_keys = cfg.k_eq_v and self.kind == "full"
         self.v_norm = cfg.v_norm
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.gated = cfg.attn_output_gate  # qwen3.5: wq gives each head's query and its output gate, side by side
         self.parts = ("wq",) if self.shares else ("wq", "wk") if self.values_from_keys else ("wq", "wk", "wv")
-        self.split = (q_size, kv_size, kv_size)[:len(self.parts)]
+        self.split = (q_size * (2 if self.gated else 1), kv_size, kv_size)[:len(self.parts)]
         self.wqkv = Linear(cfg.dim, sum(self.split), bias=cfg.qkv_bias)  # the projections the layer has, fused
         self.wo = Linear(q_size, cfg.dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -119,7 +120,7 @@ class Attention(nn.Module):
     def plain(self) -> bool:
         """Projections, rotary and attention as llama's: what the fused kernels implement."""
         return (self.q_norm is None and len(self.parts) == 3 and not self.v_norm and self.softcap is None
-                and self.scale == self.head_dim ** -0.5)
+                and self.scale == self.head_dim ** -0.5 and not self.gated)
 
     def plan(self, kernels: bool, rotary: int) -> None:
         for norm in (self.q_norm, self.k_norm):
@@ -137,12 +138,16 @@ class Attention(nn.Module):
                                                            self.n_kv_heads)
             return self._attend(q, k, v, cache, layer, mask, B, S)
         parts = self.wqkv(x).split(self.split, dim=-1)
-        q = parts[0].view(B, S, self.n_heads, self.head_dim)
+        gate = None
+        if self.gated:
+            q, gate = parts[0].view(B, S, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = parts[0].view(B, S, self.n_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, H, S, D)
         if len(parts) == 1:  # keys and values of an earlier layer (gemma4's shared layers)
-            return self._attend(q, None, None, cache, layer, mask, B, S)
+            return self._attend(q, None, None, cache, layer, mask, B, S, gate)
         k = parts[1].view(B, S, self.n_kv_heads, self.head_dim)
         v = parts[2].view(B, S, self.n_kv_heads, self.head_dim) if len(parts) == 3 else k  # gemma4: values = keys
         if self.k_norm is not None:
@@ -150,9 +155,9 @@ class Attention(nn.Module):
         if self.v_norm:
             v = unit_norm(v, self.eps)
         k, v = apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
-        return self._attend(q, k, v, cache, layer, mask, B, S)
+        return self._attend(q, k, v, cache, layer, mask, B, S, gate)
 
-    def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int) -> torch.Tensor:
+    def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int, gate=None) -> torch.Tensor:
         if k is None:
             keys, values = cache.read(self.source, S)
         else:
@@ -168,7 +173,10 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
         else:
             out = torch.cat([self._row(q[:, :, i:i + 1], keys, values, start + i + 1) for i in range(S)], dim=2)
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        out = out.transpose(1, 2).reshape(B, S, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(B, S, -1))
+        return self.wo(out)
 
     def _windowed(self, end: int) -> bool:
         return self.window is not None and end > self.window
@@ -200,6 +208,127 @@ class Attention(nn.Module):
         return (scores.softmax(-1) @ v).to(q.dtype)
 
 
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet linear-attention layer (qwen3.5's "linear_attention"): projections to q, k, v (through a
+    short causal depthwise convolution and SiLU), an output gate z, a write strength beta and a decay g per
+    value head; the delta rule updates a (key size x value size) state per head,
+
+        S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,    o_t = S_t^T q_t,
+
+    with q and k L2-normalised (q also by 1 / sqrt(key size)); o is RMS-normed per head, times SiLU(z), and projected
+    back. Passes of up to ROWWISE_MAX tokens (decode steps, verification rounds) run the recurrence token by token,
+    the same arithmetic for a token whatever the pass, and save the state after each token in the cache's
+    RecurrentState (so a rollback restores exactly what plain decoding has); longer passes (a prefill) run the
+    chunked form, which gives the same outputs in matrix products over chunks of CHUNK tokens.
+    """
+
+    CHUNK = 64
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.kind = "linear"
+        self.n_kv_heads, self.head_dim, self.source = 0, 0, index  # no keys and values in the KV cache
+        self.k_heads, self.v_heads = cfg.linear_k_heads, cfg.linear_v_heads
+        self.k_dim, self.v_dim = cfg.linear_k_dim, cfg.linear_v_dim
+        self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        self.conv_dim, self.kernel = 2 * self.key_size + self.value_size, cfg.linear_conv
+        self.in_qkv = Linear(cfg.dim, self.conv_dim, bias=False)
+        self.in_z = Linear(cfg.dim, self.value_size, bias=False)
+        self.in_b = Linear(cfg.dim, self.v_heads, bias=False)
+        self.in_a = Linear(cfg.dim, self.v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel))  # depthwise, as checkpoints hold it
+        self.dt_bias = nn.Parameter(torch.empty(self.v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.v_heads))
+        self.out_norm = RMSNorm(self.v_dim, cfg.norm_eps)
+        self.wo = Linear(self.value_size, cfg.dim, bias=False)
+
+    def state_shape(self) -> tuple[int, int, int, int, int]:
+        return self.conv_dim, self.kernel, self.v_heads, self.k_dim, self.v_dim
+
+    def plain(self) -> bool:
+        return False
+
+    def plan(self, kernels: bool, rotary: int) -> None:
+        self.out_norm.plan(kernels)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
+        B, S, _ = x.shape
+        state = cache.states[layer]
+        start = cache.length
+        mixed = self.in_qkv(x)  # (B, S, C)
+        window = torch.cat([state.conv, mixed.to(state.conv.dtype)], dim=1)  # (B, K - 1 + S, C)
+        w = self.conv_weight.float()[:, 0]  # (C, K)
+        conv = sum(window[:, j:j + S].float() * w[:, j] for j in range(self.kernel))  # each position alone
+        conv = F.silu(conv).to(x.dtype)
+        q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        groups = self.v_heads // self.k_heads
+        q = _l2norm(q.float().view(B, S, self.k_heads, self.k_dim)).repeat_interleave(groups, 2) * self.k_dim ** -0.5
+        k = _l2norm(k.float().view(B, S, self.k_heads, self.k_dim)).repeat_interleave(groups, 2)
+        v = v.float().view(B, S, self.v_heads, self.v_dim)
+        beta = torch.sigmoid(self.in_b(x)).float()  # (B, S, Hv)
+        g = -self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias.float())
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, Hv, S, D)
+        beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, Hv, S)
+        if S <= ROWWISE_MAX:
+            out = self._recurrent(q, k, v, beta, g, state, window, start)
+        else:
+            out, ssm = self._chunked(q, k, v, beta, g, state.ssm)
+            state.save(start + S, window[:, -(self.kernel - 1):], ssm)
+        state.trim(start + S)
+        out = out.transpose(1, 2)  # (B, S, Hv, Dv)
+        z = self.in_z(x).view(B, S, self.v_heads, self.v_dim)
+        h = (self.out_norm(out.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
+        return self.wo(h.reshape(B, S, self.value_size))
+
+    def _recurrent(self, q, k, v, beta, g, state, window, start: int) -> torch.Tensor:
+        ssm, outs = state.ssm, []
+        for t in range(q.shape[2]):
+            ssm = ssm * g[:, :, t].exp()[..., None, None]
+            k_t = k[:, :, t]
+            delta = (v[:, :, t] - (ssm * k_t[..., None]).sum(-2)) * beta[:, :, t][..., None]
+            ssm = ssm + k_t[..., None] * delta[..., None, :]
+            outs.append((ssm * q[:, :, t][..., None]).sum(-2))
+            state.save(start + t + 1, window[:, t + 1:t + self.kernel], ssm)
+        return torch.stack(outs, dim=2)
+
+    def _chunked(self, q, k, v, beta, g, ssm):
+        """The same recurrence over chunks of C tokens, in matrix products. Within a chunk with decay products
+        G_t = exp(g_1 + ... + g_t): the updates U solve (I + A) U = beta V - (beta G K) S0 with A[t, s] =
+        beta_t (G_t / G_s) k_t . k_s for s < t; the outputs are O = (G Q) S0 + ((Q K^T) * D) U with D[t, s] = G_t /
+        G_s for s <= t; the state after it is G_C S0 + (K G_C / G)^T U."""
+        B, H, S, _ = q.shape
+        C = self.CHUNK
+        pad = (-S) % C
+        if pad:
+            q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+            beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+        n = (S + pad) // C
+        q, k, v = (t.reshape(B, H, n, C, -1) for t in (q, k, v))
+        beta, g = beta.reshape(B, H, n, C), g.reshape(B, H, n, C)
+        cum = g.cumsum(-1)  # log G_t within each chunk
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # D[t, s]
+        kb = k * beta[..., None]
+        a = (kb @ k.transpose(-1, -2)) * decay  # its diagonal is ignored: unit triangular
+        solve = lambda rhs: torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)  # noqa: E731
+        w_new = solve(v * beta[..., None])  # (I + A)^-1 beta V
+        k_decayed = solve(kb * cum.exp()[..., None])  # (I + A)^-1 beta G K
+        attn = (q @ k.transpose(-1, -2)) * decay
+        q_decayed = q * cum.exp()[..., None]
+        k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+        outs = []
+        for i in range(n):
+            u = w_new[:, :, i] - k_decayed[:, :, i] @ ssm
+            outs.append(q_decayed[:, :, i] @ ssm + attn[:, :, i] @ u)
+            ssm = ssm * cum[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
+        out = torch.cat(outs, dim=2)[:, :, :S]
+        return out, ssm
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -225,7 +354,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, index)
+        self.attention = GatedDeltaNet(cfg, index) if cfg.layer_kind(index) == "linear" else Attention(cfg, index)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg, index)
         sandwich = cfg.sandwich_norms
@@ -256,6 +385,8 @@ class Block(nn.Module):
         sandwich norms, q/k norms or per-layer extras; SiLU, full rotary) whose linear layers all offer their
         operands (quickdraft's int8/int4 kernels), in shapes its steps take; else None."""
         a, f, norms = self.attention, self.feed_forward, (self.attention_norm, self.ffn_norm)
+        if not a.plain():
+            return None
         parts = [getattr(m, "fused_operands", lambda: None)() for m in (a.wqkv, a.wo, f.w13, f.w2)]
         if any(p is None for p in parts) or not (
                 a.plain() and rotary == a.head_dim and a.window is None and f.activation == "silu"
@@ -323,8 +454,18 @@ class Transformer(nn.Module):
         return self.norm.weight.dtype
 
     def kv_layout(self) -> list[tuple[int, int, int]]:
-        """Per layer: (key/value heads, head size, the layer whose cache it uses)."""
+        """Per layer: (key/value heads, head size, the layer whose cache it uses); 0 heads for a linear layer."""
         return [(b.attention.n_kv_heads, b.attention.head_dim, b.attention.source) for b in self.layers]
+
+    def state_layout(self) -> list | None:
+        """Per layer: None, or a linear-attention layer's recurrent state shape (KVCache's states); None for a model
+        without such layers (its cache then has no recurrent state at all)."""
+        shapes = [b.attention.state_shape() if isinstance(b.attention, GatedDeltaNet) else None for b in self.layers]
+        return shapes if any(shapes) else None
+
+    @property
+    def hybrid(self) -> bool:
+        return any(isinstance(b.attention, GatedDeltaNet) for b in self.layers)
 
     def plan(self, kernels: bool, fused_layers: bool = True) -> dict:
         """Choose each step's kernel once: quickdraft's CPU kernels where `kernels` (the caller knows they run here:

@@ -84,6 +84,8 @@ class StepGraphs:
         self.capture = capture or (cuda_capture if model.device.type == "cuda" else eager_capture)
         self.graphs: OrderedDict = OrderedDict()
         self.disabled: str | None = None  # why graphs are off for this model, once they are
+        if getattr(model, "hybrid", False):  # the recurrent state's history is host bookkeeping per pass
+            self.disabled = "a hybrid model's linear-attention layers run eagerly"
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
         return (self.disabled is None and tokens.shape[0] == 1 and cache.batch == 1

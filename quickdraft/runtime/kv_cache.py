@@ -1,8 +1,51 @@
-"""A preallocated KV cache written at absolute positions: rollback is a pointer move."""
+"""A preallocated KV cache written at absolute positions: rollback is a pointer move. A hybrid model's
+linear-attention layers keep a recurrent state instead (RecurrentState), which a rollback restores exactly."""
 
 from __future__ import annotations
 
 import torch
+
+# Positions back a rollback can reach in a recurrent state: a verification of the longest draft (16) and its last
+# token, and a draft model's own steps of a round. Its states after each of these positions are kept.
+HISTORY = 17
+
+
+class RecurrentState:
+    """One linear-attention layer's state at the cache's length: the short convolution's last K - 1 inputs
+    (B, K - 1, C) and the delta rule's matrix (B, H, Dk, Dv) in float32, with the states after each of the last
+    HISTORY positions kept (`saved`), so that a rollback to any of them restores exactly the state plain decoding
+    has there. Keeping them costs memory, not time: each step makes its state anew, and the saved ones are the same
+    tensors (runtime/memory.py counts them)."""
+
+    def __init__(self, batch: int, conv_dim: int, kernel: int, heads: int, k_dim: int, v_dim: int, dtype, device):
+        self.shape = (batch, conv_dim, kernel, heads, k_dim, v_dim)
+        self.dtype, self.device = dtype, device
+        self.reset()
+
+    def reset(self) -> None:
+        batch, conv_dim, kernel, heads, k_dim, v_dim = self.shape
+        self.conv = torch.zeros(batch, kernel - 1, conv_dim, dtype=self.dtype, device=self.device)
+        self.ssm = torch.zeros(batch, heads, k_dim, v_dim, dtype=torch.float32, device=self.device)
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: (self.conv, self.ssm)}
+
+    def save(self, position: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """The state after `position` tokens (it becomes the current one when it is the last a pass saves)."""
+        self.conv, self.ssm = conv, ssm
+        self.saved[position] = (conv, ssm)
+
+    def trim(self, length: int) -> None:
+        for p in [p for p in self.saved if p < length - HISTORY or p > length]:
+            del self.saved[p]
+
+    def restore(self, length: int) -> None:
+        if length not in self.saved:
+            raise ValueError(f"a recurrent state cannot roll back to position {length}: it keeps the last {HISTORY} "
+                             f"positions ({sorted(self.saved)})")
+        self.conv, self.ssm = self.saved[length]
+        self.trim(length)
+
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * 4
 
 
 class KVCache:
@@ -16,9 +59,13 @@ class KVCache:
     """
 
     def __init__(self, layout: list[tuple[int, int, int]], capacity: int, *, batch: int = 1, dtype=torch.float32,
-                 device="cpu"):
+                 device="cpu", states: list | None = None):
         """layout: per layer (key/value heads, head size, the layer whose cache it uses: itself, or an earlier
-        one)."""
+        one); a linear-attention layer has 0 heads. states: per layer None, or a linear-attention layer's
+        (conv channels, conv kernel, heads, key size, value size) for its RecurrentState."""
+        self.states = [None if s is None else RecurrentState(batch, *s, dtype=dtype, device=device)
+                       for s in (states or [])]
+        self.recurrent = [s for s in self.states if s is not None]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for i, (heads, dim, source) in enumerate(layout):
@@ -33,8 +80,9 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, capacity: int | None = None, batch: int = 1) -> "KVCache":
+        states = model.state_layout() if hasattr(model, "state_layout") else None
         return cls(model.kv_layout(), capacity or model.max_context, batch=batch, dtype=model.dtype,
-                   device=model.device)
+                   device=model.device, states=states)
 
     @property
     def capacity(self) -> int:
@@ -49,7 +97,7 @@ class KVCache:
         return [t for i, owner in enumerate(self.owners) if owner for t in (self.k[i], self.v[i])]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return sum(t.numel() * t.element_size() for t in self.tensors()) + sum(s.nbytes() for s in self.recurrent)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store k, v (B, Hkv, S, D) at [length, length + S); return all valid keys and values."""
@@ -69,12 +117,16 @@ class KVCache:
         return PositionedWrites(self, positions, span)
 
     def rollback(self, length: int) -> None:
-        """Forget every position from `length` on."""
+        """Forget every position from `length` on (a recurrent state goes back to its state there)."""
         assert 0 <= length <= self.length, (length, self.length)
+        for s in self.recurrent:
+            s.restore(length)
         self.length = length
 
     def reset(self) -> None:
         self.length = 0
+        for s in self.recurrent:
+            s.reset()
 
 
 class PositionedWrites:

@@ -12,13 +12,13 @@ from quickdraft.models.rope import RopeConfig
 # config.json model_type -> quickdraft's family
 ARCHS = {"llama": "llama", "mistral": "mistral", "ministral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
          "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4",
-         "gemma4": "gemma4"}
+         "gemma4": "gemma4", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5"}
 GEMMAS = ("gemma2", "gemma3", "gemma4")
 
 
 def model_config(d: dict) -> ModelConfig:
     model_type = d.get("model_type", "?")
-    if model_type in ("gemma3", "gemma4") and isinstance(d.get("text_config"), dict):  # the multimodal wrapper
+    if model_type in ("gemma3", "gemma4", "qwen3_5") and isinstance(d.get("text_config"), dict):  # multimodal
         d = {**d["text_config"], "model_type": model_type + "_text"}
     arch = ARCHS.get(model_type)
     if arch is None:
@@ -42,7 +42,7 @@ def _build(arch: str, d: dict) -> ModelConfig:
         n_kv_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim, ffn_dim=d["intermediate_size"],
         norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.theta, max_context=d.get("max_position_embeddings", 4096),
         qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "gemma3", "gemma4"),
+        qk_norm=arch in ("qwen3", "qwen3_5", "gemma3", "gemma4"),
         tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         rope=rope, rope_local=rope_local, layer_types=layer_types,
         sliding_window=d.get("sliding_window") if layer_types and "sliding" in layer_types else None,
@@ -55,12 +55,17 @@ def _build(arch: str, d: dict) -> ModelConfig:
                       attn_softcap=d.get("attn_logit_softcapping") if arch == "gemma2" else None)
     if arch == "gemma4":
         fields.update(_gemma4(d, n_layers))
+    if arch == "qwen3_5":
+        fields.update(attn_output_gate=bool(d.get("attn_output_gate", True)),
+                      linear_k_heads=d["linear_num_key_heads"], linear_v_heads=d["linear_num_value_heads"],
+                      linear_k_dim=d["linear_key_head_dim"], linear_v_dim=d["linear_value_head_dim"],
+                      linear_conv=d.get("linear_conv_kernel_dim", 4))
     return ModelConfig(**fields)
 
 
 def _layer_types(arch: str, d: dict, n_layers: int) -> tuple[str, ...] | None:
-    """Each layer's attention, "full" or "sliding", as transformers decides it for the family."""
-    kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+    """Each layer's attention, "full", "sliding" or "linear", as transformers decides it for the family."""
+    kinds = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
     given = d.get("layer_types")
     if given:
         unknown = sorted(set(given) - set(kinds))
@@ -72,7 +77,7 @@ def _layer_types(arch: str, d: dict, n_layers: int) -> tuple[str, ...] | None:
             types[-1] = "full"  # as transformers forces it
         if "sliding" in types and not d.get("sliding_window"):
             raise QuickdraftError("config.json has sliding_attention layers but no sliding_window")
-        return tuple(types) if "sliding" in types else None
+        return tuple(types) if {"sliding", "linear"} & set(types) else None
     if arch == "mistral":
         return ("sliding",) * n_layers if d.get("sliding_window") else None
     if arch == "gemma2":
@@ -83,6 +88,9 @@ def _layer_types(arch: str, d: dict, n_layers: int) -> tuple[str, ...] | None:
         if arch == "gemma4":
             types[-1] = "full"
         return tuple(types)
+    if arch == "qwen3_5":  # transformers' default: every fourth layer full attention
+        interval = d.get("full_attention_interval", 4)
+        return tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(n_layers))
     if arch == "phi3" and d.get("sliding_window"):
         return ("sliding",) * n_layers
     return None

@@ -77,6 +77,16 @@ _HF_LAYER = {
     "per_layer_projection.weight": "ple_proj.weight",
     "post_per_layer_input_norm.weight": "ple_norm.weight",
     "layer_scalar": "layer_scalar",
+    # qwen3.5's Gated DeltaNet layers
+    "linear_attn.in_proj_qkv.weight": "attention.in_qkv.weight",
+    "linear_attn.in_proj_z.weight": "attention.in_z.weight",
+    "linear_attn.in_proj_b.weight": "attention.in_b.weight",
+    "linear_attn.in_proj_a.weight": "attention.in_a.weight",
+    "linear_attn.conv1d.weight": "attention.conv_weight",
+    "linear_attn.dt_bias": "attention.dt_bias",
+    "linear_attn.A_log": "attention.A_log",
+    "linear_attn.norm.weight": "attention.out_norm.weight",
+    "linear_attn.out_proj.weight": "attention.wo.weight",
 }
 _HF_GLOBAL = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -119,6 +129,8 @@ def hf_to_model(name: str, arch: str = "llama") -> str | None:
     if _IGNORED.match(name):
         return None
     name = name.replace("model.language_model.", "model.", 1)  # a multimodal checkpoint's text model
+    if arch == "qwen3_5" and name.startswith(("model.visual.", "mtp.")):  # the vision tower; the MTP layers
+        return None
     if arch in ("gemma2", "gemma3", "gemma4") and name.endswith(".post_attention_layernorm.weight"):
         return name.replace("model.layers.", "layers.", 1).replace("post_attention_layernorm", "post_attention_norm")
     mapped = _map(name, _HF_LAYER_RE, _HF_LAYER, _HF_GLOBAL)

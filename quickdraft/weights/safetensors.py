@@ -39,9 +39,9 @@ def shard_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in shard_files(path))
 
 
-# gemma2 and gemma3 keep their norms' weights centred on 0 and scale by 1 + w: folded into w here (as llama.cpp's
-# converter does), so that every norm is x / rms(x) * w
-ONE_CENTRED_NORMS = ("gemma2", "gemma3")
+# gemma2, gemma3 and qwen3.5 keep their norms' weights centred on 0 and scale by 1 + w: folded into w here (as
+# llama.cpp's converter does), so that every norm is x / rms(x) * w (qwen3.5's linear layers' output norm is not)
+ONE_CENTRED_NORMS = ("gemma2", "gemma3", "qwen3_5")
 
 
 def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None):
@@ -53,7 +53,7 @@ def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None
                 if name is None or (cfg.tie_embeddings and name == "output.weight"):
                     continue
                 t = f.get_tensor(key)
-                if cfg.arch in ONE_CENTRED_NORMS and name.endswith("norm.weight"):
+                if cfg.arch in ONE_CENTRED_NORMS and name.endswith("norm.weight") and not name.endswith("out_norm.weight"):
                     t = t.float() + 1
                 yield name, t.to(dtype)
                 if progress is not None:

@@ -58,7 +58,7 @@ def test_cuda_greedy_speculative_equals_plain(models, kind, spec):
     drafter = {"draft": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
     params = SamplingParams(max_tokens=48, stop_at_eos=False)
     plain, _ = tokens_of(Engine(target, 256), params)
-    ours, final = tokens_of(Engine(target, 256, drafter, spec, kind), params)
+    ours, final = tokens_of(Engine(target, 256, drafter, spec), params)
     assert ours == plain
     assert final.stats.rounds > 0 and final.stats.draft_device in (None, "cuda", "cuda:0")
 
@@ -234,7 +234,7 @@ def test_cuda_quantized_greedy_speculation_equals_plain(quantized, kind):
     params = SamplingParams(max_tokens=48, stop_at_eos=False)
     plain, _ = tokens_of(Engine(target, 256), params)
     for spec in (SpeculationConfig(draft_max=3, adaptive=False), SpeculationConfig(draft_max=8)):
-        ours, final = tokens_of(Engine(target, 256, drafter, spec, kind), params)
+        ours, final = tokens_of(Engine(target, 256, drafter, spec), params)
         assert ours == plain, (fmt, kind, spec)
         assert final.stats.rounds > 0
     assert target.graphs.disabled is None, target.graphs.disabled

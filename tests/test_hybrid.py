@@ -1,0 +1,220 @@
+"""Hybrid models (qwen3.5: Gated DeltaNet linear-attention layers between gated full-attention layers), on tiny random
+configurations: logits against HF transformers' own implementation, and speculation over the recurrent state as exact
+as over a KV cache (greedy and seeded output equal to plain decoding, the state after rounds of accepts and rejections
+bit for bit plain decoding's, the sampled distribution the target's)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft import sampling
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine
+from quickdraft.runtime.kv_cache import HISTORY, KVCache
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.ngram import NgramDrafter
+from quickdraft.verify import chi_square
+from quickdraft.weights.loader import load_model
+from tests.helpers import PROMPT, add_noise, save_hf_dir
+
+F32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=512)
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)
+
+
+def tiny_qwen35(seed: int = 0, vocab: int = 320, layers: int = 4, logit_scale: float = 1.0, v_heads: int = 4):
+    """A random Qwen3.5 text model: layers 0-2 Gated DeltaNet (2 key heads, v_heads value heads), layer 3 gated full
+    attention, partial rotary; its norms and biases randomised so that every parameter matters."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=v_heads,
+        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    model = transformers.Qwen3_5ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # zero-centred norms (1 + w) except the linear layers' gated norm
+                p.copy_(0.1 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_and_ours(tmp_path_factory):
+    model = tiny_qwen35()
+    path = save_hf_dir(model, tmp_path_factory.mktemp("qwen35"))
+    return model, load_model(str(path), F32, progress=False)
+
+
+def test_the_config_is_read_as_transformers_builds_the_model(hf_and_ours):
+    _, ours = hf_and_ours
+    cfg = ours.config
+    assert cfg.arch == "qwen3_5" and cfg.layer_types == ("linear", "linear", "linear", "full")
+    assert cfg.attn_output_gate and cfg.qk_norm and cfg.rope.rotary_dim == 8  # partial rotary 0.25 of 32
+    assert (cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim) == (2, 4, 16, 16)
+    assert ours.model.hybrid and ours.graphs is None
+
+
+@pytest.mark.parametrize("length", [12, 150])  # 150: the chunked form (prefills of more than 64 tokens)
+def test_prefill_logits_equal_transformers(hf_and_ours, length):
+    hf, ours = hf_and_ours
+    tokens = torch.randint(0, 320, (1, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        want = hf(tokens).logits[0]
+        got = ours.model(tokens, KVCache.for_model(ours.model))[0]
+    err = float((got - want).abs().max())
+    print(f"max |logit difference| against transformers, prefill of {length}: {err:.2e}")
+    assert err <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+def test_step_by_step_and_rolled_back_passes_equal_transformers(hf_and_ours):
+    """A prefill, steps through the cache, then a verification-sized pass rolled back into its middle and the rest:
+    the logits of every position as transformers' one pass over them all."""
+    hf, ours = hf_and_ours
+    tokens = torch.randint(0, 320, (1, 120), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = hf(tokens).logits[0]
+        cache = KVCache.for_model(ours.model)
+        got = [ours.model(tokens[:, :70], cache)[0]]
+        got += [ours.model(tokens[:, i:i + 1], cache)[0] for i in range(70, 80)]
+        verified = ours.model(tokens[:, 80:89], cache)[0]  # 9 positions, 4 of them kept
+        cache.rollback(84)
+        got += [verified[:4], ours.model(tokens[:, 84:120], cache)[0]]
+    err = float((torch.cat(got) - want).abs().max())
+    print(f"max |logit difference| against transformers, cached steps and a rollback: {err:.2e}")
+    assert err <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+def test_a_rollback_beyond_the_kept_states_is_a_clear_error(hf_and_ours):
+    _, ours = hf_and_ours
+    cache = KVCache.for_model(ours.model)
+    with torch.no_grad():
+        ours.model(torch.arange(10)[None], cache)
+        for t in range(HISTORY + 2):
+            ours.model(torch.tensor([[t]]), cache)
+    with pytest.raises(ValueError, match="keeps the last 17 positions"):
+        cache.rollback(10)
+
+
+def test_attention_only_models_keep_no_recurrent_state(bf16_pair):
+    target, _ = bf16_pair
+    cache = KVCache.for_model(target.model)
+    assert cache.states == [] and cache.recurrent == [] and target.model.state_layout() is None
+
+
+# --- speculation over the recurrent state -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A hybrid target and a noisy copy of it as its draft (same vocabulary, agreeing often, not always), bf16."""
+    root = tmp_path_factory.mktemp("hybrid-pair")
+    target = load_model(str(save_hf_dir(tiny_qwen35(logit_scale=20), root / "t")), BF16, False)
+    draft = load_model(str(save_hf_dir(add_noise(tiny_qwen35(logit_scale=20), 0.15), root / "d")), BF16, False)
+    return target, draft
+
+
+def run(engine, params, prompt=PROMPT):
+    events = list(engine.generate(prompt, params))
+    return [e.token for e in events if e.token is not None], events[-1]
+
+
+def states_of(cache: KVCache, length: int):
+    """Everything a cache holds for positions 0..length - 1: keys and values, and the recurrent states."""
+    kv = [t[:, :, :length].clone() for t in cache.tensors()]
+    return kv + [t.clone() for s in cache.recurrent for t in (s.conv, s.ssm)]
+
+
+SPECS = [SpeculationConfig(draft_max=1, adaptive=False), SpeculationConfig(draft_max=4, adaptive=False),
+         SpeculationConfig(draft_max=8)]
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("spec", SPECS, ids=["fixed-1", "fixed-4", "adaptive"])
+def test_greedy_speculative_equals_plain_and_leaves_the_same_state(pair, kind, spec):
+    target, draft = pair
+    params = SamplingParams(max_tokens=40, stop_at_eos=False)
+    plain_engine = Engine(target, 256)
+    prompt = PROMPT
+    if kind == "ngram":  # the prompt holds the continuation of its own start, so lookup has matches
+        prompt = PROMPT + run(plain_engine, params)[0] + PROMPT
+    plain, _ = run(plain_engine, params, prompt)
+    plain_state = states_of(plain_engine.cache, plain_engine.cache.length)
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 256) if kind == "draft" else NgramDrafter()
+    engine = Engine(target, 256, drafter, spec)
+    ours, final = run(engine, params, prompt)
+    assert ours == plain
+    stats = final.stats
+    assert stats.rounds > 0 and stats.draft_n > 0
+    assert 0 < stats.draft_n_accepted < stats.draft_n or spec.draft_max == 1  # rejections: rollbacks into a pass
+    # the same positions processed: the last token is not fed to the target in either run
+    assert engine.cache.length == plain_engine.cache.length
+    for a, b in zip(states_of(engine.cache, engine.cache.length), plain_state, strict=True):
+        assert torch.equal(a, b), "the state after speculative rounds differs from plain decoding's"
+
+
+def test_seeded_sampling_with_speculation_equals_without(pair):
+    target, draft = pair
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, stop_at_eos=False)
+    plain, _ = run(Engine(target, 256), params)
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    ours, final = run(Engine(target, 256, drafter, SpeculationConfig(draft_max=4, adaptive=False)), params)
+    assert ours == plain and final.stats.rounds > 0
+
+
+def test_sampled_output_follows_the_target(tmp_path):
+    """Unseeded rejection sampling on a hybrid pair: the first token a round emits (after the target's first) is
+    distributed as the target says (the exact two-step distribution through the recurrent state)."""
+    V, draws = 8, 800
+    target = load_model(str(save_hf_dir(tiny_qwen35(seed=1, vocab=V, logit_scale=8), tmp_path / "t")), BF16, False)
+    draft = load_model(str(save_hf_dir(tiny_qwen35(seed=2, vocab=V, logit_scale=8), tmp_path / "d")), BF16, False)
+    params = SamplingParams(temperature=1.0, max_tokens=3, stop_at_eos=False)
+    prompt = [1, 2, 3]
+    exact = torch.zeros(V, dtype=torch.float64)
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = sampling.process(target.model(torch.tensor([prompt]), cache, last_only=True)[0], params)[0].double()
+        for t1 in range(V):
+            cache.rollback(3)
+            p2 = sampling.process(target.model(torch.tensor([[t1]]), cache)[0], params)[0]
+            exact += p1[t1] * p2.double()
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16), SpeculationConfig(draft_max=1, adaptive=False))
+    counts = torch.zeros(V, dtype=torch.float64)
+    torch.manual_seed(0)
+    for _ in range(draws):
+        tokens, final = run(engine, params, prompt)
+        counts[tokens[1]] += 1
+    assert final.stats.rounds >= 1
+    _, dof, p_value = chi_square(counts, exact)
+    assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
+
+
+def test_a_hybrid_loads_from_a_multimodal_checkpoints_names(tmp_path):
+    """Qwen3.5 checkpoints are multimodal (Qwen3_5ForConditionalGeneration): the text model's tensors under
+    model.language_model., a vision tower and MTP layers beside them, the text config under text_config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_qwen35()
+    text = save_hf_dir(model, tmp_path / "text")
+    tensors = load_file(str(next(Path(text).glob("*.safetensors"))))
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    renamed["mtp.fc.weight"] = torch.zeros(64, 128)
+    wrapped = tmp_path / "wrapped"
+    wrapped.mkdir()
+    save_file(renamed, str(wrapped / "model.safetensors"))
+    config = json.loads((Path(text) / "config.json").read_text())
+    (wrapped / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": config,
+                                                    "tie_word_embeddings": False}))
+    for f in Path(text).glob("tokenizer*"):
+        (wrapped / f.name).write_bytes(f.read_bytes())
+    a = load_model(str(text), F32, progress=False)
+    b = load_model(str(wrapped), F32, progress=False)
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        assert torch.equal(a.model(tokens, KVCache.for_model(a.model)), b.model(tokens, KVCache.for_model(b.model)))

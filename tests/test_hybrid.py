@@ -218,3 +218,28 @@ def test_a_hybrid_loads_from_a_multimodal_checkpoints_names(tmp_path):
     tokens = torch.tensor([PROMPT])
     with torch.no_grad():
         assert torch.equal(a.model(tokens, KVCache.for_model(a.model)), b.model(tokens, KVCache.for_model(b.model)))
+
+
+def test_the_fused_recurrence_kernel_computes_the_reference_recurrence(pair):
+    """quickdraft's gated_delta_step (one C++ call per token, where the CPU kernels run) against the PyTorch
+    recurrence it replaces: the same logits to float32 rounding, over a prefill, steps and a verification pass."""
+    from quickdraft.quant import vnni
+
+    if not vnni.available():
+        pytest.skip(f"quickdraft's CPU kernels are off here: {vnni.unavailable_reason()}")
+    target, _ = pair
+    layers = [b.attention for b in target.model.layers if b.attention.kind == "linear"]
+    assert all(a.fused_step for a in layers)
+    tokens = torch.tensor([PROMPT * 3])
+    runs = []
+    for fused in (True, False):
+        for a in layers:
+            a.fused_step = fused
+        cache = KVCache.for_model(target.model, 128)
+        with torch.no_grad():
+            out = [target.model(tokens[:, :20], cache)] + [target.model(tokens[:, i:i + 1], cache) for i in range(20, 30)]
+            out.append(target.model(tokens[:, 30:38], cache))
+        runs.append(torch.cat([o[0] for o in out]))
+    for a in layers:
+        a.fused_step = True
+    assert float((runs[0] - runs[1]).abs().max()) <= 2e-2 * float(runs[1].abs().max())

@@ -252,8 +252,11 @@ class GatedDeltaNet(nn.Module):
     def plain(self) -> bool:
         return False
 
+    fused_step = False  # quickdraft's gated_delta_step kernel for the recurrence (plan)
+
     def plan(self, kernels: bool, rotary: int) -> None:
         self.out_norm.plan(kernels)
+        self.fused_step = kernels
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
         B, S, _ = x.shape
@@ -286,6 +289,15 @@ class GatedDeltaNet(nn.Module):
 
     def _recurrent(self, q, k, v, beta, g, state, window, start: int) -> torch.Tensor:
         ssm, outs = state.ssm, []
+        if self.fused_step:  # the same recurrence in one C++ call per token (quant/csrc/vnni.cpp)
+            decay = g.exp()
+            for t in range(q.shape[2]):
+                ssm, out = torch.ops.quickdraft_vnni.gated_delta_step(
+                    ssm, q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous(),
+                    decay[:, :, t].contiguous(), beta[:, :, t].contiguous())
+                outs.append(out)
+                state.save(start + t + 1, window[:, t + 1:t + self.kernel], ssm)
+            return torch.stack(outs, dim=2)
         for t in range(q.shape[2]):
             ssm = ssm * g[:, :, t].exp()[..., None, None]
             k_t = k[:, :, t]

@@ -153,13 +153,18 @@ def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict |
 
 
 def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
-    """The KV cache of `capacity` positions (runtime/kv_cache.py: every layer that owns one, at full capacity)."""
+    """The KV cache of `capacity` positions (runtime/kv_cache.py: every layer that owns one, at full capacity), and a
+    hybrid's recurrent states with the HISTORY states after the last positions each keeps."""
     from quickdraft.models.transformer import Transformer
+    from quickdraft.runtime.kv_cache import HISTORY
 
     with torch.device("meta"):
         model = Transformer(cfg, 16)
-    return sum(2 * heads * dim * capacity * dtype_size for i, (heads, dim, source) in enumerate(model.kv_layout())
-               if source == i)
+    kv = sum(2 * heads * dim * capacity * dtype_size for i, (heads, dim, source) in enumerate(model.kv_layout())
+             if source == i)
+    states = [s for s in model.state_layout() or [] if s is not None]
+    return kv + sum((1 + HISTORY) * (heads * k_dim * v_dim * 4 + (kernel - 1) * conv * dtype_size)
+                    for conv, kernel, heads, k_dim, v_dim in states)
 
 
 def activation_bytes(cfg: ModelConfig, rows: int, width: int = 17) -> int:

@@ -638,12 +638,60 @@ at::Tensor block_step(const at::Tensor& x, at::TensorList w, at::IntArrayRef kin
 
 }  // namespace
 
+// One token of the gated delta rule (a Gated DeltaNet layer's recurrence, models/transformer.py) for every head:
+// S' = d S + k (beta (v - d S^T k))^T, out = S'^T q, in float32, S (B, H, K, V) read once into a new tensor (the old
+// one is kept: the cache's history of states). Each head's K x V state fits the L2 cache, so its two sweeps cost one
+// trip to memory. Reductions over K run in order k = 0..K-1: the same result whatever the pass.
+std::tuple<at::Tensor, at::Tensor> gated_delta_step(const at::Tensor& state, const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& decay,
+                                                    const at::Tensor& beta) {
+  for (const at::Tensor* t : {&state, &q, &k, &v, &decay, &beta})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "contiguous float32 expected");
+  const int64_t BH = state.size(0) * state.size(1), K = state.size(2), V = state.size(3);
+  auto out_state = at::empty_like(state);
+  auto out = at::empty({state.size(0), state.size(1), V}, state.options());
+  const float *sp = state.data_ptr<float>(), *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(),
+              *vp = v.data_ptr<float>(), *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float *np = out_state.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> mem(V), delta(V);
+    for (int64_t h = begin; h < end; ++h) {
+      const float* S = sp + h * K * V;
+      float* N = np + h * K * V;
+      const float *qh = qp + h * K, *kh = kp + h * K, *vh = vp + h * V;
+      const float d = dp[h], b = bp[h];
+      std::fill(mem.begin(), mem.end(), 0.0f);
+      for (int64_t i = 0; i < K; ++i) {
+        const float ki = kh[i];
+        for (int64_t j = 0; j < V; ++j) {
+          const float t = S[i * V + j] * d;
+          N[i * V + j] = t;
+          mem[j] += t * ki;
+        }
+      }
+      for (int64_t j = 0; j < V; ++j) delta[j] = (vh[j] - mem[j]) * b;
+      float* o = op + h * V;
+      std::fill(o, o + V, 0.0f);
+      for (int64_t i = 0; i < K; ++i) {
+        const float ki = kh[i], qi = qh[i];
+        for (int64_t j = 0; j < V; ++j) {
+          const float n = N[i * V + j] + ki * delta[j];
+          N[i * V + j] = n;
+          o[j] += qi * n;
+        }
+      }
+    }
+  });
+  return {out_state, out};
+}
+
 TORCH_LIBRARY(quickdraft_vnni, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("qkv_rotary(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, int start, int window) -> Tensor");
   m.def("int4_fit(Tensor w, int steps) -> (Tensor, Tensor)");
+  m.def("gated_delta_step(Tensor state, Tensor q, Tensor k, Tensor v, Tensor decay, Tensor beta) -> (Tensor, Tensor)");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor lows, Tensor? bias) -> Tensor");
   m.def("block_step(Tensor x, Tensor[] w, int[] kinds, float eps, Tensor cos, Tensor sin, int hq, int hkv, "
@@ -654,6 +702,7 @@ TORCH_LIBRARY_IMPL(quickdraft_vnni, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
   m.impl("int4_fit", int4_fit);
+  m.impl("gated_delta_step", gated_delta_step);
   m.impl("decode_attention", decode_attention);
   m.impl("rms_norm", rms_norm);
   m.impl("silu_mul", silu_mul);

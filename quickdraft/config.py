@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.rope import RopeConfig
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "phi3", "gemma2", "gemma3", "gemma4")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "phi3", "gemma2",
+                   "gemma3", "gemma4")
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")  # Gated DeltaNet linear attention between gated attention layers
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,15 @@ class ModelConfig:
     linear_k_dim: int = 0  # their sizes
     linear_v_dim: int = 0
     linear_conv: int = 4  # the short causal convolution's kernel
+    # mixture of experts (qwen3_moe, qwen3_5_moe): the FFN of a MoE layer routes each token to experts_per_token of
+    # n_experts SwiGLU experts, their outputs weighted by the router's softmax (renormalised over the chosen ones
+    # where norm_topk), plus a shared expert gated by a sigmoid where shared_expert_ffn_dim
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_dim: int = 0
+    norm_topk: bool = False
+    shared_expert_ffn_dim: int = 0
+    dense_layers: tuple[int, ...] = ()  # layers with a dense FFN among the MoE ones
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -91,6 +102,9 @@ class ModelConfig:
                     f"model metadata is inconsistent: linear-attention layers with {self.linear_k_heads} key heads of "
                     f"{self.linear_k_dim} and {self.linear_v_heads} value heads of {self.linear_v_dim}, kernel "
                     f"{self.linear_conv} (value heads must be a multiple of key heads)")
+        if self.n_experts and not (0 < self.experts_per_token <= self.n_experts and self.expert_ffn_dim > 0):
+            raise QuickdraftError(f"model metadata is inconsistent: {self.experts_per_token} of {self.n_experts} "
+                                  f"experts per token, each {self.expert_ffn_dim} wide")
         if self.activation not in ("silu", "gelu_tanh"):
             raise QuickdraftError(f"unsupported activation {self.activation!r}: quickdraft runs silu and gelu_tanh")
         if not 0 <= self.kv_shared_layers < self.n_layers:
@@ -126,6 +140,9 @@ class ModelConfig:
                                   f"earlier {self.layer_kind(i)} layer, and there is none")
         return same[-1]
 
+    def is_moe(self, i: int) -> bool:
+        return self.n_experts > 0 and i not in self.dense_layers
+
     def ffn_dim_of(self, i: int) -> int:
         return self.ffn_dim_shared if self.ffn_dim_shared and self.kv_source(i) != i else self.ffn_dim
 
@@ -136,8 +153,9 @@ class ModelConfig:
         for key in ("rope", "rope_local"):
             if isinstance(d.get(key), dict):
                 d[key] = RopeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in d[key].items()})
-        if isinstance(d.get("layer_types"), list):
-            d["layer_types"] = tuple(d["layer_types"])
+        for key in ("layer_types", "dense_layers"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         return cls(**d)
 
     @classmethod

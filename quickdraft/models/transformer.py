@@ -342,9 +342,9 @@ class GatedDeltaNet(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int):
+    def __init__(self, cfg: ModelConfig, index: int, ffn_dim: int | None = None):
         super().__init__()
-        ffn_dim = cfg.ffn_dim_of(index)
+        ffn_dim = ffn_dim or cfg.ffn_dim_of(index)
         self.activation = cfg.activation
         self.w13 = Linear(cfg.dim, 2 * ffn_dim, bias=False)  # gate and up, fused
         self.w2 = Linear(ffn_dim, cfg.dim, bias=False)
@@ -362,13 +362,55 @@ class FeedForward(nn.Module):
         return self.w2(active * up)
 
 
+class MoE(nn.Module):
+    """A mixture-of-experts FFN (qwen3_moe, qwen3_5_moe): the router's softmax over n_experts picks each token's top
+    experts_per_token (renormalised where norm_topk), each a SwiGLU FeedForward on the quantized formats like any
+    other; their weighted outputs are added expert by expert in the experts' order, as transformers does, plus a
+    shared expert times sigmoid(its gate) where the model has one.
+
+    Batch invariance: an expert computes the rows routed to it together, and every linear layer here gives a row the
+    same result whatever the rows beside it (models/transformer.linear, the quantized kernels); each token's sum
+    runs over its own experts in the same order in every pass. So a token's output does not depend on how many tokens
+    were verified with it. The router stays in the model's dtype (not quantized): it decides which experts run."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg, index, cfg.expert_ffn_dim) for _ in range(cfg.n_experts))
+        shared = cfg.shared_expert_ffn_dim
+        self.shared = FeedForward(cfg, index, shared) if shared else None
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if shared else None
+
+    def plan(self, kernels: bool) -> None:
+        for expert in [*self.experts, *([self.shared] if self.shared is not None else [])]:
+            expert.plan(kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        logits = linear(h, self.router.weight)
+        top, chosen = torch.softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        top = top.to(logits.dtype)
+        out = torch.zeros_like(h)
+        for e in torch.unique(chosen).tolist():  # ascending: every token's experts in the same order
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            y = self.experts[e](h[rows]) * top[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared is not None:
+            out = out + torch.sigmoid(linear(h, self.shared_gate.weight)) * self.shared(h)
+        return out.reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = GatedDeltaNet(cfg, index) if cfg.layer_kind(index) == "linear" else Attention(cfg, index)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg, index)
+        self.feed_forward = MoE(cfg, index) if cfg.is_moe(index) else FeedForward(cfg, index)
         sandwich = cfg.sandwich_norms
         self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
         self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps) if sandwich else None
@@ -397,7 +439,7 @@ class Block(nn.Module):
         sandwich norms, q/k norms or per-layer extras; SiLU, full rotary) whose linear layers all offer their
         operands (quickdraft's int8/int4 kernels), in shapes its steps take; else None."""
         a, f, norms = self.attention, self.feed_forward, (self.attention_norm, self.ffn_norm)
-        if not a.plain():
+        if not a.plain() or not isinstance(f, FeedForward):
             return None
         parts = [getattr(m, "fused_operands", lambda: None)() for m in (a.wqkv, a.wo, f.w13, f.w2)]
         if any(p is None for p in parts) or not (

@@ -17,6 +17,8 @@ class RecurrentState:
     has there. Keeping them costs memory, not time: each step makes its state anew, and the saved ones are the same
     tensors (runtime/memory.py counts them)."""
 
+    keep_history = True  # False (benchmarks only: scripts/bench_hybrid.py): only the last state, no rollback into a pass
+
     def __init__(self, batch: int, conv_dim: int, kernel: int, heads: int, k_dim: int, v_dim: int, dtype, device):
         self.shape = (batch, conv_dim, kernel, heads, k_dim, v_dim)
         self.dtype, self.device = dtype, device
@@ -31,10 +33,11 @@ class RecurrentState:
     def save(self, position: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """The state after `position` tokens (it becomes the current one when it is the last a pass saves)."""
         self.conv, self.ssm = conv, ssm
-        self.saved[position] = (conv, ssm)
+        if self.keep_history:
+            self.saved[position] = (conv, ssm)
 
     def trim(self, length: int) -> None:
-        for p in [p for p in self.saved if p < length - HISTORY or p > length]:
+        for p in [p for p in self.saved if (p < length - HISTORY and self.keep_history) or p > length]:
             del self.saved[p]
 
     def restore(self, length: int) -> None:

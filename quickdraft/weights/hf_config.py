@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import math
 
-from quickdraft.config import SUPPORTED_ARCHS, ModelConfig
+from quickdraft.config import HYBRID_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.rope import RopeConfig
 
 # config.json model_type -> quickdraft's family
 ARCHS = {"llama": "llama", "mistral": "mistral", "ministral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
          "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma4_text": "gemma4",
-         "gemma4": "gemma4", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5"}
+         "gemma4": "gemma4", "qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_moe": "qwen3_moe",
+         "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_5_moe": "qwen3_5_moe"}
 GEMMAS = ("gemma2", "gemma3", "gemma4")
 
 
 def model_config(d: dict) -> ModelConfig:
     model_type = d.get("model_type", "?")
-    if model_type in ("gemma3", "gemma4", "qwen3_5") and isinstance(d.get("text_config"), dict):  # multimodal
+    if model_type in ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe") and isinstance(d.get("text_config"), dict):
         d = {**d["text_config"], "model_type": model_type + "_text"}
     arch = ARCHS.get(model_type)
     if arch is None:
@@ -39,10 +40,11 @@ def _build(arch: str, d: dict) -> ModelConfig:
     rope, rope_local = _ropes(arch, d, head_dim)
     fields = dict(
         arch=arch, vocab_size=d["vocab_size"], dim=dim, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim, ffn_dim=d["intermediate_size"],
+        n_kv_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        ffn_dim=d.get("intermediate_size") or d["moe_intermediate_size"],
         norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.theta, max_context=d.get("max_position_embeddings", 4096),
         qkv_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "qwen3_5", "gemma3", "gemma4"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4"),
         tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),
         rope=rope, rope_local=rope_local, layer_types=layer_types,
         sliding_window=d.get("sliding_window") if layer_types and "sliding" in layer_types else None,
@@ -55,7 +57,9 @@ def _build(arch: str, d: dict) -> ModelConfig:
                       attn_softcap=d.get("attn_logit_softcapping") if arch == "gemma2" else None)
     if arch == "gemma4":
         fields.update(_gemma4(d, n_layers))
-    if arch == "qwen3_5":
+    if arch in ("qwen3_moe", "qwen3_5_moe"):
+        fields.update(_experts(arch, d, n_layers))
+    if arch in HYBRID_ARCHS:
         fields.update(attn_output_gate=bool(d.get("attn_output_gate", True)),
                       linear_k_heads=d["linear_num_key_heads"], linear_v_heads=d["linear_num_value_heads"],
                       linear_k_dim=d["linear_key_head_dim"], linear_v_dim=d["linear_value_head_dim"],
@@ -88,7 +92,7 @@ def _layer_types(arch: str, d: dict, n_layers: int) -> tuple[str, ...] | None:
         if arch == "gemma4":
             types[-1] = "full"
         return tuple(types)
-    if arch == "qwen3_5":  # transformers' default: every fourth layer full attention
+    if arch in HYBRID_ARCHS:  # transformers' default: every fourth layer full attention
         interval = d.get("full_attention_interval", 4)
         return tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(n_layers))
     if arch == "phi3" and d.get("sliding_window"):
@@ -158,3 +162,16 @@ def _gemma4(d: dict, n_layers: int) -> dict:
                 ffn_dim_shared=2 * d["intermediate_size"] if d.get("use_double_wide_mlp") and shared else None,
                 ple_dim=int(d.get("hidden_size_per_layer_input") or 0),
                 ple_vocab=int(d.get("vocab_size_per_layer_input") or d["vocab_size"]), layer_scalar=True)
+
+
+def _experts(arch: str, d: dict, n_layers: int) -> dict:
+    """The mixture of experts: qwen3_moe routes on layers outside mlp_only_layers every decoder_sparse_step, with
+    norm_topk_prob; qwen3_5_moe on every layer, renormalised, with a shared expert."""
+    if arch == "qwen3_5_moe":
+        return dict(n_experts=d.get("num_experts") or d["num_local_experts"], experts_per_token=d["num_experts_per_tok"],
+                    expert_ffn_dim=d["moe_intermediate_size"], norm_topk=True,
+                    shared_expert_ffn_dim=d.get("shared_expert_intermediate_size") or 0)
+    step, dense = d.get("decoder_sparse_step", 1) or 1, set(d.get("mlp_only_layers") or [])
+    return dict(n_experts=d.get("num_experts") or d["num_local_experts"], experts_per_token=d["num_experts_per_tok"],
+                expert_ffn_dim=d["moe_intermediate_size"], norm_topk=bool(d.get("norm_topk_prob", False)),
+                dense_layers=tuple(i for i in range(n_layers) if i in dense or (i + 1) % step))

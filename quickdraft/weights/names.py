@@ -97,6 +97,25 @@ _HF_GLOBAL = {
     "model.per_layer_projection_norm.weight": "ple_proj_norm.weight",
 }
 
+# a mixture of experts' parts: the router, experts.E.{gate,up,down}_proj, the shared expert and its gate
+_HF_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.(?:(gate)\.weight|experts\.(\d+)\.(gate|up|down)_proj\.weight|"
+                           r"shared_expert\.(gate|up|down)_proj\.weight|(shared_expert_gate)\.weight)")
+_SWIGLU = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def _expert_name(m: re.Match) -> str:
+    layer, router, expert, part, shared, shared_gate = m.groups()
+    if router:
+        leaf = "router.weight"
+    elif expert is not None:
+        leaf = f"experts.{expert}.{_SWIGLU[part]}.weight"
+    elif shared is not None:
+        leaf = f"shared.{_SWIGLU[shared]}.weight"
+    else:
+        leaf = "shared_gate.weight"
+    return f"layers.{layer}.feed_forward.{leaf}"
+
+
 _GGUF_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -129,8 +148,11 @@ def hf_to_model(name: str, arch: str = "llama") -> str | None:
     if _IGNORED.match(name):
         return None
     name = name.replace("model.language_model.", "model.", 1)  # a multimodal checkpoint's text model
-    if arch == "qwen3_5" and name.startswith(("model.visual.", "mtp.")):  # the vision tower; the MTP layers
+    if arch in ("qwen3_5", "qwen3_5_moe") and name.startswith(("model.visual.", "mtp.")):  # vision tower, MTP
         return None
+    expert = _HF_EXPERT_RE.fullmatch(name)
+    if expert:
+        return _expert_name(expert)
     if arch in ("gemma2", "gemma3", "gemma4") and name.endswith(".post_attention_layernorm.weight"):
         return name.replace("model.layers.", "layers.", 1).replace("post_attention_layernorm", "post_attention_norm")
     mapped = _map(name, _HF_LAYER_RE, _HF_LAYER, _HF_GLOBAL)

@@ -41,7 +41,7 @@ def shard_bytes(path: Path) -> int:
 
 # gemma2, gemma3 and qwen3.5 keep their norms' weights centred on 0 and scale by 1 + w: folded into w here (as
 # llama.cpp's converter does), so that every norm is x / rms(x) * w (qwen3.5's linear layers' output norm is not)
-ONE_CENTRED_NORMS = ("gemma2", "gemma3", "qwen3_5")
+ONE_CENTRED_NORMS = ("gemma2", "gemma3", "qwen3_5", "qwen3_5_moe")
 
 
 def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None):

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""What exact rollback over a hybrid model's recurrent state costs, and a hybrid's decode speed plain and speculative.
+
+On a random-weight model of about Qwen3.5-0.8B's dimensions (roofline.STAND_INS["hybrid-0.8b-class"]: 18 Gated DeltaNet
+layers, 6 gated attention layers) in --weights (default int4) on this machine:
+
+1. a verification pass of 8 tokens with state recovery (the states after each position kept: runtime/kv_cache.py's
+   RecurrentState) against the same pass without (only its last state: no rollback into it), alternating, medians;
+   and what the other design, recomputing from the last committed state, would cost per rollback (the recurrence
+   of the kept tokens again), with the memory each needs;
+2. decode tok/s plain and with n-gram speculation (a prompt that holds its own continuation, so lookup has matches),
+   greedy, the outputs compared token for token.
+
+Usage: python scripts/bench_hybrid.py [--weights int4] [--reps 15] [-n 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from quickdraft import roofline
+from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine
+from quickdraft.runtime.kv_cache import HISTORY, KVCache, RecurrentState
+from quickdraft.speculative.ngram import NgramDrafter
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default="int4")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("-n", type=int, default=64, help="tokens decoded per generation (default: %(default)s)")
+    args = ap.parse_args()
+    lm = roofline.stand_in("hybrid-0.8b-class", "cpu", args.weights, 1024)
+    model = lm.model
+    linear = [b.attention for b in model.layers if b.attention.kind == "linear"]
+    print(f"bench_hybrid: {len(linear)} linear + {len(model.layers) - len(linear)} attention layers, {args.weights}, "
+          f"built in {lm.load_seconds:.0f} s; kernels: {lm.plan.get('linear')}; fused recurrence: "
+          f"{all(a.fused_step for a in linear)}")
+    cache = KVCache.for_model(model, 1024)
+    prompt = torch.randint(0, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
+    model(prompt, cache)
+    feed = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
+
+    def verify(keep: bool) -> float:
+        RecurrentState.keep_history = keep
+        try:
+            seconds = timed(lambda: model(feed, cache))
+        finally:
+            RecurrentState.keep_history = True
+        cache.rollback(128)
+        return seconds
+
+    for keep in (True, False):  # warm-up
+        verify(keep)
+    with_recovery, without = [], []
+    for _ in range(args.reps):
+        with_recovery.append(verify(True))
+        without.append(verify(False))
+    w, wo = statistics.median(with_recovery), statistics.median(without)
+    state = cache.recurrent[0]
+    per_layer = state.ssm.numel() * 4 + state.conv.numel() * state.conv.element_size()
+
+    # recomputing instead: the recurrence of up to 8 tokens again, per linear layer, from a committed state
+    a = linear[0]
+    q = torch.randn(1, a.v_heads, a.k_dim)
+    k = torch.nn.functional.normalize(torch.randn(1, a.v_heads, a.k_dim), dim=-1)
+    v, d, b = torch.randn(1, a.v_heads, a.v_dim), torch.rand(1, a.v_heads), torch.rand(1, a.v_heads)
+    ssm = state.ssm.clone()
+
+    def recurrence() -> None:
+        s = ssm
+        for _ in range(8):
+            if a.fused_step:
+                s, _ = torch.ops.quickdraft_vnni.gated_delta_step(s, q, k, v, d, b)
+            else:
+                s = s * d[..., None, None] + k[..., None] * v[..., None, :]
+
+    recompute = statistics.median(timed(recurrence) for _ in range(args.reps)) * len(linear)
+    print(f"\nverification pass of 8 tokens, median of {args.reps} (alternating):")
+    print(f"  with state recovery (the states after each position kept)   {1e3 * w:7.1f} ms")
+    print(f"  without (only the last state: no rollback into the pass)    {1e3 * wo:7.1f} ms   "
+          f"ratio {w / wo:.3f}")
+    print(f"  kept states: up to {HISTORY} x {per_layer / 2**20:.2f} MiB x {len(linear)} layers = "
+          f"{HISTORY * per_layer * len(linear) / 2**20:.0f} MiB; recomputing from the last committed state instead "
+          f"would keep one state ({per_layer * len(linear) / 2**20:.0f} MiB) and cost up to "
+          f"{1e3 * recompute:.1f} ms per rollback (the recurrence of 8 tokens again in every linear layer)")
+
+    params = SamplingParams(max_tokens=args.n, stop_at_eos=False)
+    seed = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
+
+    def run(engine, tokens):
+        events = list(engine.generate(tokens, params))
+        return [e.token for e in events if e.token is not None], events[-1]
+
+    plain_engine = Engine(lm, 1024)
+    echo = seed + run(plain_engine, seed)[0] + seed
+    spec_engine = Engine(lm, 1024, NgramDrafter(), SpeculationConfig(draft_max=8))
+    plain_rates, spec_rates = [], []
+    for _ in range(2):
+        plain, p_final = run(plain_engine, echo)
+        ours, s_final = run(spec_engine, echo)
+        assert ours == plain, "speculative output differs from plain output"
+        plain_rates.append(p_final.timings.decode_tok_s)
+        spec_rates.append(s_final.timings.decode_tok_s)
+    p, s = statistics.median(plain_rates), statistics.median(spec_rates)
+    stats = s_final.stats
+    print(f"\ndecode, {args.n} greedy tokens, medians of 2 (alternating), outputs identical:")
+    print(f"  plain             {p:6.1f} tok/s")
+    print(f"  n-gram, adaptive  {s:6.1f} tok/s   {s / p:.2f}x   ({stats.rounds} rounds, "
+          f"{100 * stats.acceptance_rate:.0f}% of {stats.draft_n} drafts accepted)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,12 +30,29 @@ STAND_INS = {
         rope=RopeConfig(theta=1e7, rotary_dim=64), attn_output_gate=True,
         layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(24)),
         linear_k_heads=16, linear_v_heads=16, linear_k_dim=128, linear_v_dim=128),
+    # a tiny hybrid (3 Gated DeltaNet layers, 1 gated attention): for speeds of the mechanism itself
+    "hybrid-tiny": ModelConfig(
+        "qwen3_5", 512, 128, 4, 4, 2, 32, 256, 1e-6, 1e7, 4096, qk_norm=True, rope=RopeConfig(theta=1e7, rotary_dim=8),
+        attn_output_gate=True, layer_types=("linear", "linear", "linear", "full"), linear_k_heads=2, linear_v_heads=4,
+        linear_k_dim=32, linear_v_dim=32),
 }
 
 
-def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024):
+def placeholder_tokenizer(vocab_size: int):
+    """A tokenizer of vocab_size placeholder words (t0, t1, ...) for a stand-in model: its ids decode to text."""
+    from tokenizers import Tokenizer as Backend, models
+
+    from quickdraft.tokenizer import Tokenizer
+
+    return Tokenizer(Backend(models.WordLevel({f"t{i} ": i for i in range(vocab_size)}, unk_token="t0 ")))
+
+
+def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024, noise: float = 0.0,
+             logit_scale: float = 1.0):
     """A LoadedModel of STAND_INS[name]'s shape with random weights, made on the device one module at a time through
-    the loader's build_model (converted to fmt as a file's weights would be)."""
+    the loader's build_model (converted to fmt as a file's weights would be). noise: the same weights plus noise of
+    that share of their spread (a draft that agrees with the model often, not always); logit_scale: the output
+    head scaled (peaked distributions, like a trained model's)."""
     import time
     from pathlib import Path
 
@@ -48,6 +65,7 @@ def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024):
     with torch.device("meta"):
         shapes = [(n, tuple(p.shape)) for n, p in Transformer(cfg, context).named_parameters()]
     gen = torch.Generator(device=device).manual_seed(0)
+    jitter = torch.Generator(device=device).manual_seed(1)
 
     def tensors():
         for n, shape in shapes:
@@ -56,11 +74,17 @@ def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024):
             elif n.endswith(("A_log", "dt_bias")):  # decays of a trained model's order: exp(-exp(A) softplus(dt))
                 yield n, torch.zeros(shape, dtype=torch.bfloat16, device=device)
             else:
-                yield n, torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) * 0.02
+                w = torch.randn(shape, generator=gen, device=device) * 0.02
+                if noise:
+                    w += noise * 0.02 * torch.randn(shape, generator=jitter, device=device)
+                scale = logit_scale if n == "output.weight" or (n == "tok_embeddings.weight" and cfg.tie_embeddings) \
+                    else 1.0
+                yield n, (w * scale).to(torch.bfloat16)
 
     t0 = time.perf_counter()
     model = build_model(cfg, tensors(), device, context, fmt, torch.bfloat16)
-    lm = LoadedModel(name, Path(name), cfg, model, None, time.perf_counter() - t0, fmt, plan=plan(model))
+    lm = LoadedModel(name, Path(name), cfg, model, placeholder_tokenizer(cfg.vocab_size), time.perf_counter() - t0,
+                     fmt, plan=plan(model))
     lm.graphs = StepGraphs(model) if device.type == "cuda" else None
     return lm
 

@@ -8,8 +8,9 @@ layers, 6 gated attention layers) in --weights (default int4) on this machine:
    RecurrentState) against the same pass without (only its last state: no rollback into it), alternating, medians;
    and what the other design, recomputing from the last committed state, would cost per rollback (the recurrence
    of the kept tokens again), with the memory each needs;
-2. decode tok/s plain and with n-gram speculation (a prompt that holds its own continuation, so lookup has matches),
-   greedy, the outputs compared token for token.
+2. decode tok/s of a tiny hybrid (STAND_INS["hybrid-tiny"], peaked random logits) plain and with speculation: a draft
+   model (the same weights plus noise: agreeing often, not always) and n-gram lookup (a prompt that holds its own
+   continuation), greedy, the outputs compared token for token.
 
 Usage: python scripts/bench_hybrid.py [--weights int4] [--reps 15] [-n 64]
 """
@@ -26,6 +27,7 @@ from quickdraft import roofline
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.runtime.kv_cache import HISTORY, KVCache, RecurrentState
+from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
 
@@ -71,19 +73,21 @@ def main() -> int:
     w, wo = statistics.median(with_recovery), statistics.median(without)
     state = cache.recurrent[0]
     per_layer = state.ssm.numel() * 4 + state.conv.numel() * state.conv.element_size()
+    slots = state.slots.shape[0]
 
     # recomputing instead: the recurrence of up to 8 tokens again, per linear layer, from a committed state
     a = linear[0]
     q = torch.randn(1, a.v_heads, a.k_dim)
     k = torch.nn.functional.normalize(torch.randn(1, a.v_heads, a.k_dim), dim=-1)
     v, d, b = torch.randn(1, a.v_heads, a.v_dim), torch.rand(1, a.v_heads), torch.rand(1, a.v_heads)
-    ssm = state.ssm.clone()
+    ssm, spare = state.ssm.clone(), state.ssm.clone()
 
     def recurrence() -> None:
-        s = ssm
+        s, t = ssm, spare
         for _ in range(8):
             if a.fused_step:
-                s, _ = torch.ops.quickdraft_vnni.gated_delta_step(s, q, k, v, d, b)
+                torch.ops.quickdraft_vnni.gated_delta_step(s, q, k, v, d, b, t)
+                s, t = t, s
             else:
                 s = s * d[..., None, None] + k[..., None] * v[..., None, :]
 
@@ -92,8 +96,8 @@ def main() -> int:
     print(f"  with state recovery (the states after each position kept)   {1e3 * w:7.1f} ms")
     print(f"  without (only the last state: no rollback into the pass)    {1e3 * wo:7.1f} ms   "
           f"ratio {w / wo:.3f}")
-    print(f"  kept states: up to {HISTORY} x {per_layer / 2**20:.2f} MiB x {len(linear)} layers = "
-          f"{HISTORY * per_layer * len(linear) / 2**20:.0f} MiB; recomputing from the last committed state instead "
+    print(f"  kept states: {slots} slots ({HISTORY} positions back) x {per_layer / 2**20:.2f} MiB x {len(linear)} "
+          f"layers = {slots * per_layer * len(linear) / 2**20:.0f} MiB; recomputing from the last committed state instead "
           f"would keep one state ({per_layer * len(linear) / 2**20:.0f} MiB) and cost up to "
           f"{1e3 * recompute:.1f} ms per rollback (the recurrence of 8 tokens again in every linear layer)")
 
@@ -104,22 +108,27 @@ def main() -> int:
         events = list(engine.generate(tokens, params))
         return [e.token for e in events if e.token is not None], events[-1]
 
-    plain_engine = Engine(lm, 1024)
+    tiny = roofline.stand_in("hybrid-tiny", "cpu", "bf16", 1024, logit_scale=200)
+    draft = roofline.stand_in("hybrid-tiny", "cpu", "bf16", 1024, noise=0.3, logit_scale=200)
+    plain_engine = Engine(tiny, 1024)
     echo = seed + run(plain_engine, seed)[0] + seed
-    spec_engine = Engine(lm, 1024, NgramDrafter(), SpeculationConfig(draft_max=8))
-    plain_rates, spec_rates = [], []
-    for _ in range(2):
-        plain, p_final = run(plain_engine, echo)
-        ours, s_final = run(spec_engine, echo)
-        assert ours == plain, "speculative output differs from plain output"
-        plain_rates.append(p_final.timings.decode_tok_s)
-        spec_rates.append(s_final.timings.decode_tok_s)
-    p, s = statistics.median(plain_rates), statistics.median(spec_rates)
-    stats = s_final.stats
-    print(f"\ndecode, {args.n} greedy tokens, medians of 2 (alternating), outputs identical:")
-    print(f"  plain             {p:6.1f} tok/s")
-    print(f"  n-gram, adaptive  {s:6.1f} tok/s   {s / p:.2f}x   ({stats.rounds} rounds, "
-          f"{100 * stats.acceptance_rate:.0f}% of {stats.draft_n} drafts accepted)")
+    engines = {"draft model, k = 4": (Engine(tiny, 1024, DraftModelDrafter(draft, 512, 1024),
+                                             SpeculationConfig(draft_max=4, adaptive=False)), seed),
+               "n-gram, adaptive": (Engine(tiny, 1024, NgramDrafter(), SpeculationConfig(draft_max=8)), echo)}
+    print(f"\ndecode of the tiny hybrid, {args.n} greedy tokens, medians of 3 (alternating), outputs identical:")
+    for label, (engine, prompt) in engines.items():
+        plain_rates, spec_rates = [], []
+        for _ in range(3):
+            plain, p_final = run(plain_engine, prompt)
+            ours, s_final = run(engine, prompt)
+            assert ours == plain, f"{label}: speculative output differs from plain output"
+            plain_rates.append(p_final.timings.decode_tok_s)
+            spec_rates.append(s_final.timings.decode_tok_s)
+        p, s = statistics.median(plain_rates), statistics.median(spec_rates)
+        stats = s_final.stats
+        print(f"  plain {p:6.1f} tok/s   {label:20} {s:6.1f} tok/s   {s / p:.2f}x   ({stats.rounds} rounds, "
+              f"{100 * stats.acceptance_rate:.0f}% of {stats.draft_n} drafts accepted, "
+              f"{stats.mean_accepted_length:.2f} tokens a round)")
     return 0
 
 

@@ -243,3 +243,12 @@ def test_the_fused_recurrence_kernel_computes_the_reference_recurrence(pair):
     for a in layers:
         a.fused_step = True
     assert float((runs[0] - runs[1]).abs().max()) <= 2e-2 * float(runs[1].abs().max())
+
+
+def test_the_memory_plan_counts_the_recurrent_states(pair):
+    from quickdraft.runtime import memory
+
+    target, _ = pair
+    cache = KVCache.for_model(target.model, 256)
+    assert memory.kv_bytes(target.config, 256) == cache.nbytes()
+    assert cache.recurrent[0].slots.shape[0] == HISTORY + 2

@@ -280,7 +280,9 @@ class GatedDeltaNet(nn.Module):
             out = self._recurrent(q, k, v, beta, g, state, window, start)
         else:
             out, ssm = self._chunked(q, k, v, beta, g, state.ssm)
-            state.save(start + S, window[:, -(self.kernel - 1):], ssm)
+            index, slot = state.fresh()
+            slot.copy_(ssm)
+            state.save(start + S, window[:, -(self.kernel - 1):], index)
         state.trim(start + S)
         out = out.transpose(1, 2)  # (B, S, Hv, Dv)
         z = self.in_z(x).view(B, S, self.v_heads, self.v_dim)
@@ -292,11 +294,12 @@ class GatedDeltaNet(nn.Module):
         if self.fused_step:  # the same recurrence in one C++ call per token (quant/csrc/vnni.cpp)
             decay = g.exp()
             for t in range(q.shape[2]):
-                ssm, out = torch.ops.quickdraft_vnni.gated_delta_step(
+                index, slot = state.fresh()
+                outs.append(torch.ops.quickdraft_vnni.gated_delta_step(
                     ssm, q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous(),
-                    decay[:, :, t].contiguous(), beta[:, :, t].contiguous())
-                outs.append(out)
-                state.save(start + t + 1, window[:, t + 1:t + self.kernel], ssm)
+                    decay[:, :, t].contiguous(), beta[:, :, t].contiguous(), slot))
+                state.save(start + t + 1, window[:, t + 1:t + self.kernel], index)
+                ssm = slot
             return torch.stack(outs, dim=2)
         for t in range(q.shape[2]):
             ssm = ssm * g[:, :, t].exp()[..., None, None]
@@ -304,7 +307,9 @@ class GatedDeltaNet(nn.Module):
             delta = (v[:, :, t] - (ssm * k_t[..., None]).sum(-2)) * beta[:, :, t][..., None]
             ssm = ssm + k_t[..., None] * delta[..., None, :]
             outs.append((ssm * q[:, :, t][..., None]).sum(-2))
-            state.save(start + t + 1, window[:, t + 1:t + self.kernel], ssm)
+            index, slot = state.fresh()
+            slot.copy_(ssm)
+            state.save(start + t + 1, window[:, t + 1:t + self.kernel], index)
         return torch.stack(outs, dim=2)
 
     def _chunked(self, q, k, v, beta, g, ssm):

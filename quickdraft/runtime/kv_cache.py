@@ -14,27 +14,41 @@ class RecurrentState:
     """One linear-attention layer's state at the cache's length: the short convolution's last K - 1 inputs
     (B, K - 1, C) and the delta rule's matrix (B, H, Dk, Dv) in float32, with the states after each of the last
     HISTORY positions kept (`saved`), so that a rollback to any of them restores exactly the state plain decoding
-    has there. Keeping them costs memory, not time: each step makes its state anew, and the saved ones are the same
-    tensors (runtime/memory.py counts them)."""
+    has there. The matrices live in HISTORY + 2 preallocated slots: a step writes its new state into a free slot
+    (`fresh`) and a rollback points back at an older one, so keeping them costs memory (runtime/memory.py counts
+    it), neither copies nor allocations."""
 
     keep_history = True  # False (benchmarks only: scripts/bench_hybrid.py): only the last state, no rollback into a pass
 
     def __init__(self, batch: int, conv_dim: int, kernel: int, heads: int, k_dim: int, v_dim: int, dtype, device):
         self.shape = (batch, conv_dim, kernel, heads, k_dim, v_dim)
         self.dtype, self.device = dtype, device
+        self.slots = torch.zeros(HISTORY + 2, batch, heads, k_dim, v_dim, dtype=torch.float32, device=device)
         self.reset()
 
     def reset(self) -> None:
         batch, conv_dim, kernel, heads, k_dim, v_dim = self.shape
+        self.slots[0].zero_()
         self.conv = torch.zeros(batch, kernel - 1, conv_dim, dtype=self.dtype, device=self.device)
-        self.ssm = torch.zeros(batch, heads, k_dim, v_dim, dtype=torch.float32, device=self.device)
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {0: (self.conv, self.ssm)}
+        self.current = 0
+        self.saved: dict[int, tuple[torch.Tensor, int]] = {0: (self.conv, 0)}
 
-    def save(self, position: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """The state after `position` tokens (it becomes the current one when it is the last a pass saves)."""
-        self.conv, self.ssm = conv, ssm
+    @property
+    def ssm(self) -> torch.Tensor:
+        return self.slots[self.current]
+
+    def fresh(self) -> tuple[int, torch.Tensor]:
+        """A slot no kept state (nor the current one) is in: (its index, its tensor) for the next state."""
+        used = {index for _, index in self.saved.values()} | {self.current}
+        index = next(i for i in range(len(self.slots)) if i not in used)
+        return index, self.slots[index]
+
+    def save(self, position: int, conv: torch.Tensor, index: int) -> None:
+        """The state after `position` tokens, its matrix in slot `index` (it becomes the current state)."""
+        self.conv, self.current = conv, index
         if self.keep_history:
-            self.saved[position] = (conv, ssm)
+            self.saved[position] = (conv, index)
+            self.saved.pop(position - HISTORY - 1, None)  # within a long pass too: HISTORY + 1 kept, a slot free
 
     def trim(self, length: int) -> None:
         for p in [p for p in self.saved if (p < length - HISTORY and self.keep_history) or p > length]:
@@ -44,11 +58,11 @@ class RecurrentState:
         if length not in self.saved:
             raise ValueError(f"a recurrent state cannot roll back to position {length}: it keeps the last {HISTORY} "
                              f"positions ({sorted(self.saved)})")
-        self.conv, self.ssm = self.saved[length]
+        self.conv, self.current = self.saved[length]
         self.trim(length)
 
     def nbytes(self) -> int:
-        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * 4
+        return self.conv.numel() * self.conv.element_size() + self.slots.numel() * 4
 
 
 class KVCache:

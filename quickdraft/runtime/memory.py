@@ -154,7 +154,7 @@ def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict |
 
 def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
     """The KV cache of `capacity` positions (runtime/kv_cache.py: every layer that owns one, at full capacity), and a
-    hybrid's recurrent states with the HISTORY states after the last positions each keeps."""
+    hybrid's recurrent states: each linear layer's HISTORY + 2 preallocated state slots and its convolution's inputs."""
     from quickdraft.models.transformer import Transformer
     from quickdraft.runtime.kv_cache import HISTORY
 
@@ -163,7 +163,7 @@ def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
     kv = sum(2 * heads * dim * capacity * dtype_size for i, (heads, dim, source) in enumerate(model.kv_layout())
              if source == i)
     states = [s for s in model.state_layout() or [] if s is not None]
-    return kv + sum((1 + HISTORY) * (heads * k_dim * v_dim * 4 + (kernel - 1) * conv * dtype_size)
+    return kv + sum((HISTORY + 2) * heads * k_dim * v_dim * 4 + (kernel - 1) * conv * dtype_size
                     for conv, kernel, heads, k_dim, v_dim in states)
 
 

@@ -639,16 +639,17 @@ at::Tensor block_step(const at::Tensor& x, at::TensorList w, at::IntArrayRef kin
 }  // namespace
 
 // One token of the gated delta rule (a Gated DeltaNet layer's recurrence, models/transformer.py) for every head:
-// S' = d S + k (beta (v - d S^T k))^T, out = S'^T q, in float32, S (B, H, K, V) read once into a new tensor (the old
-// one is kept: the cache's history of states). Each head's K x V state fits the L2 cache, so its two sweeps cost one
-// trip to memory. Reductions over K run in order k = 0..K-1: the same result whatever the pass.
-std::tuple<at::Tensor, at::Tensor> gated_delta_step(const at::Tensor& state, const at::Tensor& q, const at::Tensor& k,
-                                                    const at::Tensor& v, const at::Tensor& decay,
-                                                    const at::Tensor& beta) {
-  for (const at::Tensor* t : {&state, &q, &k, &v, &decay, &beta})
+// S' = d S + k (beta (v - d S^T k))^T, out = S'^T q, in float32, S (B, H, K, V) read once into out_state, another
+// of the cache's preallocated slots (the old state is kept: the history rollbacks return to). Each head's K x V state
+// fits the L2 cache, so its two sweeps cost one trip to memory. Reductions over K run in order k = 0..K-1: the same
+// result whatever the pass.
+at::Tensor gated_delta_step(const at::Tensor& state, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& decay, const at::Tensor& beta, at::Tensor& out_state) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&state, &q, &k, &v, &decay, &beta, &out_state})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "contiguous float32 expected");
+  TORCH_CHECK(out_state.sizes() == state.sizes() && out_state.data_ptr() != state.data_ptr(),
+              "out_state: another tensor of the state's shape");
   const int64_t BH = state.size(0) * state.size(1), K = state.size(2), V = state.size(3);
-  auto out_state = at::empty_like(state);
   auto out = at::empty({state.size(0), state.size(1), V}, state.options());
   const float *sp = state.data_ptr<float>(), *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(),
               *vp = v.data_ptr<float>(), *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
@@ -682,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor> gated_delta_step(const at::Tensor& state, con
       }
     }
   });
-  return {out_state, out};
+  return out;
 }
 
 TORCH_LIBRARY(quickdraft_vnni, m) {
@@ -691,7 +692,8 @@ TORCH_LIBRARY(quickdraft_vnni, m) {
   m.def("qkv_rotary(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, int start, int window) -> Tensor");
   m.def("int4_fit(Tensor w, int steps) -> (Tensor, Tensor)");
-  m.def("gated_delta_step(Tensor state, Tensor q, Tensor k, Tensor v, Tensor decay, Tensor beta) -> (Tensor, Tensor)");
+  m.def("gated_delta_step(Tensor state, Tensor q, Tensor k, Tensor v, Tensor decay, Tensor beta, "
+        "Tensor(a!) out_state) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor w, Tensor scales, Tensor lows, Tensor? bias) -> Tensor");
   m.def("block_step(Tensor x, Tensor[] w, int[] kinds, float eps, Tensor cos, Tensor sin, int hq, int hkv, "

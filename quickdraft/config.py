@@ -71,6 +71,7 @@ class ModelConfig:
     norm_topk: bool = False
     shared_expert_ffn_dim: int = 0
     dense_layers: tuple[int, ...] = ()  # layers with a dense FFN among the MoE ones
+    mtp_layers: int = 0  # qwen3.5: multi-token-prediction layers in the checkpoint (the `mtp` drafter runs them)
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

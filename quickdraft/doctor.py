@@ -121,7 +121,8 @@ def loading(*models) -> Finding:
 
 def draft_device(target: torch.device, draft: torch.device | None) -> Finding:
     if draft is None:
-        return Finding("draft device", "ok", "no draft model (n-gram lookup runs on the host)")
+        return Finding("draft device", "ok", "no draft model (n-gram lookup runs on the host, the target's own MTP "
+                                             "layers on its device)")
     figures = {"target": str(target), "draft": str(draft)}
     if target.type == "cuda" and draft.type != "cuda":
         return Finding("draft device", "warn", f"the draft runs on {draft} while the target runs on {target}: "

@@ -123,6 +123,8 @@ class Engine:
         self.target = target
         self.cache = KVCache.for_model(target.model, context)
         self.drafter = drafter
+        if drafter is not None and drafter.reads_hidden:  # built-in drafters (mtp) read the target's hidden states
+            drafter.attach(self.cache)
         self.speculation = speculation
         self.policy = AdaptivePolicy(speculation)  # its timings describe this machine: kept across generations
         self.grammars = GrammarCompiler(target.tokenizer, target.config.vocab_size)

@@ -252,3 +252,110 @@ def test_the_memory_plan_counts_the_recurrent_states(pair):
     cache = KVCache.for_model(target.model, 256)
     assert memory.kv_bytes(target.config, 256) == cache.nbytes()
     assert cache.recurrent[0].slots.shape[0] == HISTORY + 2
+
+
+# --- the target's own MTP layers as the drafter -----------------------------------------------------------------
+
+def with_mtp(model, directory: Path, seed: int = 3) -> Path:
+    """Save a tiny qwen3.5 model with an MTP block (random weights, as checkpoints name them: mtp.fc,
+    mtp.pre_fc_norm_*, mtp.layers.0.* a full-attention decoder layer, mtp.norm); transformers does not build it, so
+    its tensors are written beside the model's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    save_hf_dir(model, directory)
+    file = next(directory.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    g = torch.Generator().manual_seed(seed)
+    dim = model.config.hidden_size
+    full = next(i for i, t in enumerate(model.config.layer_types) if t == "full_attention")
+    for name, t in list(tensors.items()):  # the layer's shapes, fresh random values
+        prefix = f"model.layers.{full}."
+        if name.startswith(prefix):
+            value = 0.1 * torch.randn(t.shape, generator=g) if "norm" in name else 0.05 * torch.randn(t.shape, generator=g)
+            tensors["mtp.layers.0." + name.removeprefix(prefix)] = value
+    tensors["mtp.fc.weight"] = 0.05 * torch.randn(dim, 2 * dim, generator=g)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = 0.1 * torch.randn(dim, generator=g)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+    path = with_mtp(tiny_qwen35(logit_scale=20), tmp_path_factory.mktemp("mtp"))
+    return load_model(str(path), BF16, False)
+
+
+def mtp_drafter(target, spec, ngram=False):
+    from quickdraft.speculative.draft import Draft, DraftBuilder
+
+    builder = DraftBuilder(target, BF16, 256)
+    return builder.drafter(Draft.parse("ngram+mtp" if ngram else "mtp"), spec)
+
+
+@pytest.mark.parametrize("ngram", [False, True], ids=["mtp", "ngram+mtp"])
+@pytest.mark.parametrize("spec", SPECS, ids=["fixed-1", "fixed-4", "adaptive"])
+def test_mtp_greedy_speculative_equals_plain(mtp_target, spec, ngram):
+    target = mtp_target
+    assert target.model.mtp is not None
+    params = SamplingParams(max_tokens=40, stop_at_eos=False)
+    plain, _ = run(Engine(target, 256), params)
+    engine = Engine(target, 256, mtp_drafter(target, spec, ngram), spec)
+    ours, final = run(engine, params)
+    assert ours == plain
+    assert final.stats.rounds > 0 and final.stats.draft_n > 0 and "mtp" in final.stats.sources
+
+
+def test_mtp_seeded_sampling_equals_plain(mtp_target):
+    spec = SpeculationConfig(draft_max=3, adaptive=False)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=40, stop_at_eos=False)
+    plain, _ = run(Engine(mtp_target, 256), params)
+    ours, final = run(Engine(mtp_target, 256, mtp_drafter(mtp_target, spec), spec), params)
+    assert ours == plain and final.stats.rounds > 0
+
+
+def test_mtp_drafts_from_the_targets_hidden_state_and_the_pending_token(mtp_target):
+    """The wiring: the engine's cache holds each position's final (normed) hidden state as a fresh pass computes
+    it, and a round's first draft is the MTP block's guess from (the hidden state of the last position the target
+    ran, the token it chose there), computed here by hand from the block's parts."""
+    target = mtp_target
+    model, spec = target.model, SpeculationConfig(draft_max=1, adaptive=False)
+    engine = Engine(target, 256, mtp_drafter(target, spec), spec)
+    params = SamplingParams(max_tokens=1, stop_at_eos=False)
+    first, _ = run(engine, params)
+    seq = PROMPT + first
+    with torch.no_grad():
+        fresh = KVCache.for_model(model, 64)
+        fresh.keep_hidden(target.config.dim)
+        model(torch.tensor([PROMPT]), fresh)
+        assert torch.equal(engine.cache.hidden[:len(PROMPT)], fresh.hidden[:len(PROMPT)])
+        h = fresh.hidden[len(PROMPT) - 1][None, None]  # the position that chose `first`
+        m = model.mtp
+        e = model.tok_embeddings(torch.tensor([[seq[-1]]]))
+        x = m.fc(torch.cat([m.enorm(e), m.hnorm(h)], -1))
+        # one position, nothing before it in the block's own cache but the prompt's pairs: run the same layer over
+        # all pairs to get its attention right, then take the last
+        pairs_h = fresh.hidden[:len(PROMPT)][None]
+        pairs_e = model.tok_embeddings(torch.tensor([seq[1:]]))
+        xs = m.fc(torch.cat([m.enorm(pairs_e), m.hnorm(pairs_h)], -1))
+        assert torch.equal(xs[:, -1:], x)
+        cache = KVCache(m.kv_layout(), 64, dtype=model.dtype)
+        cos, sin = (t[1:len(PROMPT) + 1] for t in model._tables("full"))
+        out = m.layer(xs, cos, sin, cache, 0, None)
+        want = int(model.head(m.norm(out))[0, -1].argmax())
+    drafter = engine.drafter
+    drafter.begin(seq[:-1])
+    proposal = drafter.propose(seq, lambda source: 1, SamplingParams(), torch.Generator())
+    assert proposal.tokens == [want] and proposal.source == "mtp"
+
+
+def test_mtp_is_a_clear_error_for_a_target_without_mtp_layers(pair):
+    from quickdraft.errors import QuickdraftError
+
+    target, _ = pair
+    with pytest.raises(QuickdraftError, match="has no multi-token-prediction layers"):
+        mtp_drafter(target, SpeculationConfig())

@@ -274,9 +274,11 @@ def cmd_tune(args) -> int:
             raise QuickdraftError("--from exports a profile: give --export llama-server, vllm or sglang")
         print(_export(args, tune.read_profile(args.from_profile)))
         return 0
-    candidates = args.drafts or [hub.DEFAULT_DRAFT, "ngram", f"ngram+{hub.DEFAULT_DRAFT}"]
-    drafts = [Draft.parse(c, weights=args.draft_weights) for c in candidates]
     llm = load(args, NONE)
+    builtin = llm.target.model.mtp is not None  # the target drafts for itself: its MTP layers are the candidates
+    candidates = args.drafts or (["mtp", "ngram", "ngram+mtp"] if builtin else
+                                 [hub.DEFAULT_DRAFT, "ngram", f"ngram+{hub.DEFAULT_DRAFT}"])
+    drafts = [Draft.parse(c, weights=args.draft_weights) for c in candidates]
     profile = tune.run(llm, drafts, _prompts(args, llm.tokenizer), args.kmax, args.draft_p_min, args.max_tokens)
     tune.write_profile(args.profile, profile)
     if args.json:
@@ -298,6 +300,9 @@ def _export(args, profile: dict) -> str:
         return str(hub.model_path(name)) if name in hub.DEFAULT_MODELS else name
 
     draft = profile["draft"].removeprefix("ngram+") if profile["draft"] not in ("none", "ngram") else None
+    if draft == "mtp":
+        raise QuickdraftError("the profile drafts with the target's MTP layers, which --export does not write yet: "
+                              "export a profile of a draft model or ngram")
     return export(profile, args.export, gguf(profile["target"]), gguf(draft))
 
 

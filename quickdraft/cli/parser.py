@@ -45,9 +45,10 @@ def _speculation_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculative decoding (output is identical to the target's alone)")
     s.add_argument("--draft", default="auto", metavar="DRAFT",
                    help="what drafts: 'auto' (the default draft with n-gram lookup in front for the default target, "
-                        "none for other models), 'none', 'ngram' (prompt lookup, no model), a draft model (alias, "
-                        ".gguf file or Hugging Face directory, same tokenizer as the target), or 'ngram+MODEL' "
-                        "(prompt lookup where it has a match, the model otherwise) (default: %(default)s)")
+                        "none for other models), 'none', 'ngram' (prompt lookup, no model), 'mtp' (the target's own "
+                        "multi-token-prediction layers: Qwen3.5+ checkpoints that have them), a draft model (alias, "
+                        ".gguf file or Hugging Face directory, same tokenizer as the target), or 'ngram+MODEL' / "
+                        "'ngram+mtp' (prompt lookup where it has a match, the model otherwise) (default: %(default)s)")
     s.add_argument("--ngram", action="store_true",
                    help="with a draft model: put prompt lookup in front of it (the same as --draft ngram+MODEL)")
     s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
@@ -234,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "take with --profile.")
     _model_args(tu)
     tu.add_argument("--draft", action="append", dest="drafts", metavar="CANDIDATE",
-                    help="a candidate: a draft model, 'ngram', or 'ngram+MODEL' (repeat the flag; default: the default "
-                         "draft, ngram, and ngram+ the default draft)")
+                    help="a candidate: a draft model, 'ngram', 'mtp', or 'ngram+MODEL' (repeat the flag; default: the "
+                         "default draft, ngram, and ngram+ the default draft; for a target with MTP layers mtp, ngram "
+                         "and ngram+mtp)")
     tu.add_argument("--draft-weights", default="auto", choices=FORMATS,
                     help="the draft models' weight format (as for generate)")
     tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")

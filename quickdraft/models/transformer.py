@@ -473,6 +473,32 @@ class Block(nn.Module):
         return x
 
 
+class MTP(nn.Module):
+    """Qwen3.5's multi-token-prediction block (the `mtp` drafter, speculative/mtp.py): from a position's hidden state h
+    (the target's, after its final norm) and the embedding e of the token that follows it, a full-attention decoder
+    layer over fc([enorm(e), hnorm(h)]) gives a hidden state (after its own norm) whose logits, through the target's
+    head, guess the token after that, and which feeds the next step in a chain. As llama.cpp's and vLLM's MTP run it.
+    Its keys and values live in a cache of its own (one layer)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        extended = cfg.replace(n_layers=cfg.n_layers + 1, layer_types=(*(cfg.layer_types or ()), "full")
+                               if cfg.layer_types else None, kv_shared_layers=0)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.fc = Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.layer = Block(extended, cfg.n_layers)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        return [(self.layer.attention.n_kv_heads, self.layer.attention.head_dim, 0)]
+
+    def plan(self, kernels: bool, rotary: int) -> None:
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.plan(kernels)
+        self.layer.plan(kernels, False, rotary)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, max_context: int | None = None):
         super().__init__()
@@ -485,7 +511,8 @@ class Transformer(nn.Module):
             self.ple_embeddings = nn.Embedding(cfg.ple_vocab, cfg.n_layers * cfg.ple_dim)
             self.ple_model_proj = Linear(cfg.dim, cfg.n_layers * cfg.ple_dim, bias=False)
             self.ple_proj_norm = RMSNorm(cfg.ple_dim, cfg.norm_eps)
-        self.kinds = sorted({cfg.layer_kind(i) for i in range(cfg.n_layers)})
+        self.mtp = MTP(cfg) if cfg.mtp_layers else None
+        self.kinds = sorted({cfg.layer_kind(i) for i in range(cfg.n_layers)} | ({"full"} if cfg.mtp_layers else set()))
         self.set_rotary(max_context or cfg.max_context)
 
     def set_rotary(self, length: int, device=None) -> None:
@@ -533,6 +560,8 @@ class Transformer(nn.Module):
         for block in self.layers:
             block.plan(kernels, fused_layers, self._tables(block.attention.kind)[0].shape[-1])
         self.norm.plan(kernels)
+        if self.mtp is not None:
+            self.mtp.plan(kernels, self._tables("full")[0].shape[-1])
         if hasattr(self, "ple_proj_norm"):
             self.ple_proj_norm.plan(kernels)
         return {"layers": len(self.layers), "fused_layers": sum(b.step is not None for b in self.layers)}
@@ -584,13 +613,44 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[layer.attention.kind]
             x = layer(x, cos, sin, cache, i, masks[layer.attention.kind], None if ple is None else ple[:, :, i])
-        if last_only:
-            x = x[:, -1:]
-        x = self.norm(x)
+        hidden = getattr(cache, "hidden", None)
+        if hidden is not None:  # a drafter reads the hidden states (the `mtp` drafter): every row's, normed
+            x = self.norm(x)
+            hidden[cache.length:cache.length + x.shape[1]] = x[0]
+            x = x[:, -1:] if last_only else x
+        else:
+            x = self.norm(x[:, -1:] if last_only else x)
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states -> float32 logits."""
         logits = linear(x, self.tok_embeddings.weight) if self.output is None else self.output(x)
         if self.cfg.final_softcap:
             logits = self.cfg.final_softcap * torch.tanh(logits.float() / self.cfg.final_softcap)
         return logits.float()
+
+    def mtp_step(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP block over pairs (hidden (1, S, D) of position p, tokens (1, S) at p + 1), written into its cache
+        (`cache`: KVCache(self.mtp.kv_layout())) at p = cache.length...: (float32 logits (1, S, V) guessing the tokens
+        at p + 2, its hidden states (1, S, D) for the next step of a chain)."""
+        S = tokens.shape[1]
+        start = cache.length
+        if start + S + 1 > self.max_context:
+            raise ValueError(f"positions up to {start + S + 1} exceed the context of {self.max_context}")
+        e = self.tok_embeddings(tokens)
+        if self.cfg.embed_scale != 1.0:
+            e = e * torch.tensor(self.cfg.embed_scale, dtype=e.dtype)
+        m = self.mtp
+        x = m.fc(torch.cat([m.enorm(e), m.hnorm(hidden.to(e.dtype))], dim=-1))
+        cos, sin = (t[start + 1:start + S + 1] for t in self._tables("full"))  # rotary at the token's position
+        mask = None
+        if S > ROWWISE_MAX:  # a long catch-up (the prompt's pairs): causal under a mask, as forward's prefill
+            positions = torch.arange(start, start + S, device=tokens.device)[:, None]
+            mask = self._mask("full", positions, torch.arange(start + S, device=tokens.device)[None, :])
+        x = m.layer(x, cos, sin, cache, 0, mask)
+        cache.length = start + S
+        h = m.norm(x)
+        return self.head(h), h
 
     def _per_layer_inputs(self, tokens, x) -> torch.Tensor:
         """gemma4: (B, S, L, P) per-layer inputs: the per-layer table's rows (scaled by sqrt(P)) and the

@@ -82,6 +82,7 @@ class KVCache:
         (conv channels, conv kernel, heads, key size, value size) for its RecurrentState."""
         self.states = [None if s is None else RecurrentState(batch, *s, dtype=dtype, device=device)
                        for s in (states or [])]
+        self.hidden: torch.Tensor | None = None  # (capacity, dim): every position's final hidden state (keep_hidden)
         self.recurrent = [s for s in self.states if s is not None]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -100,6 +101,11 @@ class KVCache:
         states = model.state_layout() if hasattr(model, "state_layout") else None
         return cls(model.kv_layout(), capacity or model.max_context, batch=batch, dtype=model.dtype,
                    device=model.device, states=states)
+
+    def keep_hidden(self, dim: int) -> None:
+        """Keep every position's final hidden state (normed) from now on, for a drafter that reads them (mtp)."""
+        if self.hidden is None:
+            self.hidden = torch.zeros(self.capacity, dim, dtype=self.k[0].dtype, device=self.k[0].device)
 
     @property
     def capacity(self) -> int:

@@ -54,6 +54,7 @@ class Drafter:
     name: str = ""  # the draft description it was built from, as users write it
     device: torch.device | None = None
     samples: bool = False  # proposes from distributions (q_draft) when sampling, rather than deterministically
+    reads_hidden: bool = False  # reads the target's hidden states (the engine's cache keeps them: attach)
 
     @classmethod
     def load(cls, draft, target, load_model) -> list:
@@ -69,6 +70,9 @@ class Drafter:
     def models(self) -> tuple:
         """The LoadedModels this drafter runs (none for n-gram lookup)."""
         return ()
+
+    def attach(self, cache) -> None:
+        """The engine's KV cache, for a drafter that reads the target's hidden states there (reads_hidden)."""
 
     def begin(self, prompt: list[int]) -> None:
         """Start a generation: forget the previous one and take in the prompt (a draft model prefills it)."""

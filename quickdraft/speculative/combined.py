@@ -18,6 +18,13 @@ class CombinedDrafter(Drafter):
     def models(self) -> tuple:
         return self.draft.models
 
+    @property
+    def reads_hidden(self) -> bool:
+        return self.draft.reads_hidden
+
+    def attach(self, cache) -> None:
+        self.draft.attach(cache)
+
     def begin(self, prompt: list[int]) -> None:
         self.ngram.begin(prompt)
         self.draft.begin(prompt)

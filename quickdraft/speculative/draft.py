@@ -6,8 +6,9 @@ The spellings, one for each kind:
     none          no speculation
     auto          the target's own pairing: the default draft with n-gram lookup for the default target, else none
     ngram         prompt lookup, no model
+    mtp           the target's own multi-token-prediction layers (Qwen3.5+), fed its hidden states
     MODEL         a draft model: an alias, a .gguf file or a Hugging Face directory
-    ngram+MODEL   prompt lookup where it has a match, the draft model otherwise
+    ngram+MODEL   prompt lookup where it has a match, the draft model otherwise (ngram+mtp likewise)
 
 A new kind of drafter is its own module (a Drafter subclass: speculative/base.py), an entry in KINDS and its
 spelling in Draft.parse; nothing else changes.
@@ -22,17 +23,19 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
-KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter}
-SPELLINGS = "none, auto, ngram, a draft model (alias, .gguf file or Hugging Face directory), or ngram+MODEL"
+KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter}
+SPELLINGS = ("none, auto, ngram, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
+             "directory), or ngram+MODEL / ngram+mtp")
 
 
 @dataclass(frozen=True)
 class Draft:
     """What drafts for a target."""
 
-    kind: str = "none"  # none | auto | one of KINDS
+    kind: str = "none"  # none | auto | one of KINDS (ngram, model, mtp)
     model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory
     ngram: bool = False  # prompt lookup first, the kind's drafter where it has no match (not for "ngram")
     device: str | None = None  # where a draft model runs (None: the target's device)
@@ -55,6 +58,8 @@ class Draft:
             return cls(text)
         if text == "auto":
             return cls("auto", ngram=ngram, device=device, weights=weights)
+        if text == "mtp":
+            return cls("mtp", ngram=ngram)
         return cls("model", text, ngram, device, weights)
 
     def __str__(self) -> str:

@@ -63,7 +63,7 @@ def _build(arch: str, d: dict) -> ModelConfig:
         fields.update(attn_output_gate=bool(d.get("attn_output_gate", True)),
                       linear_k_heads=d["linear_num_key_heads"], linear_v_heads=d["linear_num_value_heads"],
                       linear_k_dim=d["linear_key_head_dim"], linear_v_dim=d["linear_value_head_dim"],
-                      linear_conv=d.get("linear_conv_kernel_dim", 4))
+                      linear_conv=d.get("linear_conv_kernel_dim", 4), mtp_layers=int(d.get("mtp_num_hidden_layers") or 0))
     return ModelConfig(**fields)
 
 

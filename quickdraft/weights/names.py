@@ -148,8 +148,10 @@ def hf_to_model(name: str, arch: str = "llama") -> str | None:
     if _IGNORED.match(name):
         return None
     name = name.replace("model.language_model.", "model.", 1)  # a multimodal checkpoint's text model
-    if arch in ("qwen3_5", "qwen3_5_moe") and name.startswith(("model.visual.", "mtp.")):  # vision tower, MTP
+    if arch in ("qwen3_5", "qwen3_5_moe") and name.startswith("model.visual."):  # the vision tower
         return None
+    if name.startswith(("mtp.", "model.mtp.")):  # qwen3.5's multi-token-prediction block: models/transformer.MTP
+        return _mtp_name(name.removeprefix("model."))
     expert = _HF_EXPERT_RE.fullmatch(name)
     if expert:
         return _expert_name(expert)
@@ -157,6 +159,20 @@ def hf_to_model(name: str, arch: str = "llama") -> str | None:
         return name.replace("model.layers.", "layers.", 1).replace("post_attention_layernorm", "post_attention_norm")
     mapped = _map(name, _HF_LAYER_RE, _HF_LAYER, _HF_GLOBAL)
     return mapped if mapped is not None else _unknown(name)
+
+
+_MTP_GLOBAL = {"mtp.fc.weight": "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight": "mtp.enorm.weight",
+               "mtp.pre_fc_norm_hidden.weight": "mtp.hnorm.weight", "mtp.norm.weight": "mtp.norm.weight"}
+
+
+def _mtp_name(name: str) -> str | None:
+    """mtp.fc / pre_fc_norm_* / norm, and mtp.layers.0.<a decoder layer's names> -> the MTP module's names."""
+    if name in _MTP_GLOBAL:
+        return _MTP_GLOBAL[name]
+    inner = hf_to_model(name.replace("mtp.layers.", "model.layers.", 1), "qwen3_5")
+    if inner is None or not inner.startswith("layers.0."):
+        return _unknown(name)  # a second MTP layer: llama.cpp and vLLM run one
+    return "mtp.layer." + inner.removeprefix("layers.0.")
 
 
 def _unknown(name: str):

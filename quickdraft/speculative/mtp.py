@@ -1,0 +1,151 @@
+"""The target's own multi-token-prediction layers draft (Qwen3.5+: `--draft mtp`), fed its hidden states.
+
+After each target pass the engine's cache holds every position's final hidden state (KVCache.keep_hidden). Each
+round the MTP block (models/transformer.MTP) first takes in the pairs it has not seen, (hidden of position p, token
+p + 1) for every committed p, in one pass; the last pair's logits guess the first draft. A chain follows: each
+further draft comes from the MTP block's own hidden state and the token it just drafted. The chained entries of its
+cache are dropped after the round (they rest on its own guesses, not on the target's states). Drafting and
+verification are the draft model's (DraftModelDrafter._draft: greedy, seeded or sampled, masked by a grammar,
+stopped early below --draft-p-min): exactness is the engine's, whatever the drafts.
+
+The MTP block is one decoder layer and the head: its step costs a small share of a target step (r), which is why
+drafters built into models are where the large factors are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.speculative.base import Offer, Proposal
+from quickdraft.speculative.draft_model import DraftModelDrafter
+
+
+class MtpDrafter(DraftModelDrafter):
+    kind = "mtp"
+    sources = ("mtp",)
+    samples = True
+    reads_hidden = True
+
+    def __init__(self, target, capacity: int, p_min: float = 0.0):
+        if target.model.mtp is None:
+            raise QuickdraftError(f"{target.name} has no multi-token-prediction layers (its config has no "
+                                  "mtp_num_hidden_layers, or its file dropped them): use another draft")
+        self.lm = target
+        self.device = target.device
+        self.name = "mtp"
+        self.target_vocab = self.shared = target.config.vocab_size
+        self.p_min = p_min
+        self.capacity = capacity
+        self.cache = KVCache(target.model.mtp.kv_layout(), capacity, dtype=target.model.dtype, device=target.device)
+        self.target_cache: KVCache | None = None
+        self.chain: tuple[list[int], int] | None = None  # the round's first pass: (sequence, positions committed)
+        self.hidden: torch.Tensor | None = None  # the MTP block's last hidden state, for the next chained step
+
+    @classmethod
+    def load(cls, draft, target, load_model) -> list:
+        return []
+
+    @classmethod
+    def build(cls, draft, target, models, capacity, speculation) -> "MtpDrafter":
+        return cls(target, capacity, speculation.p_min)
+
+    @property
+    def models(self) -> tuple:
+        return ()  # its weights are the target's own
+
+    def attach(self, cache: KVCache) -> None:
+        """The engine's cache, whose hidden states the rounds read."""
+        cache.keep_hidden(self.lm.config.dim)
+        self.target_cache = cache
+
+    @torch.inference_mode()
+    def begin(self, prompt: list[int]) -> None:
+        self.cache.reset()
+        self.tokens = []
+        self.matched = 0
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k_for, params, generator, constraint=None) -> Proposal:
+        if self.target_cache is None or self.target_cache.hidden is None:
+            raise QuickdraftError("the mtp drafter reads the target's hidden states: build its engine with it "
+                                  "(Engine(target, context, drafter))")
+        committed = len(seq) - 1  # the target has run positions 0 .. committed - 1; seq[committed] is pending
+        self.cache.rollback(min(self.cache.length, committed))
+        self.chain = (seq, committed)
+        tokens, q_rows = [], []
+        try:
+            self._draft(seq, k_for("mtp"), [seq[-1]], params, generator, constraint, tokens, q_rows)
+        finally:
+            if constraint is not None:
+                constraint.pop(len(tokens))
+            self.cache.rollback(min(committed, self.cache.length))  # chained entries rest on the block's own guesses
+        return Proposal(tokens, "mtp", torch.stack(q_rows) if q_rows else None)
+
+    def _logits(self, feed: list[int]) -> torch.Tensor:
+        """The first call of a round: the pairs not yet seen, up to the pending token; then one chained step for
+        the token just drafted (feed)."""
+        model = self.lm.model
+        if self.chain is not None:
+            seq, committed = self.chain
+            self.chain = None
+            start = self.cache.length
+            hidden = self.target_cache.hidden[start:committed][None]
+            ids = torch.tensor([seq[start + 1:committed + 1]], device=self.device)
+        else:
+            hidden, ids = self.hidden, torch.tensor([feed], device=self.device)
+        logits, h = model.mtp_step(ids, hidden, self.cache)
+        self.hidden = h[:, -1:]
+        return logits[0, -1]
+
+    # ---- self-description ---------------------------------------------------------------------------------
+
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes() + (self.target_cache.hidden.numel() * self.target_cache.hidden.element_size()
+                                      if self.target_cache is not None and self.target_cache.hidden is not None else 0)
+
+    @torch.inference_mode()
+    def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:
+        """Median seconds of one chained MTP step after prompt."""
+        from quickdraft.roofline import median_seconds
+
+        model = self.lm.model
+        cache = KVCache(model.mtp.kv_layout(), len(prompt) + 2, dtype=model.dtype, device=self.device)
+        hidden = torch.zeros(1, 1, self.lm.config.dim, dtype=model.dtype, device=self.device)
+        ids = torch.tensor([prompt[-1:]], device=self.device)
+        model.mtp_step(ids, hidden, cache)
+        return median_seconds(lambda: model.mtp_step(ids, hidden, cache), self.device, reps, lambda: cache.rollback(1))
+
+    @torch.inference_mode()
+    def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
+        """Greedy replay: at each position t the chain run as a round would run it (the target's hidden states of
+        the known sequence, one teacher-forced target pass), counting how many of its guesses match the output."""
+        seq = prompt + output
+        model = self.lm.model
+        target = KVCache.for_model(model, len(seq))
+        target.keep_hidden(self.lm.config.dim)
+        model(torch.tensor([seq[:-1]], device=self.device), target)
+        out = [Offer("", 0, 0)]
+        for t in range(1, len(output)):
+            committed = len(prompt) + t - 1  # positions the target has run when output[t - 1] is pending
+            cache = KVCache(model.mtp.kv_layout(), len(seq) + kmax + 1, dtype=model.dtype, device=self.device)
+            logits, h = model.mtp_step(torch.tensor([seq[1:committed + 1]], device=self.device),
+                                       target.hidden[:committed][None], cache)
+            span, kept = min(kmax, len(output) - t), 0
+            for i in range(span):
+                token = int(logits[0, -1].argmax())
+                if token != output[t + i]:
+                    break
+                kept += 1
+                logits, h = model.mtp_step(torch.tensor([[token]], device=self.device), h[:, -1:], cache)
+            out.append(Offer("mtp", kmax, kept))
+        return out
+
+    @staticmethod
+    def replay_round(source: str, drafted: int, stopped_early: bool, kept: int, behind: int) -> tuple[int, int]:
+        """One MTP pass per drafted token (its first takes in the pairs not yet seen along), one more for the pass
+        that found it unsure."""
+        if source != "mtp":
+            return 0, behind + kept + 1
+        return drafted + stopped_early, 1

@@ -52,6 +52,8 @@ def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None
                 name = hf_to_model(key, cfg.arch)
                 if name is None or (cfg.tie_embeddings and name == "output.weight"):
                     continue
+                if name.startswith("mtp.") and not cfg.mtp_layers:  # MTP tensors a config does not declare
+                    continue
                 t = f.get_tensor(key)
                 if cfg.arch in ONE_CENTRED_NORMS and name.endswith("norm.weight") and not name.endswith("out_norm.weight"):
                     t = t.float() + 1

@@ -112,7 +112,8 @@ def loading(*models) -> Finding:
         parts.append(f"{name} {how} in {m.load_seconds:.1f} s")
         figures["models"].append({"model": name, "load_s": round(m.load_seconds, 2),
                                   "kept_from": str(m.kept_from) if m.kept_from else None})
-    off = [m for m in models if m.graphs is not None and m.graphs.disabled and not m.model.hybrid]
+    off = [m for m in models if m.graphs is not None and m.graphs.disabled and not m.model.hybrid
+           and not m.model.cfg.n_experts]
     if off:
         return Finding("loading", "warn", "; ".join(parts) + f" (graphs off: {off[0].graphs.disabled}; decoding "
                        "runs eagerly, slower; please report it)", figures)

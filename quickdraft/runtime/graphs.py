@@ -86,6 +86,8 @@ class StepGraphs:
         self.disabled: str | None = None  # why graphs are off for this model, once they are
         if getattr(model, "hybrid", False):  # the recurrent state's history is host bookkeeping per pass
             self.disabled = "a hybrid model's linear-attention layers run eagerly"
+        elif getattr(model.cfg, "n_experts", 0) if hasattr(model, "cfg") else False:  # routing reads the experts
+            self.disabled = "a mixture of experts runs eagerly (its routing picks experts on the host)"
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
         return (self.disabled is None and tokens.shape[0] == 1 and cache.batch == 1

@@ -154,7 +154,7 @@ def main() -> int:
         v, r = curves["27B-class int4"], draft_step / steps["27B-class int4"]
         plain = 1 / steps["27B-class int4"]
         s = speedup(4.8, v[7], 7, r)
-        print(f"\nseeds' case: 27B-class int4 target + 0.5B int4 draft (random weights of the shapes)")
+        print("\nseeds' case: 27B-class int4 target + 0.5B int4 draft (random weights of the shapes)")
         print(f"  plain {plain:.1f} tok/s ({100 * plain / rows[-1][5]:.0f}% of the roofline), r = {r:.3f}, "
               f"v(7) = {v[7]:.2f}; at 4.8 tokens a round, k = 7: predicted {s:.2f}x -> {s * plain:.0f} tok/s")
         print(f"  load: {seeds[0]:.1f} s module by module on the GPU, peak {seeds[1]:.2f} GiB allocated for "

@@ -231,3 +231,37 @@ def check_speedups(rows, row):
     m = row["model"]
     assert 1 <= m["expected_tokens_per_round"] <= m["k"] + 1 and row["v_k"] > 0 and row["r"] > 0
     assert row["predicted_speedup"] == pytest.approx(m["expected_tokens_per_round"] / (row["v_k"] + m["k"] * row["r"]))
+
+
+def check_second_token_follows_the_target(target, draft, draws: int = 800, prompt=(1, 2, 3)):
+    """Unseeded rejection sampling with k = 1 (target and draft LoadedModels of a small vocabulary V): the token a
+    round emits after the target's first is distributed as the target's exact two-step distribution (every first
+    token t1 weighed by its probability, the second from the target after it), by a chi-square test."""
+    from quickdraft import sampling
+    from quickdraft.config import SamplingParams, SpeculationConfig
+    from quickdraft.engine import Engine
+    from quickdraft.runtime.kv_cache import KVCache
+    from quickdraft.speculative.draft_model import DraftModelDrafter
+    from quickdraft.verify import chi_square
+
+    V, device, prompt = target.config.vocab_size, target.device, list(prompt)
+    params = SamplingParams(temperature=1.0, max_tokens=3, stop_at_eos=False)
+    exact = torch.zeros(V, dtype=torch.float64)
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = sampling.process(target.forward(torch.tensor([prompt], device=device), cache, last_only=True)[0],
+                              params)[0].double().cpu()
+        for t1 in range(V):
+            cache.rollback(len(prompt))
+            p2 = sampling.process(target.forward(torch.tensor([[t1]], device=device), cache)[0], params)[0]
+            exact += p1[t1] * p2.double().cpu()
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16), SpeculationConfig(draft_max=1, adaptive=False))
+    counts = torch.zeros(V, dtype=torch.float64)
+    torch.manual_seed(0)
+    for _ in range(draws):
+        events = list(engine.generate(prompt, params))
+        tokens = [e.token for e in events if e.token is not None]
+        counts[tokens[1]] += 1
+    assert events[-1].stats.rounds >= 1
+    _, dof, p_value = chi_square(counts, exact)
+    assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)

@@ -6,7 +6,6 @@ Skipped without a CUDA device (CI has none); scripts/gpu_check.sh runs them on a
 import pytest
 import torch
 
-from quickdraft import sampling
 from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
@@ -14,9 +13,8 @@ from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
-from quickdraft.verify import chi_square
 from quickdraft.weights.loader import load_model
-from tests.helpers import save_hf_dir, target_and_noisy_draft, tiny_hf_model
+from tests.helpers import check_second_token_follows_the_target, save_hf_dir, target_and_noisy_draft, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -79,26 +77,7 @@ def test_cuda_sampled_output_follows_the_target(tmp_path):
                         CUDA, False)
     draft = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=2, vocab=V, logit_scale=8), tmp_path / "d")),
                        CUDA, False)
-    params = SamplingParams(temperature=1.0, max_tokens=3, stop_at_eos=False)
-    prompt = [1, 2, 3]
-    exact = torch.zeros(V, dtype=torch.float64)
-    with torch.no_grad():
-        cache = KVCache.for_model(target.model, 16)
-        p1 = sampling.process(target.model(torch.tensor([prompt], device="cuda"), cache, last_only=True)[0],
-                              params)[0].double().cpu()
-        for t1 in range(V):
-            cache.rollback(3)
-            p2 = sampling.process(target.model(torch.tensor([[t1]], device="cuda"), cache)[0], params)[0]
-            exact += p1[t1] * p2.double().cpu()
-    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16), SpeculationConfig(draft_max=1, adaptive=False))
-    counts = torch.zeros(V, dtype=torch.float64)
-    torch.manual_seed(0)
-    for _ in range(draws):
-        tokens, final = tokens_of(engine, params, prompt)
-        counts[tokens[1]] += 1
-    assert final.stats.rounds >= 1
-    _, dof, p_value = chi_square(counts, exact)
-    assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
+    check_second_token_follows_the_target(target, draft, draws)
 
 
 def test_cuda_kv_rollback_then_rewrite_equals_straight(models):
@@ -261,26 +240,7 @@ def test_cuda_int4_sampled_output_follows_the_target(tmp_path):
     draft = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=2, vocab=V, logit_scale=8), tmp_path / "d")),
                        cfg, False)
     assert target.plan["linear"], target.plan
-    params = SamplingParams(temperature=1.0, max_tokens=3, stop_at_eos=False)
-    prompt = [1, 2, 3]
-    exact = torch.zeros(V, dtype=torch.float64)
-    with torch.no_grad():
-        cache = KVCache.for_model(target.model, 16)
-        p1 = sampling.process(target.forward(torch.tensor([prompt], device="cuda"), cache, last_only=True)[0],
-                              params)[0].double().cpu()
-        for t1 in range(V):
-            cache.rollback(3)
-            p2 = sampling.process(target.forward(torch.tensor([[t1]], device="cuda"), cache)[0], params)[0]
-            exact += p1[t1] * p2.double().cpu()
-    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16), SpeculationConfig(draft_max=1, adaptive=False))
-    counts = torch.zeros(V, dtype=torch.float64)
-    torch.manual_seed(0)
-    for _ in range(draws):
-        tokens, final = tokens_of(engine, params, prompt)
-        counts[tokens[1]] += 1
-    assert final.stats.rounds >= 1
-    _, dof, p_value = chi_square(counts, exact)
-    assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
+    check_second_token_follows_the_target(target, draft, draws)
 
 
 def test_cuda_refuses_a_plan_that_does_not_fit(tmp_path, monkeypatch):

@@ -2,7 +2,6 @@
 configurations: logits against HF transformers, a token's output independent of the tokens computed beside it (batch
 invariance), and greedy speculation equal to plain decoding in bf16 and in the quantized CPU formats."""
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -125,6 +125,11 @@ class Engine:
         self.drafter = drafter
         if drafter is not None and drafter.reads_hidden:  # built-in drafters (mtp) read the target's hidden states
             drafter.attach(self.cache)
+        # a hybrid target's or draft's recurrent state rolls back a bounded number of positions: k stays within it
+        caches = [self.cache] + [getattr(drafter, "cache", None)] + [getattr(getattr(drafter, "draft", None), "cache",
+                                                                              None)]
+        reach = [c.max_draft for c in caches if c is not None and c.max_draft is not None]
+        self.max_draft = min(reach) if reach else None
         self.speculation = speculation
         self.policy = AdaptivePolicy(speculation)  # its timings describe this machine: kept across generations
         self.grammars = GrammarCompiler(target.tokenizer, target.config.vocab_size)
@@ -256,6 +261,8 @@ class Engine:
               speculation: SpeculationConfig, constraint: Constraint | None):
         """One plain step or one speculative round: the tokens it adds to seq, their scores and their Origin."""
         budget = draft_budget(params.max_tokens, len(seq) - prompt_n, self.context - len(seq))
+        if self.max_draft is not None:
+            budget = min(budget, self.max_draft)
 
         def k_for(source: str) -> int:
             return max(0, min(self.policy.k_for(source, speculation), budget))

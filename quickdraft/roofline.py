@@ -177,6 +177,8 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 5) -> tuple[f
     neighbouring passes sees the same conditions, where one baseline for the whole curve would skew it all."""
     model, device = target.model, target.device
     cache = KVCache.for_model(model, len(prompt) + kmax + 2)
+    if cache.max_draft is not None:  # a hybrid's recurrent state rolls back at most its kept positions
+        kmax = min(kmax, cache.max_draft)
     target.forward(torch.tensor([prompt], device=device), cache, last_only=True)
     n = len(prompt)
     feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)

@@ -175,6 +175,9 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     # verification is timed mid-generation: attention over the prompt and half the output
     log(f"measuring the target's verification cost v(k), k = 1..{kmax}")
     t_plain, v = roofline.v_curve(target, first + outputs[name][: n // 2], kmax)
+    if max(v) < kmax:  # a hybrid's recurrent state rolls back at most max(v) positions: no round drafts more
+        log(f"k is at most {max(v)} for this target (its recurrent state keeps that many positions)")
+        kmax = max(v)
     speculation = SpeculationConfig(draft_max=kmax, p_min=p_min)
     results = []
     for draft in candidates:

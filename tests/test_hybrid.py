@@ -339,3 +339,52 @@ def test_mtp_is_a_clear_error_for_a_target_without_mtp_layers(pair):
     target, _ = pair
     with pytest.raises(QuickdraftError, match="has no multi-token-prediction layers"):
         mtp_drafter(target, SpeculationConfig())
+
+
+def test_a_config_declaring_mtp_layers_its_file_lacks_loads_without_them(tmp_path):
+    """transformers re-saves Qwen3.5 without the MTP tensors but keeps mtp_num_hidden_layers: the model loads, and
+    --draft mtp says why it cannot run."""
+    import json
+
+    from quickdraft.errors import QuickdraftError
+
+    path = save_hf_dir(tiny_qwen35(), tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    target = load_model(str(path), BF16, False)
+    assert target.model.mtp is None
+    with pytest.raises(QuickdraftError, match="has no multi-token-prediction layers"):
+        mtp_drafter(target, SpeculationConfig())
+
+
+def test_hybrid_rounds_draft_at_most_what_the_state_can_roll_back(pair):
+    """--draft-max 32 on a hybrid: rounds draft at most HISTORY - 1 tokens (a rollback past the kept states would
+    fail), and the output is still plain decoding's."""
+    target, draft = pair
+    params = SamplingParams(max_tokens=40, stop_at_eos=False)
+    plain, _ = run(Engine(target, 256), params)
+    spec = SpeculationConfig(draft_max=32, adaptive=False)
+    engine = Engine(target, 256, NgramDrafter(), spec)
+    assert engine.max_draft == HISTORY - 1
+    prompt = PROMPT + plain + PROMPT
+    ours, final = run(engine, params, prompt)
+    assert ours == run(Engine(target, 256), params, prompt)[0] and final.stats.rounds > 0
+    assert 0 < max(final.stats.k_history) <= HISTORY - 1
+
+
+@pytest.mark.parametrize("v_heads", [4, 16])
+def test_a_verification_pass_gives_each_position_a_plain_steps_logits(tmp_path, v_heads):
+    """Bit for bit, in bf16 on the CPU kernels: 9 positions in one pass against the same 9 one step at a time.
+    16 value heads: PyTorch's vectorised sigmoid/softplus/exp round a value in a tensor's scalar tail differently,
+    so the gates are computed per token (a third of rows differed when they were computed over the pass)."""
+    target = load_model(str(save_hf_dir(tiny_qwen35(v_heads=v_heads), tmp_path)), BF16, False)
+    tokens = torch.tensor([PROMPT[:14]])
+    with torch.no_grad():
+        a = KVCache.for_model(target.model, 64)
+        target.model(tokens[:, :5], a)
+        together = target.model(tokens[:, 5:14], a)[0]
+        b = KVCache.for_model(target.model, 64)
+        target.model(tokens[:, :5], b)
+        alone = torch.cat([target.model(tokens[:, i:i + 1], b)[0] for i in range(5, 14)])
+    assert torch.equal(together, alone)
+    assert all(torch.equal(x.ssm, y.ssm) for x, y in zip(a.recurrent, b.recurrent))

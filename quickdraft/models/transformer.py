@@ -272,14 +272,13 @@ class GatedDeltaNet(nn.Module):
         q = _l2norm(q.float().view(B, S, self.k_heads, self.k_dim)).repeat_interleave(groups, 2) * self.k_dim ** -0.5
         k = _l2norm(k.float().view(B, S, self.k_heads, self.k_dim)).repeat_interleave(groups, 2)
         v = v.float().view(B, S, self.v_heads, self.v_dim)
-        beta = torch.sigmoid(self.in_b(x)).float()  # (B, S, Hv)
-        g = -self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias.float())
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, Hv, S, D)
-        beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, Hv, S)
+        b, a = self.in_b(x), self.in_a(x)  # (B, S, Hv): beta = sigmoid(b), g = -exp(A) softplus(a + dt_bias)
         if S <= ROWWISE_MAX:
-            out = self._recurrent(q, k, v, beta, g, state, window, start)
+            out = self._recurrent(q, k, v, b, a, state, window, start)
         else:
-            out, ssm = self._chunked(q, k, v, beta, g, state.ssm)
+            beta, g = self._gates(b, a)
+            out, ssm = self._chunked(q, k, v, beta.transpose(1, 2), g.transpose(1, 2), state.ssm)
             index, slot = state.fresh()
             slot.copy_(ssm)
             state.save(start + S, window[:, -(self.kernel - 1):], index)
@@ -289,27 +288,32 @@ class GatedDeltaNet(nn.Module):
         h = (self.out_norm(out.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
         return self.wo(h.reshape(B, S, self.value_size))
 
-    def _recurrent(self, q, k, v, beta, g, state, window, start: int) -> torch.Tensor:
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta = sigmoid(b) and the log decay g = -exp(A) softplus(a + dt_bias), in float32."""
+        beta = torch.sigmoid(b).float()
+        return beta, -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+    def _recurrent(self, q, k, v, b, a, state, window, start: int) -> torch.Tensor:
+        """Token by token. Each token's gates are computed on its own row too: PyTorch's vectorised elementwise
+        kernels leave a tensor's tail to scalar code, so a value's rounding could otherwise depend on how many
+        tokens the pass holds."""
         ssm, outs = state.ssm, []
-        if self.fused_step:  # the same recurrence in one C++ call per token (quant/csrc/vnni.cpp)
-            decay = g.exp()
-            for t in range(q.shape[2]):
-                index, slot = state.fresh()
-                outs.append(torch.ops.quickdraft_vnni.gated_delta_step(
-                    ssm, q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous(),
-                    decay[:, :, t].contiguous(), beta[:, :, t].contiguous(), slot))
-                state.save(start + t + 1, window[:, t + 1:t + self.kernel], index)
-                ssm = slot
-            return torch.stack(outs, dim=2)
         for t in range(q.shape[2]):
-            ssm = ssm * g[:, :, t].exp()[..., None, None]
-            k_t = k[:, :, t]
-            delta = (v[:, :, t] - (ssm * k_t[..., None]).sum(-2)) * beta[:, :, t][..., None]
-            ssm = ssm + k_t[..., None] * delta[..., None, :]
-            outs.append((ssm * q[:, :, t][..., None]).sum(-2))
+            beta, g = self._gates(b[:, t].contiguous(), a[:, t].contiguous())  # (B, Hv)
+            decay = g.exp()
             index, slot = state.fresh()
-            slot.copy_(ssm)
+            if self.fused_step:  # the same recurrence in one C++ call (quant/csrc/vnni.cpp)
+                outs.append(torch.ops.quickdraft_vnni.gated_delta_step(
+                    ssm, q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous(), decay, beta,
+                    slot))
+            else:
+                decayed = ssm * decay[..., None, None]
+                k_t = k[:, :, t]
+                delta = (v[:, :, t] - (decayed * k_t[..., None]).sum(-2)) * beta[..., None]
+                torch.add(decayed, k_t[..., None] * delta[..., None, :], out=slot)
+                outs.append((slot * q[:, :, t][..., None]).sum(-2))
             state.save(start + t + 1, window[:, t + 1:t + self.kernel], index)
+            ssm = slot
         return torch.stack(outs, dim=2)
 
     def _chunked(self, q, k, v, beta, g, ssm):
@@ -405,7 +409,10 @@ class MoE(nn.Module):
             y = self.experts[e](h[rows]) * top[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         if self.shared is not None:
-            out = out + torch.sigmoid(linear(h, self.shared_gate.weight)) * self.shared(h)
+            gate = linear(h, self.shared_gate.weight)  # (N, 1): each row on its own in short passes (as a
+            #   GatedDeltaNet's gates: the scalar tail of a vectorised kernel would round a row by the pass's size)
+            gate = torch.cat([torch.sigmoid(r) for r in gate.split(1)]) if len(gate) <= ROWWISE_MAX else gate.sigmoid()
+            out = out + gate * self.shared(h)
         return out.reshape(shape)
 
 
@@ -629,10 +636,11 @@ class Transformer(nn.Module):
             logits = self.cfg.final_softcap * torch.tanh(logits.float() / self.cfg.final_softcap)
         return logits.float()
 
-    def mtp_step(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_step(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: KVCache,
+                 last_only: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP block over pairs (hidden (1, S, D) of position p, tokens (1, S) at p + 1), written into its cache
         (`cache`: KVCache(self.mtp.kv_layout())) at p = cache.length...: (float32 logits (1, S, V) guessing the tokens
-        at p + 2, its hidden states (1, S, D) for the next step of a chain)."""
+        at p + 2, of the last position alone where last_only; its hidden states (1, S, D) for a chain's next step)."""
         S = tokens.shape[1]
         start = cache.length
         if start + S + 1 > self.max_context:
@@ -650,7 +658,7 @@ class Transformer(nn.Module):
         x = m.layer(x, cos, sin, cache, 0, mask)
         cache.length = start + S
         h = m.norm(x)
-        return self.head(h), h
+        return self.head(h[:, -1:] if last_only else h), h
 
     def _per_layer_inputs(self, tokens, x) -> torch.Tensor:
         """gemma4: (B, S, L, P) per-layer inputs: the per-layer table's rows (scaled by sqrt(P)) and the

@@ -102,6 +102,12 @@ class KVCache:
         return cls(model.kv_layout(), capacity or model.max_context, batch=batch, dtype=model.dtype,
                    device=model.device, states=states)
 
+    @property
+    def max_draft(self) -> int | None:
+        """The most tokens a round may draft into this cache: a recurrent state rolls back at most HISTORY positions
+        (a verification of k drafts, a draft model's k steps and their catch-up); None without one."""
+        return HISTORY - 1 if self.recurrent else None
+
     def keep_hidden(self, dim: int) -> None:
         """Keep every position's final hidden state (normed) from now on, for a drafter that reads them (mtp)."""
         if self.hidden is None:

@@ -14,12 +14,14 @@ drafters built into models are where the large factors are.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.base import Offer, Proposal
-from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.draft_model import CATCH_UP, DraftModelDrafter
 
 
 class MtpDrafter(DraftModelDrafter):
@@ -62,9 +64,17 @@ class MtpDrafter(DraftModelDrafter):
 
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
+        """Take in the prompt's pairs now (the engine has run the target's prefill): a round's draft time is then
+        the cost of drafting alone."""
         self.cache.reset()
-        self.tokens = []
-        self.matched = 0
+        if len(prompt) > 1 and self.target_cache is not None and self.target_cache.hidden is not None:
+            self._pairs(prompt, len(prompt) - 1)
+
+    def _pairs(self, seq: list[int], end: int):
+        """The pairs (hidden of p, seq[p + 1]) for p from the block's cache length to end, in one pass."""
+        start = self.cache.length
+        ids = torch.tensor([seq[start + 1:end + 1]], device=self.device)
+        return self.lm.model.mtp_step(ids, self.target_cache.hidden[start:end][None], self.cache)
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k_for, params, generator, constraint=None) -> Proposal:
@@ -73,6 +83,11 @@ class MtpDrafter(DraftModelDrafter):
                                   "(Engine(target, context, drafter))")
         committed = len(seq) - 1  # the target has run positions 0 .. committed - 1; seq[committed] is pending
         self.cache.rollback(min(self.cache.length, committed))
+        catch_up_s = 0.0
+        if committed - self.cache.length > CATCH_UP:  # after plain steps or n-gram rounds: caught up apart, timed
+            t0 = time.perf_counter()
+            self._pairs(seq, committed - 1)
+            catch_up_s = time.perf_counter() - t0
         self.chain = (seq, committed)
         tokens, q_rows = [], []
         try:
@@ -81,7 +96,7 @@ class MtpDrafter(DraftModelDrafter):
             if constraint is not None:
                 constraint.pop(len(tokens))
             self.cache.rollback(min(committed, self.cache.length))  # chained entries rest on the block's own guesses
-        return Proposal(tokens, "mtp", torch.stack(q_rows) if q_rows else None)
+        return Proposal(tokens, "mtp", torch.stack(q_rows) if q_rows else None, catch_up_s)
 
     def _logits(self, feed: list[int]) -> torch.Tensor:
         """The first call of a round: the pairs not yet seen, up to the pending token; then one chained step for
@@ -90,12 +105,9 @@ class MtpDrafter(DraftModelDrafter):
         if self.chain is not None:
             seq, committed = self.chain
             self.chain = None
-            start = self.cache.length
-            hidden = self.target_cache.hidden[start:committed][None]
-            ids = torch.tensor([seq[start + 1:committed + 1]], device=self.device)
+            logits, h = self._pairs(seq, committed)
         else:
-            hidden, ids = self.hidden, torch.tensor([feed], device=self.device)
-        logits, h = model.mtp_step(ids, hidden, self.cache)
+            logits, h = model.mtp_step(torch.tensor([feed], device=self.device), self.hidden, self.cache)
         self.hidden = h[:, -1:]
         return logits[0, -1]
 
@@ -131,7 +143,7 @@ class MtpDrafter(DraftModelDrafter):
             committed = len(prompt) + t - 1  # positions the target has run when output[t - 1] is pending
             cache = KVCache(model.mtp.kv_layout(), len(seq) + kmax + 1, dtype=model.dtype, device=self.device)
             logits, h = model.mtp_step(torch.tensor([seq[1:committed + 1]], device=self.device),
-                                       target.hidden[:committed][None], cache)
+                                       target.hidden[:committed][None], cache)  # the pairs up to the pending token
             span, kept = min(kmax, len(output) - t), 0
             for i in range(span):
                 token = int(logits[0, -1].argmax())

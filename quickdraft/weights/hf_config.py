@@ -20,7 +20,8 @@ GEMMAS = ("gemma2", "gemma3", "gemma4")
 def model_config(d: dict) -> ModelConfig:
     model_type = d.get("model_type", "?")
     if model_type in ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe") and isinstance(d.get("text_config"), dict):
-        d = {**d["text_config"], "model_type": model_type + "_text"}
+        tie = {"tie_word_embeddings": d["tie_word_embeddings"]} if "tie_word_embeddings" in d else {}
+        d = {**tie, **d["text_config"], "model_type": model_type + "_text"}  # the wrapper's tie unless the text says
     arch = ARCHS.get(model_type)
     if arch is None:
         raise QuickdraftError(f"unsupported architecture {model_type!r} in config.json: quickdraft runs "
@@ -111,6 +112,8 @@ def _ropes(arch: str, d: dict, head_dim: int) -> tuple[RopeConfig, RopeConfig | 
     if not flat:  # transformers 4.x keys
         flat = dict(d.get("rope_scaling") or {})
         flat["rope_theta"] = d.get("rope_theta", 10000.0)
+    if arch in HYBRID_ARCHS and "partial_rotary_factor" not in flat and "partial_rotary_factor" not in d:
+        flat["partial_rotary_factor"] = 0.25  # transformers' default for qwen3.5
     full = _rope(flat, d, head_dim)
     if arch == "gemma3" and d.get("rope_local_base_freq"):
         return full, RopeConfig(theta=float(d["rope_local_base_freq"]))

@@ -219,6 +219,9 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
                 _return_freed_memory()  # (else glibc keeps them, and the peak grows with them)
     missing = [f"{m}.{n}" for m, mod in model.named_modules() for n, p in mod._parameters.items()
                if p is not None and p.is_meta]
+    if missing and all(name.startswith("mtp.") for name in missing):  # a config that declares MTP layers its file
+        model.mtp = None                                                # lacks (re-saved by transformers): no mtp
+        missing = []
     if missing:
         raise QuickdraftError(f"the checkpoint does not match its config: missing {missing[:3]}")
     model.set_rotary(max_context, device)

@@ -288,4 +288,10 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
             specs.append(spec_from_source("draft", draft.model, quant.resolve(draft.weights, draft_device, dtype,
                                                                               role="draft")))
     context = engine.max_context or min(specs[0].cfg.max_context, DEFAULT_MAX_CONTEXT)
-    return plan(specs, context, device, capacity, free)
+    out = plan(specs, context, device, capacity, free)
+    cfg = specs[0].cfg
+    if draft.kind == "mtp" and cfg.mtp_layers:  # the MTP block's own KV cache, and the hidden states it reads
+        kv = 2 * cfg.kv_heads_of(cfg.n_layers - 1) * cfg.head_dim * context * 2
+        out.items.insert(2, Item("draft KV cache", kv + context * cfg.dim * 2,
+                                 f"{context} positions: the MTP layer's keys and values, the target's hidden states"))
+    return out

@@ -126,9 +126,8 @@ class Engine:
         if drafter is not None and drafter.reads_hidden:  # built-in drafters (mtp) read the target's hidden states
             drafter.attach(self.cache)
         # a hybrid target's or draft's recurrent state rolls back a bounded number of positions: k stays within it
-        caches = [self.cache] + [getattr(drafter, "cache", None)] + [getattr(getattr(drafter, "draft", None), "cache",
-                                                                              None)]
-        reach = [c.max_draft for c in caches if c is not None and c.max_draft is not None]
+        bounds = (self.cache.max_draft, drafter.max_draft if drafter is not None else None)
+        reach = [m for m in bounds if m is not None]
         self.max_draft = min(reach) if reach else None
         self.speculation = speculation
         self.policy = AdaptivePolicy(speculation)  # its timings describe this machine: kept across generations

@@ -59,9 +59,9 @@ def engine_config(args):
     """The EngineConfig the flags describe (as `load` passes them on)."""
     from quickdraft.config import EngineConfig
 
-    return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"), weights=getattr(args, "weights", "auto"),
-                        max_context=getattr(args, "ctx", None), cuda_graphs=getattr(args, "cuda_graphs", True),
-                        weight_cache=getattr(args, "weight_cache", True))
+    return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
+                        weights=getattr(args, "weights", "auto"), max_context=getattr(args, "ctx", None),
+                        cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True))
 
 
 def apply_profile(args) -> None:

@@ -74,6 +74,12 @@ class Drafter:
     def attach(self, cache) -> None:
         """The engine's KV cache, for a drafter that reads the target's hidden states there (reads_hidden)."""
 
+    @property
+    def max_draft(self) -> int | None:
+        """The most tokens a round may ask of it (a hybrid draft model's recurrent state rolls back a bounded number
+        of positions); None: no bound of its own."""
+        return None
+
     def begin(self, prompt: list[int]) -> None:
         """Start a generation: forget the previous one and take in the prompt (a draft model prefills it)."""
 

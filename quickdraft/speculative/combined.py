@@ -25,6 +25,10 @@ class CombinedDrafter(Drafter):
     def attach(self, cache) -> None:
         self.draft.attach(cache)
 
+    @property
+    def max_draft(self) -> int | None:
+        return self.draft.max_draft
+
     def begin(self, prompt: list[int]) -> None:
         self.ngram.begin(prompt)
         self.draft.begin(prompt)

@@ -151,6 +151,10 @@ class DraftModelDrafter(Drafter):
 
     # ---- self-description ---------------------------------------------------------------------------------
 
+    @property
+    def max_draft(self) -> int | None:
+        return self.cache.max_draft
+
     def cache_bytes(self) -> int:
         return self.cache.nbytes()
 

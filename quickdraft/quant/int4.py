@@ -148,8 +148,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("lows", torch.cat(lows))
         else:
             self.register_buffer("scales_and_zeros", torch.cat(scales, dim=1).contiguous())
-        self.bias = None if bias is None else nn.Parameter(_full(bias).to(device, torch.bfloat16),
-                                                           requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -196,10 +195,6 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = vnni.int4_reference(x2, vnni.untile(self.packed, 64), vnni.untile(self.scales, 4), self.lows, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-
-def _full(t):
-    return t.full() if hasattr(t, "full") else t
 
 
 def _tinygemm_grid(weight, i: int, j: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,8 +63,6 @@ class Int8Linear(nn.Module):
         else:
             self.register_buffer("q", q)
             self.register_buffer("scales", scale)
-        if bias is not None and hasattr(bias, "full"):
-            bias = bias.full()
         self.bias = None if bias is None else nn.Parameter(bias.to(device, torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

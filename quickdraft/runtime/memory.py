@@ -12,6 +12,7 @@ the host: a model is on its device in full, or it is not loaded.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,10 +90,10 @@ def linear_bytes(fmt: str, n: int, k: int, device: torch.device, dtype_size: int
     """Bytes of an (n, k) linear layer's weight in fmt (int8 / int4, else float) on device, as quant/ stores it."""
     from quickdraft.quant import int4, int8
 
-    shape = torch.Size((n, k))
-    if fmt == "int4" and int4.supported(_Shape(shape), device):
+    weight = torch.empty(n, k, device="meta")  # what the kernels' shape rules look at
+    if fmt == "int4" and int4.supported(weight, device):
         return n * k // 2 + (k // int4.GROUP) * n * 4  # codes + a 2-byte scale and zero (or low) per group
-    if fmt == "int8" and int8.supported(_Shape(shape), device):
+    if fmt == "int8" and int8.supported(weight, device):
         from quickdraft.quant import vnni
 
         wide = device.type == "cuda" or (vnni.available() and k % 64 == 0 and n % vnni.TILE == 0)
@@ -100,9 +101,13 @@ def linear_bytes(fmt: str, n: int, k: int, device: torch.device, dtype_size: int
     return n * k * dtype_size
 
 
-class _Shape:
-    def __init__(self, shape):
-        self.shape = shape
+@functools.lru_cache(maxsize=8)
+def _skeleton(cfg: ModelConfig):
+    """The model of cfg on the meta device (no memory): its modules, layouts and shapes, built once per config."""
+    from quickdraft.models.transformer import Transformer
+
+    with torch.device("meta"):
+        return Transformer(cfg, 16)
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict | None = None,
@@ -111,14 +116,13 @@ def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict |
     types: the file's tensor type by model name (GGUF), None for a float checkpoint; file_bytes: the file's bytes
     by model name (a block-format embedding table keeps them)."""
     from quickdraft import quant
-    from quickdraft.models.transformer import Linear, Transformer
+    from quickdraft.models.transformer import Linear
     from quickdraft.quant import embedding
     from quickdraft.weights import names
     from quickdraft.weights.dequant import BLOCK_TYPES
 
     types, file_bytes = types or {}, file_bytes or {}
-    with torch.device("meta"):
-        model = Transformer(cfg, 16)
+    model = _skeleton(cfg)
     total, counts = 0, {}
     quantized = fmt in quant.QUANTIZED
     for owner, module in model.named_modules():
@@ -155,11 +159,9 @@ def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict |
 def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
     """The KV cache of `capacity` positions (runtime/kv_cache.py: every layer that owns one, at full capacity), and a
     hybrid's recurrent states: each linear layer's HISTORY + 2 preallocated state slots and its convolution's inputs."""
-    from quickdraft.models.transformer import Transformer
     from quickdraft.runtime.kv_cache import HISTORY
 
-    with torch.device("meta"):
-        model = Transformer(cfg, 16)
+    model = _skeleton(cfg)
     kv = sum(2 * heads * dim * capacity * dtype_size for i, (heads, dim, source) in enumerate(model.kv_layout())
              if source == i)
     states = [s for s in model.state_layout() or [] if s is not None]

@@ -62,6 +62,9 @@ class ModelConfig:
     linear_k_dim: int = 0  # their sizes
     linear_v_dim: int = 0
     linear_conv: int = 4  # the short causal convolution's kernel
+    linear_v_tiled: bool = False  # value heads in llama.cpp's tiled order (value head j reads key head j mod the key
+    #                               heads: its converter reorders them so) rather than transformers' grouped order
+    #                               (j reads key head j // (value heads / key heads))
     # mixture of experts (qwen3_moe, qwen3_5_moe): the FFN of a MoE layer routes each token to experts_per_token of
     # n_experts SwiGLU experts, their outputs weighted by the router's softmax (renormalised over the chosen ones
     # where norm_topk), plus a shared expert gated by a sigmoid where shared_expert_ffn_dim

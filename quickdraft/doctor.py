@@ -188,7 +188,8 @@ def memory_plan(plan) -> Finding:
 
 def tokenizers(target, draft) -> Finding:
     if draft is None:
-        return Finding("tokenizer", "ok", "no draft model: n-gram lookup uses the target's own tokens")
+        return Finding("tokenizer", "ok", "no draft model: n-gram lookup and built-in MTP layers draft in the "
+                                          "target's own vocabulary")
     try:
         shared = check_compatible(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
     except QuickdraftError as e:
@@ -200,16 +201,22 @@ def tokenizers(target, draft) -> Finding:
                    f"the {shared} they share; the draft never proposes the others")
 
 
-def sampler(drafter, vocab: int) -> Finding:
+def sampler(drafter, vocab: int, engine=None) -> Finding:
     """The draft samples from the same processed distribution as the target: propose under top-k 3 and
-    temperature 0.7 and check that each drafted position has at most 3 candidates, summing to 1."""
+    temperature 0.7 and check that each drafted position has at most 3 candidates, summing to 1. A drafter that
+    reads the target's hidden states (mtp) reads them from `engine`'s cache, after its prefill of the sequence."""
     if not drafter.samples:
         return Finding("sampler", "ok", f"{drafter.name} drafts deterministically: verification treats its drafts "
                                         "as one-hot")
     params = SamplingParams(temperature=0.7, top_k=3, max_tokens=8)
     seq = [1, 2, 3, 4]  # no repeats: a drafter with n-gram lookup in front leaves the proposal to its model
+    pending = seq
+    if drafter.reads_hidden and engine is not None:
+        for _ in engine.generate(seq, SamplingParams(max_tokens=1), SpeculationConfig(draft_max=0)):
+            pass  # the target's pass over seq: its hidden states in the engine's cache
+        pending = seq + [5]  # a round's sequence: the target has run seq, its next token pending
     drafter.begin(seq)
-    proposal = drafter.propose(seq, lambda source: 3, params, torch.Generator().manual_seed(0))
+    proposal = drafter.propose(pending, lambda source: 3, params, torch.Generator().manual_seed(0))
     q = proposal.q_draft
     candidates = (q > 0).sum(-1).tolist() if q is not None else []
     ok = q is not None and max(candidates) <= 3 and torch.allclose(q.sum(-1), torch.ones(len(q)), atol=1e-4)
@@ -275,7 +282,7 @@ def run(llm, draft, available: int | None = None, prompt: list[int] | None = Non
     drafter = engine.drafter
     findings.append(memory(target, drafts, engine, available or device_memory(target.device)))
     if drafter is not None:
-        findings.append(sampler(drafter, target.config.vocab_size))
+        findings.append(sampler(drafter, target.config.vocab_size, engine))
         findings.append(speculation(engine, prompt or encoded(target.tokenizer, ["code-en"])["code-en"]))
     else:
         usable = resolved.kind == "none"

@@ -94,3 +94,25 @@ def save(model, directory: Path) -> Path:
     vocab = {f"t{i}": i for i in range(model.config.vocab_size)}  # quickdraft reads tokenizer.json
     Tokenizer(tok_models.WordLevel(vocab, unk_token="t0")).save(str(directory / "tokenizer.json"))
     return directory
+
+
+def bpe_tokenizer(directory: Path, vocab_size: int = 320) -> None:
+    """A byte-level BPE tokenizer.json of the tiny vocabulary (256 bytes, merges learnt on a small corpus of English
+    and Chinese words, <|endoftext|>), as Qwen's models have: what llama.cpp's converter reads for qwen3.5 and MoE."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = ["hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "model", "draft", "你好",
+             "世界"]
+    tok = Tokenizer(tok_models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator([" ".join(rng.choice(words) for _ in range(12)) for _ in range(500)], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                 "eos_token": "<|endoftext|>"}))

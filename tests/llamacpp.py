@@ -69,13 +69,30 @@ def _extract(root: Path, wanted: tuple[str, ...]) -> None:
     (root / ".complete").write_text(COMMIT + "\n")
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """A Hugging Face directory as llama.cpp's converter writes it to GGUF."""
-    result = subprocess.run([sys.executable, str(tree() / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out),
-                             "--outtype", outtype], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", *flags: str, pre: str | None = None) -> Path:
+    """A Hugging Face directory as llama.cpp's converter writes it to GGUF (flags: more of its options, e.g.
+    --no-mtp). pre: the BPE pre-tokenizer to write for a tiny byte-level BPE tokenizer, which the converter cannot
+    recognise (it knows a tokenizer by the hash of its tokens for a test text, a real model's); only that one
+    function is replaced, the tensors and the rest of the metadata are the converter's own."""
+    script = str(tree() / "convert_hf_to_gguf.py")
+    command = [sys.executable, script]
+    if pre is not None:
+        command = [sys.executable, "-c", _NAMED_PRE, script, pre]
+    result = subprocess.run([*command, str(hf_dir), "--outfile", str(out), "--outtype", outtype, *flags],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+_NAMED_PRE = """
+import runpy, sys
+script, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [str(__import__("pathlib").Path(script).parent), str(__import__("pathlib").Path(script).parent / "gguf-py")]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 def vocab_tests(name: str) -> list[tuple[str, list[int]]]:

@@ -290,6 +290,17 @@ def test_mtp_greedy_speculative_equals_plain(mtp_target, spec, ngram):
     assert final.stats.rounds > 0 and final.stats.draft_n > 0 and "mtp" in final.stats.sources
 
 
+def test_doctors_sampler_check_runs_the_mtp_drafter_after_the_targets_pass(mtp_target):
+    """doctor's sampler check proposes from the MTP block, which reads the target's hidden states: it runs the
+    target's pass first (it failed on an empty pair list before)."""
+    from quickdraft import doctor
+
+    spec = SpeculationConfig(draft_max=3, adaptive=False)
+    drafter = mtp_drafter(mtp_target, spec)
+    finding = doctor.sampler(drafter, 320, Engine(mtp_target, 256, drafter, spec))
+    assert finding.level == "ok" and 1 <= len(finding.figures["candidates_per_position"]) <= 3
+
+
 def test_mtp_seeded_sampling_equals_plain(mtp_target):
     spec = SpeculationConfig(draft_max=3, adaptive=False)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=40, stop_at_eos=False)

@@ -18,8 +18,8 @@ from tests.helpers import PROMPT, add_noise, save_hf_dir
 F32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=256)
 
 
-def tiny_moe(arch: str, seed: int = 0, logit_scale: float = 1.0):
-    """qwen3_moe: 3 layers, the middle one dense (mlp_only_layers), 8 experts of which 2 per token, renormalised;
+def tiny_moe(arch: str, seed: int = 0, logit_scale: float = 1.0, dense: bool = True):
+    """qwen3_moe: 3 layers, the middle one dense (mlp_only_layers; all MoE without dense), 8 experts of which 2 per token, renormalised;
     qwen3_5_moe: the hybrid (3 Gated DeltaNet layers, 1 gated attention) with 8 routed experts and a shared one."""
     import transformers
 
@@ -28,7 +28,8 @@ def tiny_moe(arch: str, seed: int = 0, logit_scale: float = 1.0):
                   num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
     if arch == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**common, intermediate_size=96, num_hidden_layers=3, head_dim=16,
-                                          decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
+                                          decoder_sparse_step=1, mlp_only_layers=[1] if dense else [],
+                                          norm_topk_prob=True)
     else:
         cfg = transformers.Qwen3_5MoeTextConfig(**common, shared_expert_intermediate_size=48, num_hidden_layers=4,
                                                 head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,

@@ -234,6 +234,7 @@ class GatedDeltaNet(nn.Module):
         self.n_kv_heads, self.head_dim, self.source = 0, 0, index  # no keys and values in the KV cache
         self.k_heads, self.v_heads = cfg.linear_k_heads, cfg.linear_v_heads
         self.k_dim, self.v_dim = cfg.linear_k_dim, cfg.linear_v_dim
+        self.v_tiled = cfg.linear_v_tiled
         self.key_size, self.value_size = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         self.conv_dim, self.kernel = 2 * self.key_size + self.value_size, cfg.linear_conv
         self.in_qkv = Linear(cfg.dim, self.conv_dim, bias=False)
@@ -268,9 +269,8 @@ class GatedDeltaNet(nn.Module):
         conv = sum(window[:, j:j + S].float() * w[:, j] for j in range(self.kernel))  # each position alone
         conv = F.silu(conv).to(x.dtype)
         q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        groups = self.v_heads // self.k_heads
-        q = _l2norm(q.float().view(B, S, self.k_heads, self.k_dim)).repeat_interleave(groups, 2) * self.k_dim ** -0.5
-        k = _l2norm(k.float().view(B, S, self.k_heads, self.k_dim)).repeat_interleave(groups, 2)
+        q = self._per_value_head(_l2norm(q.float().view(B, S, self.k_heads, self.k_dim))) * self.k_dim ** -0.5
+        k = self._per_value_head(_l2norm(k.float().view(B, S, self.k_heads, self.k_dim)))
         v = v.float().view(B, S, self.v_heads, self.v_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, Hv, S, D)
         b, a = self.in_b(x), self.in_a(x)  # (B, S, Hv): beta = sigmoid(b), g = -exp(A) softplus(a + dt_bias)
@@ -287,6 +287,12 @@ class GatedDeltaNet(nn.Module):
         z = self.in_z(x).view(B, S, self.v_heads, self.v_dim)
         h = (self.out_norm(out.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
         return self.wo(h.reshape(B, S, self.value_size))
+
+    def _per_value_head(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, S, key heads, D) -> (B, S, value heads, D): each value head's key head, in the checkpoint's order of
+        value heads (transformers' grouped order, or the tiled order of llama.cpp's GGUF files)."""
+        groups = self.v_heads // self.k_heads
+        return t.repeat(1, 1, groups, 1) if self.v_tiled else t.repeat_interleave(groups, 2)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta = sigmoid(b) and the log decay g = -exp(A) softplus(a + dt_bias), in float32."""

@@ -194,7 +194,7 @@ def spec_from_source(role: str, source: str, fmt: str) -> ModelSpec:
     """A model's spec from its file's metadata and tensor list (nothing else is read)."""
     from quickdraft.weights import gguf as gguf_io, safetensors as st_io
     from quickdraft.weights.loader import resolve
-    from quickdraft.weights.names import gguf_to_model
+    from quickdraft.weights.names import gguf_model_names
 
     path = resolve(source)
     if path.is_dir():
@@ -203,9 +203,9 @@ def spec_from_source(role: str, source: str, fmt: str) -> ModelSpec:
     cfg = gguf_io.config_from_metadata(gguf_io.metadata(reader), reader)
     types, nbytes = {}, {}
     for t in reader.tensors:
-        name = gguf_to_model(t.name, cfg.arch)
-        if name is not None:
-            types[name], nbytes[name] = t.tensor_type, int(t.n_bytes)
+        got = gguf_model_names(t.name, cfg)
+        for name in got:  # a MoE layer's stacked experts: a share each
+            types[name], nbytes[name] = t.tensor_type, int(t.n_bytes) // len(got)
     return ModelSpec(role, Path(source).name, cfg, fmt, types, nbytes)
 
 

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.weights.dequant import BLOCK_TYPES, FOUR_BIT_TYPES, SUPPORTED_TYPES, dequantize
-from quickdraft.weights.names import gguf_to_model, unpermute_rotary
+from quickdraft.weights.names import gguf_model_names, unpermute_rotary
 
 
 def open_gguf(path: Path | str) -> GGUFReader:
@@ -168,28 +168,40 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, progr
     `progress(nbytes)` is called after each tensor with the bytes it covered.
     """
     for t in reader.tensors:
-        name = gguf_to_model(t.name, cfg.arch)
-        if name is not None:
+        got = gguf_model_names(t.name, cfg)
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
+        # a MoE layer's stacked experts come as one matrix each: slices of the file's data
+        parts = [(got[0], t.data, shape)] if len(got) == 1 else [(n, t.data[e], shape[1:]) for e, n in enumerate(got)]
+        for name, raw, shape in parts:
             if types is not None:
                 types[name] = t.tensor_type
-            shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest dimension first
-            if lazy and name in FileRows.NAMES:
-                w = FileRows(t.data, t.tensor_type, shape, dtype)
-            elif lazy_matrices and len(shape) == 2 and t.tensor_type in BLOCK_TYPES:
-                raw = t.data
-                if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
-                    heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
-                    raw = raw[unpermute_rotary(torch.arange(shape[0])[:, None], heads)[:, 0].numpy()]
-                w = FileRows(raw, t.tensor_type, shape, dtype)
-            else:
-                w = dequantize(t.data, t.tensor_type, shape, dtype)
-                if cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight")):
-                    heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
-                    w = unpermute_rotary(w, heads)
-            yield name, w
+            yield name, _tensor(name, raw, t.tensor_type, shape, cfg, dtype, lazy, lazy_matrices)
         _release(reader, t)
         if progress is not None:
             progress(int(t.n_bytes))
+
+
+def _tensor(name: str, raw, qtype, shape: tuple[int, ...], cfg: ModelConfig, dtype: torch.dtype, lazy: bool,
+            lazy_matrices: bool):
+    """One model tensor from the file's data, as read_tensors gives it: FileRows where it stays in the file, else
+    dequantized; llama's rotary rows and qwen3.5's recurrent parameters back in the model's own convention."""
+    rotary = cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight"))
+    if rotary:
+        heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
+    if lazy and name in FileRows.NAMES:
+        return FileRows(raw, qtype, shape, dtype)
+    if lazy_matrices and len(shape) == 2 and qtype in BLOCK_TYPES:
+        if rotary:
+            raw = raw[unpermute_rotary(torch.arange(shape[0])[:, None], heads)[:, 0].numpy()]
+        return FileRows(raw, qtype, shape, dtype)
+    if name.endswith("attention.A_log"):  # llama.cpp's converter writes ssm_a = -exp(A_log)
+        return (-dequantize(raw, qtype, shape, torch.float64)).log().to(dtype)
+    w = dequantize(raw, qtype, shape, dtype)
+    if rotary:
+        w = unpermute_rotary(w, heads)
+    if name.endswith("attention.conv_weight"):  # squeezed to (channels, kernel) there
+        w = w.unsqueeze(1)
+    return w
 
 
 class FileRows:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 
-from quickdraft.config import SUPPORTED_ARCHS, ModelConfig
+from quickdraft.config import HYBRID_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.rope import RopeConfig
 
@@ -21,13 +21,25 @@ GEMMAS = ("gemma2", "gemma3", "gemma4")
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
+# llama.cpp's architecture names where they are not quickdraft's
+GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+FILE_ARCHS = {ours: theirs for theirs, ours in GGUF_ARCHS.items()}
+
+
+def arch_of(meta: dict) -> str:
+    """quickdraft's name for the file's general.architecture (a clear error for one it does not run)."""
+    arch = meta.get("general.architecture", "?")
+    if GGUF_ARCHS.get(arch, arch) not in SUPPORTED_ARCHS:
+        names = ", ".join(FILE_ARCHS.get(a, a) for a in SUPPORTED_ARCHS)
+        raise QuickdraftError(f"unsupported architecture {arch!r} in the GGUF file: quickdraft runs {names}")
+    return GGUF_ARCHS.get(arch, arch)
+
+
 def config(meta: dict, shapes: dict[str, tuple[int, ...]], small: dict[str, list[float]]) -> ModelConfig:
     """meta: the file's key/values; shapes: each tensor's shape (fastest dimension last); small: the values of the
     CONFIG_TENSORS present."""
-    arch = meta.get("general.architecture", "?")
-    if arch not in SUPPORTED_ARCHS:
-        raise QuickdraftError(
-            f"unsupported architecture {arch!r} in the GGUF file: quickdraft runs {', '.join(SUPPORTED_ARCHS)}")
+    ours = arch_of(meta)
+    arch = meta["general.architecture"]  # the metadata's keys are under the file's name
 
     def get(key, default=None):
         value = meta.get(f"{arch}.{key}", default)
@@ -35,11 +47,16 @@ def config(meta: dict, shapes: dict[str, tuple[int, ...]], small: dict[str, list
             raise QuickdraftError(f"the GGUF metadata lacks {arch}.{key}: the file is incomplete")
         return value
 
-    n_heads, dim, layers = _count(get, "attention.head_count"), _count(get, "embedding_length"), _count(get, "block_count")
+    n_heads, dim, blocks = _count(get, "attention.head_count"), _count(get, "embedding_length"), _count(get, "block_count")
     present = {int(m.group(1)) for name in shapes if (m := re.match(r"blk\.(\d+)\.", name))}
-    if present != set(range(layers)):
-        raise QuickdraftError(f"the GGUF metadata says {arch}.block_count = {layers}, but the file holds tensors for "
+    if present != set(range(blocks)):
+        raise QuickdraftError(f"the GGUF metadata says {arch}.block_count = {blocks}, but the file holds tensors for "
                               f"{len(present)} layers: the file is inconsistent")
+    mtp = int(meta.get(f"{arch}.nextn_predict_layers") or 0)  # multi-token-prediction blocks after the decoder's
+    layers = blocks - mtp
+    if not 0 <= mtp < blocks:
+        raise QuickdraftError(f"the GGUF metadata says {arch}.nextn_predict_layers = {mtp} of {blocks} blocks: the "
+                              "file is inconsistent")
     embedding = shapes.get("token_embd.weight")
     if embedding is None or len(embedding) != 2 or embedding[1] != dim:
         raise QuickdraftError(f"the GGUF metadata says {arch}.embedding_length = {dim}, but token_embd.weight has "
@@ -47,12 +64,13 @@ def config(meta: dict, shapes: dict[str, tuple[int, ...]], small: dict[str, list
     head_dim = _first(get("attention.key_length", dim // n_heads))
     kv_heads = get("attention.head_count_kv", n_heads)
     names = set(shapes)
+    ffn = meta.get(f"{arch}.feed_forward_length") or meta.get(f"{arch}.expert_feed_forward_length")
     fields = dict(
-        arch=arch, vocab_size=embedding[0], dim=dim, n_layers=layers, n_heads=n_heads, n_kv_heads=_first(kv_heads),
-        head_dim=head_dim, ffn_dim=_first(get("feed_forward_length")),
+        arch=ours, vocab_size=embedding[0], dim=dim, n_layers=layers, n_heads=n_heads, n_kv_heads=_first(kv_heads),
+        head_dim=head_dim, ffn_dim=_first(ffn if ffn is not None else get("feed_forward_length")),
         norm_eps=float(get("attention.layer_norm_rms_epsilon")), rope_theta=float(get("rope.freq_base", 10000.0)),
         max_context=get("context_length", 4096),
-        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm=any(f"blk.{i}.attn_q_norm.weight" in names for i in range(layers)),
         tie_embeddings="output.weight" not in names,
     )
     fields["rope"] = _rope(arch, get, meta, small, head_dim, fields["rope_theta"])
@@ -68,6 +86,10 @@ def config(meta: dict, shapes: dict[str, tuple[int, ...]], small: dict[str, list
         fields["rope_local"] = RopeConfig(theta=float(meta.get("gemma3.rope.freq_base_swa", 10000.0)))
     if arch == "gemma4":
         fields.update(_gemma4(meta, get, shapes, small, fields, kv_heads))
+    if ours in HYBRID_ARCHS:
+        fields.update(_hybrid(meta, get, shapes, fields, layers, mtp))
+    if meta.get(f"{arch}.expert_count"):
+        fields.update(_experts(meta, get, shapes, layers))
     return ModelConfig(**fields)
 
 
@@ -148,3 +170,44 @@ def _gemma4(meta: dict, get, shapes: dict, small: dict, fields: dict, kv_heads) 
         ple_dim=ple, ple_vocab=shapes["per_layer_token_embd.weight"][0] if ple else 0, layer_scalar=True,
         rope=rope_full, rope_local=RopeConfig(theta=float(meta.get("gemma4.rope.freq_base_swa", 10000.0))),
     )
+
+
+def _hybrid(meta: dict, get, shapes: dict, fields: dict, layers: int, mtp: int) -> dict:
+    """Qwen3.5's Gated DeltaNet layers as llama.cpp's converter describes them: which layers are recurrent, the
+    heads (ssm.group_count key heads of ssm.state_size, ssm.time_step_rank value heads, ssm.inner_size values in
+    all), the convolution; its value heads in tiled order (the converter reorders them for ggml's broadcast); the
+    full layers' output gate (their attn_q holds a gate per head too) and partial rotary."""
+    arch = meta["general.architecture"]
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(recurrent, list):
+        kinds = tuple("linear" if r else "full" for r in recurrent[:layers])
+    else:
+        interval = int(get("full_attention_interval", 4))
+        kinds = tuple("full" if (i + 1) % interval == 0 else "linear" for i in range(layers))
+    v_heads = _count(get, "ssm.time_step_rank")
+    inner = _count(get, "ssm.inner_size")
+    if inner % v_heads:
+        raise QuickdraftError(f"the GGUF metadata has {arch}.ssm.inner_size = {inner} for {v_heads} value heads "
+                              "(ssm.time_step_rank): the file is inconsistent")
+    full = next((i for i, k in enumerate(kinds) if k == "full"), None)
+    q_rows = shapes.get(f"blk.{full}.attn_q.weight", (0,))[0] if full is not None else 0
+    rope = fields["rope"]
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    if rotary and rotary != fields["head_dim"]:
+        rope = RopeConfig(theta=rope.theta, rotary_dim=int(rotary))
+    return dict(layer_types=kinds, linear_k_heads=_count(get, "ssm.group_count"), linear_v_heads=v_heads,
+                linear_k_dim=_count(get, "ssm.state_size"), linear_v_dim=inner // v_heads,
+                linear_conv=_count(get, "ssm.conv_kernel"), linear_v_tiled=True,
+                attn_output_gate=q_rows == 2 * fields["n_heads"] * fields["head_dim"], rope=rope, mtp_layers=mtp)
+
+
+def _experts(meta: dict, get, shapes: dict, layers: int) -> dict:
+    """The mixture of experts: expert_count experts, expert_used_count a token, each expert_feed_forward_length
+    wide, their weights renormalised over the chosen ones (llama.cpp's qwen3moe and qwen35moe always do), a shared
+    expert where expert_shared_feed_forward_length says; layers without ffn_gate_exps are dense."""
+    return dict(n_experts=_count(get, "expert_count"), experts_per_token=_count(get, "expert_used_count"),
+                expert_ffn_dim=_count(get, "expert_feed_forward_length"),
+                norm_topk=bool(meta.get(f"{meta['general.architecture']}.expert_weights_norm", True)),
+                shared_expert_ffn_dim=int(meta.get(f"{meta['general.architecture']}.expert_shared_feed_forward_length")
+                                          or 0),
+                dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes))

@@ -53,6 +53,34 @@ _GGUF_GLOBAL = {
     "per_layer_proj_norm.weight": "ple_proj_norm.weight",
 }
 
+# llama.cpp's names for qwen3.5's Gated DeltaNet layers (its full layers as above); post_attention_norm is the
+# norm before the FFN there, as in transformers' qwen3.5
+_GGUF_HYBRID = {
+    "attn_qkv.weight": "attention.in_qkv.weight",
+    "attn_gate.weight": "attention.in_z.weight",
+    "ssm_beta.weight": "attention.in_b.weight",
+    "ssm_alpha.weight": "attention.in_a.weight",
+    "ssm_conv1d.weight": "attention.conv_weight",
+    "ssm_dt.bias": "attention.dt_bias",
+    "ssm_a": "attention.A_log",  # the file holds -exp(A_log): weights/gguf.py takes the log back
+    "ssm_norm.weight": "attention.out_norm.weight",
+    "ssm_out.weight": "attention.wo.weight",
+    "post_attention_norm.weight": "ffn_norm.weight",
+}
+# a mixture of experts in GGUF: the router, the shared expert and its gate; the routed experts' matrices are
+# stacked in one tensor each (ffn_{gate,up,down}_exps: gguf_model_names lists an expert's name per slice)
+_GGUF_MOE = {
+    "ffn_gate_inp.weight": "feed_forward.router.weight",
+    "ffn_gate_shexp.weight": "feed_forward.shared.w1.weight",
+    "ffn_up_shexp.weight": "feed_forward.shared.w3.weight",
+    "ffn_down_shexp.weight": "feed_forward.shared.w2.weight",
+    "ffn_gate_inp_shexp.weight": "feed_forward.shared_gate.weight",
+}
+_GGUF_EXPERTS = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2"}
+# a multi-token-prediction block (llama.cpp: the block after the decoder's, with nextn.* tensors)
+_GGUF_MTP = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.enorm.weight",
+             "nextn.hnorm.weight": "mtp.hnorm.weight", "nextn.shared_head_norm.weight": "mtp.norm.weight"}
+
 # Hugging Face transformers names
 _HF_LAYER = {
     "input_layernorm.weight": "attention_norm.weight",
@@ -133,14 +161,36 @@ def _map(name: str, layer_re, layer_map, global_map) -> str | None:
     return None
 
 
-def gguf_to_model(name: str, arch: str = "llama") -> str | None:
-    """GGUF tensor name -> model parameter name; None for tensors the model does not use."""
+def gguf_to_model(name: str, arch: str = "llama", n_layers: int | None = None) -> str | None:
+    """GGUF tensor name -> model parameter name; None for tensors the model does not use. n_layers: the decoder's
+    layers, where blocks after them are multi-token-prediction blocks (qwen3.5's nextn)."""
     if _IGNORED.match(name):
         return None
     if arch == "phi3" and name.endswith(".ffn_up.weight"):  # phi3's ffn_up holds gate and up
         return _map(name, _GGUF_LAYER_RE, {"ffn_up.weight": "feed_forward.w13.weight"}, {})
-    mapped = _map(name, _GGUF_LAYER_RE, _GGUF_LAYER, _GGUF_GLOBAL)
+    m = _GGUF_LAYER_RE.fullmatch(name)
+    if m and n_layers is not None and int(m.group(1)) >= n_layers:
+        if int(m.group(1)) > n_layers:
+            return _unknown(name)  # a second MTP block: llama.cpp and vLLM run one
+        inner = _GGUF_MTP.get(m.group(2)) or gguf_to_model(f"blk.0.{m.group(2)}", arch)
+        return inner if inner.startswith("mtp.") else "mtp.layer." + inner.removeprefix("layers.0.")
+    layer = {**_GGUF_LAYER, **(_GGUF_HYBRID if arch in ("qwen3_5", "qwen3_5_moe") else {}), **_GGUF_MOE}
+    mapped = _map(name, _GGUF_LAYER_RE, layer, _GGUF_GLOBAL)
     return mapped if mapped is not None else _unknown(name)
+
+
+def gguf_model_names(name: str, cfg) -> list[str]:
+    """The model parameters a GGUF tensor holds: one, none (tensors the model does not use), or for a MoE layer's
+    stacked experts (ffn_*_exps) each expert's matrix in order."""
+    m = _GGUF_LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _GGUF_EXPERTS:
+        layer = int(m.group(1))
+        if layer > cfg.n_layers:
+            return _unknown(name)
+        owner = "mtp.layer" if layer == cfg.n_layers else f"layers.{layer}"  # the MTP block's own experts
+        return [f"{owner}.feed_forward.experts.{e}.{_GGUF_EXPERTS[m.group(2)]}.weight" for e in range(cfg.n_experts)]
+    mapped = gguf_to_model(name, cfg.arch, cfg.n_layers)
+    return [] if mapped is None else [mapped]
 
 
 def hf_to_model(name: str, arch: str = "llama") -> str | None:

@@ -75,6 +75,12 @@ class ModelConfig:
     shared_expert_ffn_dim: int = 0
     dense_layers: tuple[int, ...] = ()  # layers with a dense FFN among the MoE ones
     mtp_layers: int = 0  # qwen3.5: multi-token-prediction layers in the checkpoint (the `mtp` drafter runs them)
+    # Gemma 4's assistant drafter (models/assistant.py): a gemma4 text model whose layers attend to a target's keys
+    # and values, fed [the target's embedding of a token, its hidden state] (2 x assistant_backbone wide); its head
+    # scores only the tokens of the `centroid_top_k` best of `centroids` clusters where centroids is set
+    assistant_backbone: int = 0  # the target's width it was trained with (0: not an assistant)
+    centroids: int = 0
+    centroid_top_k: int = 0
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

@@ -190,6 +190,11 @@ def tokenizers(target, draft) -> Finding:
     if draft is None:
         return Finding("tokenizer", "ok", "no draft model: n-gram lookup and built-in MTP layers draft in the "
                                           "target's own vocabulary")
+    if draft.tokenizer is None:  # a Gemma 4 assistant without one: it scores the target's tokens
+        level = "ok" if draft.config.vocab_size == target.config.vocab_size else "error"
+        return Finding("tokenizer", level, f"the assistant scores {draft.config.vocab_size} tokens of the target's "
+                                           f"{target.config.vocab_size}" + ("" if level == "ok" else
+                                                                             ": it was trained for another target"))
     try:
         shared = check_compatible(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
     except QuickdraftError as e:

@@ -103,7 +103,9 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim ** -0.5
         self.softcap, self.eps = cfg.attn_softcap, cfg.norm_eps
         self.source = cfg.kv_source(index)  # the layer whose keys and values it attends to
-        self.shares = self.source != index  # gemma4's last layers: an earlier layer's keys and values
+        # gemma4's last layers: an earlier layer's keys and values; a Gemma 4 assistant's: its target's (the cache
+        # it is given maps the layer to the target's: models/assistant.py)
+        self.shares = self.source != index or cfg.assistant_backbone > 0
         self.values_from_keys = cfg.k_eq_v and self.kind == "full"
         self.v_norm = cfg.v_norm
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
@@ -618,10 +620,15 @@ class Transformer(nn.Module):
         window = self.cfg.sliding_window if kind == "sliding" else None
         return mask & (keys > positions - window) if window else mask
 
-    def _run(self, tokens, rotary: dict, cache, masks: dict, last_only: bool) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' input embeddings (scaled where the family scales them)."""
         x = self.tok_embeddings(tokens)
         if self.cfg.embed_scale != 1.0:
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
+
+    def _run(self, tokens, rotary: dict, cache, masks: dict, last_only: bool) -> torch.Tensor:
+        x = self.embed(tokens)
         ple = self._per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[layer.attention.kind]
@@ -651,9 +658,7 @@ class Transformer(nn.Module):
         start = cache.length
         if start + S + 1 > self.max_context:
             raise ValueError(f"positions up to {start + S + 1} exceed the context of {self.max_context}")
-        e = self.tok_embeddings(tokens)
-        if self.cfg.embed_scale != 1.0:
-            e = e * torch.tensor(self.cfg.embed_scale, dtype=e.dtype)
+        e = self.embed(tokens)
         m = self.mtp
         x = m.fc(torch.cat([m.enorm(e), m.hnorm(hidden.to(e.dtype))], dim=-1))
         cos, sin = (t[start + 1:start + S + 1] for t in self._tables("full"))  # rotary at the token's position
@@ -675,3 +680,12 @@ class Transformer(nn.Module):
         projected = self.ple_model_proj(x) * torch.tensor(cfg.dim ** -0.5, dtype=x.dtype)
         projected = self.ple_proj_norm(projected.reshape(B, S, cfg.n_layers, cfg.ple_dim))
         return (projected + table.reshape(B, S, cfg.n_layers, cfg.ple_dim)) * torch.tensor(2 ** -0.5, dtype=x.dtype)
+
+
+def build(cfg: ModelConfig, max_context: int | None = None) -> nn.Module:
+    """The model cfg describes: a Transformer, or a Gemma 4 assistant (models/assistant.py)."""
+    if cfg.assistant_backbone:
+        from quickdraft.models.assistant import Assistant
+
+        return Assistant(cfg, max_context)
+    return Transformer(cfg, max_context)

@@ -104,10 +104,10 @@ def linear_bytes(fmt: str, n: int, k: int, device: torch.device, dtype_size: int
 @functools.lru_cache(maxsize=8)
 def _skeleton(cfg: ModelConfig):
     """The model of cfg on the meta device (no memory): its modules, layouts and shapes, built once per config."""
-    from quickdraft.models.transformer import Transformer
+    from quickdraft.models.transformer import build
 
     with torch.device("meta"):
-        return Transformer(cfg, 16)
+        return build(cfg, 16)
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict | None = None,
@@ -283,7 +283,7 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
     dtype = resolve_dtype(engine.dtype, device)
     specs = [spec_from_source("target", target, quant.resolve(engine.weights, device, dtype))]
     draft = draft.resolve(target)
-    if draft.kind == "model":
+    if draft.kind in ("model", "assistant"):
         draft_device = torch.device(draft.device) if draft.device else device
         if draft_device == device or (draft_device.type == device.type and device.index in (None, 0)
                                       and draft_device.index in (None, 0)):  # the same card
@@ -292,6 +292,10 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
     context = engine.max_context or min(specs[0].cfg.max_context, DEFAULT_MAX_CONTEXT)
     out = plan(specs, context, device, capacity, free)
     cfg = specs[0].cfg
+    if draft.kind == "assistant":  # no cache of its own: the target's hidden states it reads
+        out.items = [i for i in out.items if i.what != "draft KV cache"]
+        out.items.insert(3, Item("draft KV cache", context * cfg.dim * 2,
+                                 f"{context} positions: the target's hidden states the assistant reads"))
     if draft.kind == "mtp" and cfg.mtp_layers:  # the MTP block's own KV cache, and the hidden states it reads
         kv = 2 * cfg.kv_heads_of(cfg.n_layers - 1) * cfg.head_dim * context * 2
         out.items.insert(2, Item("draft KV cache", kv + context * cfg.dim * 2,

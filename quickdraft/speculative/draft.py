@@ -7,7 +7,9 @@ The spellings, one for each kind:
     auto          the target's own pairing: the default draft with n-gram lookup for the default target, else none
     ngram         prompt lookup, no model
     mtp           the target's own multi-token-prediction layers (Qwen3.5+), fed its hidden states
-    MODEL         a draft model: an alias, a .gguf file or a Hugging Face directory
+    MODEL         a draft model: an alias, a .gguf file or a Hugging Face directory; a directory holding a Gemma 4
+                  assistant (config.json: gemma4_assistant) is the assistant kind, fed the target's hidden states
+                  and keys and values
     ngram+MODEL   prompt lookup where it has a match, the draft model otherwise (ngram+mtp likewise)
 
 A new kind of drafter is its own module (a Drafter subclass: speculative/base.py), an entry in KINDS and its
@@ -20,23 +22,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.speculative.assistant import AssistantDrafter, is_assistant
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
-KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter}
+KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
+                                   "assistant": AssistantDrafter}
 SPELLINGS = ("none, auto, ngram, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
-             "directory), or ngram+MODEL / ngram+mtp")
+             "directory, a Gemma 4 assistant's too), or ngram+MODEL / ngram+mtp")
 
 
 @dataclass(frozen=True)
 class Draft:
     """What drafts for a target."""
 
-    kind: str = "none"  # none | auto | one of KINDS (ngram, model, mtp)
-    model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory
+    kind: str = "none"  # none | auto | one of KINDS (ngram, model, mtp, assistant)
+    model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory; "assistant": its directory
     ngram: bool = False  # prompt lookup first, the kind's drafter where it has no match (not for "ngram")
     device: str | None = None  # where a draft model runs (None: the target's device)
     weights: str = "auto"  # a draft model's weight format (quant.FORMATS; auto: int4 on the CPU kernels)
@@ -60,12 +64,12 @@ class Draft:
             return cls("auto", ngram=ngram, device=device, weights=weights)
         if text == "mtp":
             return cls("mtp", ngram=ngram)
-        return cls("model", text, ngram, device, weights)
+        return cls("assistant" if is_assistant(text) else "model", text, ngram, device, weights)
 
     def __str__(self) -> str:
         if self.kind in ("none", "ngram"):
             return self.kind
-        body = self.model if self.kind == "model" else self.kind
+        body = self.model if self.kind in ("model", "assistant") else self.kind
         return f"ngram+{body}" if self.ngram else body
 
     def resolve(self, target_source: str) -> "Draft":

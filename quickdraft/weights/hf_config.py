@@ -19,6 +19,8 @@ GEMMAS = ("gemma2", "gemma3", "gemma4")
 
 def model_config(d: dict) -> ModelConfig:
     model_type = d.get("model_type", "?")
+    if model_type == "gemma4_assistant":
+        return _assistant(d)
     if model_type in ("gemma3", "gemma4", "qwen3_5", "qwen3_5_moe") and isinstance(d.get("text_config"), dict):
         tie = {"tie_word_embeddings": d["tie_word_embeddings"]} if "tie_word_embeddings" in d else {}
         d = {**tie, **d["text_config"], "model_type": model_type + "_text"}  # the wrapper's tie unless the text says
@@ -178,3 +180,22 @@ def _experts(arch: str, d: dict, n_layers: int) -> dict:
     return dict(n_experts=d.get("num_experts") or d["num_local_experts"], experts_per_token=d["num_experts_per_tok"],
                 expert_ffn_dim=d["moe_intermediate_size"], norm_topk=bool(d.get("norm_topk_prob", False)),
                 dense_layers=tuple(i for i in range(n_layers) if i in dense or (i + 1) % step))
+
+
+def _assistant(d: dict) -> ModelConfig:
+    """Gemma 4's assistant (transformers' Gemma4AssistantConfig): its text model's config, every layer reading the
+    target's keys and values (transformers marks them all KV-shared), with the widths of its projections and head."""
+    text = d.get("text_config")
+    if not isinstance(text, dict) or "backbone_hidden_size" not in d:
+        raise QuickdraftError("config.json of a gemma4_assistant lacks text_config or backbone_hidden_size")
+    if text.get("hidden_size_per_layer_input") or text.get("enable_moe_block"):
+        raise QuickdraftError("this gemma4_assistant has per-layer inputs or a MoE block, which transformers' "
+                              "assistant does not have either: the config is not an assistant's")
+    cfg = model_config({**text, "model_type": "gemma4_text", "num_kv_shared_layers": 0, "use_double_wide_mlp": False})
+    ordered = bool(d.get("use_ordered_embeddings", False))
+    centroids, top_k = int(d.get("num_centroids", 2048)), int(d.get("centroid_intermediate_top_k", 32))
+    if ordered and (cfg.vocab_size % centroids or not 0 < top_k <= centroids):
+        raise QuickdraftError(f"config.json: {cfg.vocab_size} tokens in {centroids} centroids, {top_k} of them "
+                              "chosen: the vocabulary must split evenly and the choice be at most all")
+    return cfg.replace(assistant_backbone=int(d["backbone_hidden_size"]), centroids=centroids if ordered else 0,
+                       centroid_top_k=top_k if ordered else 0, tie_embeddings=True)

@@ -13,7 +13,7 @@ import torch
 from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.transformer import Transformer
+from quickdraft.models.transformer import Transformer, build
 from quickdraft.quant import embedding, int4
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.plan import plan as plan_kernels
@@ -122,7 +122,9 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
             return _ready(LoadedModel(source, path, cfg, model, tokenizer, 0.0, weights, kept), engine, start)
     if path.is_dir():
         cfg = st_io.read_config(path)
-        tokenizer = Tokenizer.from_hf_dir(path)
+        # a Gemma 4 assistant drafts in its target's vocabulary and may come without a tokenizer of its own
+        tokenizer = None if cfg.assistant_backbone and not (path / "tokenizer.json").exists() else \
+            Tokenizer.from_hf_dir(path)
         context = _context(engine, cfg)
         with progress_bar(f"loading {path.name}", st_io.shard_bytes(path), progress) as update:
             model = build_model(cfg, st_io.read_tensors(path, cfg, dtype, _accumulate(update)), device, context,
@@ -153,7 +155,7 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
 def _ready(lm: LoadedModel, engine: EngineConfig, start: float) -> LoadedModel:
     """Plan the kernels, give CUDA passes their graphs, and time the load."""
     lm.plan = plan_kernels(lm.model)
-    if lm.device.type == "cuda" and engine.cuda_graphs:
+    if lm.device.type == "cuda" and engine.cuda_graphs and isinstance(lm.model, Transformer):
         lm.graphs = StepGraphs(lm.model)
     lm.load_seconds = time.perf_counter() - start
     return lm
@@ -192,7 +194,7 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
 
     _check_format(weights, device, dtype)
     with torch.device("meta"):
-        model = Transformer(cfg, max_context)
+        model = build(cfg, max_context)
     modules = dict(model.named_modules())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     items = tensors.items() if isinstance(tensors, dict) else tensors

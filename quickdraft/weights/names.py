@@ -118,6 +118,11 @@ _HF_LAYER = {
 }
 _HF_GLOBAL = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
+    # a Gemma 4 assistant's own parts (models/assistant.py)
+    "pre_projection.weight": "pre_projection.weight",
+    "post_projection.weight": "post_projection.weight",
+    "masked_embedding.centroids.weight": "centroids.weight",
+    "masked_embedding.token_ordering": "token_ordering",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
     "model.embed_tokens_per_layer.weight": "ple_embeddings.weight",

@@ -57,6 +57,6 @@ def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None
                 t = f.get_tensor(key)
                 if cfg.arch in ONE_CENTRED_NORMS and name.endswith("norm.weight") and not name.endswith("out_norm.weight"):
                     t = t.float() + 1
-                yield name, t.to(dtype)
+                yield name, t.to(dtype) if t.is_floating_point() else t  # ids stay ids (an assistant's ordering)
                 if progress is not None:
                     progress(t.numel() * t.element_size())

@@ -64,3 +64,28 @@ def test_verify_cost_interpolates_between_measurements():
         policy.record_round("draft", 4, 2, 0.1, 1.4)
     assert policy.verify_seconds(2) == pytest.approx(1.2)
     assert policy.verify_seconds(8) == pytest.approx(1.8)  # extrapolated with the measured slope
+
+
+def test_probes_back_off_while_plain_keeps_winning_and_are_short():
+    """Each probe that finds plain decoding still better doubles the wait for the next (a probe is a round expected
+    to lose), up to PROBE_MAX; a probe drafts at most PROBE_SHORT tokens; once speculation wins the wait resets."""
+    from quickdraft.speculative.policy import PROBE_MAX, PROBE_SHORT
+
+    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
+    waits, since = [], 0
+    for _ in range(2000):
+        k = policy.k_for("draft")
+        if k:
+            assert k <= PROBE_SHORT
+            waits.append(since)
+            since = 0
+            policy.record_round("draft", k, 0, 0.4 * k, 1 + 0.6 * k)  # rejected: plain still wins
+        else:
+            since += 1
+            policy.record_plain(1.0)
+    assert waits[:5] == [16, 32, 64, 128, 256] and set(waits[5:]) == {PROBE_MAX}
+    for i in range(len(policy.tried["draft"])):  # drafts now always accepted: speculation wins
+        policy.tried["draft"][i], policy.accepted["draft"][i] = 200, 200
+    policy.t_draft["draft"] = 0.01
+    policy.t_verify = {k: 1.0 + 0.01 * k for k in range(1, 13)}
+    assert policy.k_for("draft") > PROBE_SHORT and "draft" not in policy.probe_after

@@ -306,3 +306,19 @@ def test_each_token_says_which_drafter_proposed_it(models, kind):
         assert len(sources) <= run_[0].k + 1
     plain = [e for e in Engine(target, 256).generate(PROMPT, params) if e.token is not None]
     assert {e.source for e in plain} == {"target"} and [e.step for e in plain] == list(range(48))
+
+
+def test_a_draft_model_runs_no_pass_while_the_policy_decodes_plainly(models):
+    """k = 0 is a plain step: the draft model feeds nothing then (it caught up every other plain step before, a
+    draft pass of two tokens that made adaptive decoding slower than plain where speculation did not pay); its next
+    round catches up in one pass and drafts from the whole sequence."""
+    target, draft = models
+    d = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    d.begin(PROMPT)
+    length = d.cache.length
+    seq = PROMPT + [7, 9, 11, 13, 15, 17]
+    for n in range(len(PROMPT) + 1, len(seq) + 1):
+        assert d.propose(seq[:n], lambda source: 0, SamplingParams(), None).tokens == []
+    assert d.cache.length == length
+    proposal = d.propose(seq, lambda source: 2, SamplingParams(), None)
+    assert len(proposal.tokens) == 2 and d.tokens[:len(seq)] == seq and proposal.catch_up_s > 0

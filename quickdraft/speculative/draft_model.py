@@ -103,6 +103,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
                 generator: torch.Generator, constraint=None) -> Proposal:
         k = k_for("draft")
+        if k == 0:  # a plain step: nothing is fed now (the next round catches up in one pass, timed apart), so that
+            return Proposal([], "draft")  # decoding plainly costs what plain decoding costs
         feed = self._sync(seq)
         catch_up_s = 0.0
         if len(feed) > CATCH_UP:  # after plain steps: catch up first, so that timing a round times drafting

@@ -81,6 +81,9 @@ class MtpDrafter(DraftModelDrafter):
         if self.target_cache is None or self.target_cache.hidden is None:
             raise QuickdraftError("the mtp drafter reads the target's hidden states: build its engine with it "
                                   "(Engine(target, context, drafter))")
+        k = k_for("mtp")
+        if k == 0:  # a plain step: the pairs are taken in when it next drafts (as a draft model catches up)
+            return Proposal([], "mtp")
         committed = len(seq) - 1  # the target has run positions 0 .. committed - 1; seq[committed] is pending
         self.cache.rollback(min(self.cache.length, committed))
         catch_up_s = 0.0
@@ -91,7 +94,7 @@ class MtpDrafter(DraftModelDrafter):
         self.chain = (seq, committed)
         tokens, q_rows = [], []
         try:
-            self._draft(seq, k_for("mtp"), [seq[-1]], params, generator, constraint, tokens, q_rows)
+            self._draft(seq, k, [seq[-1]], params, generator, constraint, tokens, q_rows)
         finally:
             if constraint is not None:
                 constraint.pop(len(tokens))

@@ -12,7 +12,13 @@ from quickdraft.speculative import speed
 
 EMA = 0.25  # weight of a new timing
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
-PROBE_K = 4
+PROBE_K = 4  # the first round of a source not yet measured
+# While plain decoding wins, a source is probed after probe_every plain steps, then after twice as many each time
+# a probe finds plain decoding still better (at most PROBE_MAX), with at most PROBE_SHORT drafts: a probe costs a
+# round that is expected to lose (a draft model's catch-up pass over the steps it missed, its drafts, a verification),
+# and probing at a fixed interval made adaptive decoding 10-20% slower than plain where speculation does not pay.
+PROBE_MAX = 256
+PROBE_SHORT = 2
 
 
 class AdaptivePolicy:
@@ -24,6 +30,7 @@ class AdaptivePolicy:
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
         self.accepted: dict[str, list[float]] = {}
         self.plain_since_round = 0
+        self.probe_after: dict[str, int] = {}  # source -> plain steps before its next probe (backing off)
         self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
 
     def _warm(self, key) -> bool:
@@ -106,8 +113,12 @@ class AdaptivePolicy:
         candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
         best = max(candidates, key=lambda k: self.predicted_rate(source, k), default=0)
         if cfg.draft_min == 0 and self.predicted_rate(source, 0) >= self.predicted_rate(source, best):
-            if self.plain_since_round < cfg.probe_every:
+            wait = self.probe_after.get(source, cfg.probe_every)
+            if self.plain_since_round < wait:
                 return 0
+            self.probe_after[source] = min(2 * wait, max(PROBE_MAX, cfg.probe_every))  # next time, wait longer
+            return min(best, PROBE_SHORT)
+        self.probe_after.pop(source, None)  # speculation wins: probe promptly again once it stops winning
         return best
 
     def snapshot(self) -> dict:

@@ -322,3 +322,21 @@ def test_a_draft_model_runs_no_pass_while_the_policy_decodes_plainly(models):
     assert d.cache.length == length
     proposal = d.propose(seq, lambda source: 2, SamplingParams(), None)
     assert len(proposal.tokens) == 2 and d.tokens[:len(seq)] == seq and proposal.catch_up_s > 0
+
+
+def test_a_probe_after_plain_steps_drafts_from_a_window_and_forgets_it(models):
+    """After PROBE_AFTER plain steps a round drafts from the last PROBE_WINDOW tokens written after the prefix the
+    draft has (not a prefill of every skipped token) and leaves the cache at that prefix; the round after it
+    catches up in full."""
+    from quickdraft.speculative.draft_model import PROBE_AFTER, PROBE_WINDOW
+
+    target, draft = models
+    d = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    d.begin(PROMPT)
+    seq = PROMPT + [(7 * i) % 300 + 3 for i in range(PROBE_WINDOW + 10)]
+    for n in range(PROBE_AFTER):
+        d.propose(seq[:len(seq) - PROBE_AFTER + n + 1], lambda source: 0, SamplingParams(), None)
+    assert len(d.propose(seq, lambda source: 2, SamplingParams(), None).tokens) == 2
+    assert d.cache.length == len(PROMPT) and d.tokens == PROMPT
+    d.propose(seq, lambda source: 2, SamplingParams(), None)
+    assert d.tokens[:len(seq)] == seq

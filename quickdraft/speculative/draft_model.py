@@ -15,6 +15,12 @@ from quickdraft.speculative.vocab import check_compatible
 # Tokens of the sequence the draft has not seen that its first drafting pass feeds along (after a fully accepted
 # round: its own last draft, which it never fed, and the target's extra token); more are caught up first.
 CATCH_UP = 2
+# A probe (a round after PROBE_AFTER or more plain steps, while the policy decodes plainly) drafts from the last
+# PROBE_WINDOW tokens written after the prefix the draft has, and forgets them after: catching up on every skipped
+# token is a prefill of them all, which made probing cost more than speculation could win back where it does not
+# pay. The round that resumes speculation catches up in full.
+PROBE_AFTER = 16
+PROBE_WINDOW = 32
 
 
 class DraftModelDrafter(Drafter):
@@ -36,6 +42,7 @@ class DraftModelDrafter(Drafter):
         self.cache = KVCache.for_model(lm.model, capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
         self.matched = 0  # length of the prefix of tokens known to equal the sequence
+        self.skipped = 0  # plain steps (k = 0) since its last round
 
     @classmethod
     def load(cls, draft, target, load_model) -> list:
@@ -56,7 +63,7 @@ class DraftModelDrafter(Drafter):
         """Prefill the prompt now, so that a round's draft time is the cost of drafting alone."""
         self.cache.reset()
         self.tokens = []
-        self.matched = 0
+        self.matched = self.skipped = 0
         if prompt:
             self._logits(prompt)
 
@@ -104,8 +111,15 @@ class DraftModelDrafter(Drafter):
                 generator: torch.Generator, constraint=None) -> Proposal:
         k = k_for("draft")
         if k == 0:  # a plain step: nothing is fed now (the next round catches up in one pass, timed apart), so that
-            return Proposal([], "draft")  # decoding plainly costs what plain decoding costs
+            self.skipped += 1  # decoding plainly costs what plain decoding costs
+            return Proposal([], "draft")
         feed = self._sync(seq)
+        # (not on a recurrent draft, whose state rolls back HISTORY positions at most)
+        probe = self.skipped >= PROBE_AFTER and len(feed) > PROBE_WINDOW and self.cache.max_draft is None
+        self.skipped = 0
+        kept = len(self.tokens)  # a probe's window and drafts are forgotten after it: the cache is the prefix again
+        if probe:
+            feed = feed[-PROBE_WINDOW:]
         catch_up_s = 0.0
         if len(feed) > CATCH_UP:  # after plain steps: catch up first, so that timing a round times drafting
             t0 = time.perf_counter()
@@ -118,6 +132,9 @@ class DraftModelDrafter(Drafter):
         finally:
             if constraint is not None:  # the drafts were looked ahead: the state is the sequence's again
                 constraint.pop(len(tokens))
+            if probe:
+                self.cache.rollback(kept)
+                del self.tokens[kept:]
         q_draft = torch.stack(q_rows) if q_rows else None
         return Proposal(tokens, "draft", q_draft, catch_up_s)
 

@@ -188,20 +188,18 @@ def _tensor(name: str, raw, qtype, shape: tuple[int, ...], cfg: ModelConfig, dty
     rotary = cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight"))
     if rotary:
         heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
+    if name.endswith("attention.A_log"):  # llama.cpp's converter writes ssm_a = -exp(A_log)
+        return (-dequantize(raw, qtype, shape, torch.float64)).log().to(dtype)
+    if name.endswith("attention.conv_weight"):  # squeezed to (channels, kernel) there
+        return dequantize(raw, qtype, shape, dtype).unsqueeze(1)
     if lazy and name in FileRows.NAMES:
         return FileRows(raw, qtype, shape, dtype)
     if lazy_matrices and len(shape) == 2 and qtype in BLOCK_TYPES:
         if rotary:
             raw = raw[unpermute_rotary(torch.arange(shape[0])[:, None], heads)[:, 0].numpy()]
         return FileRows(raw, qtype, shape, dtype)
-    if name.endswith("attention.A_log"):  # llama.cpp's converter writes ssm_a = -exp(A_log)
-        return (-dequantize(raw, qtype, shape, torch.float64)).log().to(dtype)
     w = dequantize(raw, qtype, shape, dtype)
-    if rotary:
-        w = unpermute_rotary(w, heads)
-    if name.endswith("attention.conv_weight"):  # squeezed to (channels, kernel) there
-        w = w.unsqueeze(1)
-    return w
+    return unpermute_rotary(w, heads) if rotary else w
 
 
 class FileRows:

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.transformer import Block, Linear, RMSNorm, linear, rotary_tables
+from quickdraft.models.transformer import Block, Decoder, Linear, RMSNorm, linear
 
 
-class Assistant(nn.Module):
+class Assistant(Decoder):
     def __init__(self, cfg: ModelConfig, max_context: int | None = None):
         super().__init__()
         self.cfg = cfg
@@ -42,24 +42,6 @@ class Assistant(nn.Module):
         self.kinds = sorted({cfg.layer_kind(i) for i in range(cfg.n_layers)})
         self.set_rotary(max_context or cfg.max_context)
 
-    def set_rotary(self, length: int, device=None) -> None:
-        for kind in self.kinds:
-            cos, sin = (t.to(device) if device is not None else t for t in rotary_tables(self.cfg, length, kind))
-            self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
-            self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
-
-    @property
-    def max_context(self) -> int:
-        return getattr(self, f"rope_cos_{self.kinds[0]}").shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
     @property
     def hybrid(self) -> bool:
         return False
@@ -76,7 +58,7 @@ class Assistant(nn.Module):
 
     def plan(self, kernels: bool, fused_layers: bool = True) -> dict:
         for block in self.layers:
-            block.plan(kernels, False, getattr(self, f"rope_cos_{block.attention.kind}").shape[-1])
+            block.plan(kernels, False, self._tables(block.attention.kind)[0].shape[-1])
         self.norm.plan(kernels)
         return {"layers": len(self.layers), "fused_layers": 0}
 
@@ -87,7 +69,7 @@ class Assistant(nn.Module):
         the next hidden state (1, 1, backbone))."""
         x = self.pre_projection(torch.cat([embedded, hidden.to(embedded.dtype)], dim=-1))
         for i, layer in enumerate(self.layers):
-            cos, sin = (getattr(self, f"rope_{t}_{layer.attention.kind}")[position:position + 1] for t in ("cos", "sin"))
+            cos, sin = (t[position:position + 1] for t in self._tables(layer.attention.kind))
             x = layer(x, cos, sin, keys, i, None)
         h = self.norm(x)
         return self.head(h), self.post_projection(h)

@@ -514,7 +514,35 @@ class MTP(nn.Module):
         self.layer.plan(kernels, False, rotary)
 
 
-class Transformer(nn.Module):
+class Decoder(nn.Module):
+    """What the models here share (Transformer, models/assistant.Assistant): rotary tables per kind of layer (the
+    subclass sets `cfg` and `kinds`), the device and the activations' dtype (from its final norm, `norm`)."""
+
+    def set_rotary(self, length: int, device=None) -> None:
+        """The rotary tables (float32) for positions 0..length - 1, one pair per kind of layer."""
+        for kind in self.kinds:
+            cos, sin = (t.to(device) if device is not None else t for t in rotary_tables(self.cfg, length, kind))
+            self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
+
+    def _tables(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"rope_cos_{kind}"), getattr(self, f"rope_sin_{kind}")
+
+    @property
+    def max_context(self) -> int:
+        return self._tables(self.kinds[0])[0].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the embedding table may be quantized: see quant/embedding.py)."""
+        return self.norm.weight.dtype
+
+
+class Transformer(Decoder):
     def __init__(self, cfg: ModelConfig, max_context: int | None = None):
         super().__init__()
         self.cfg = cfg
@@ -530,29 +558,9 @@ class Transformer(nn.Module):
         self.kinds = sorted({cfg.layer_kind(i) for i in range(cfg.n_layers)} | ({"full"} if cfg.mtp_layers else set()))
         self.set_rotary(max_context or cfg.max_context)
 
-    def set_rotary(self, length: int, device=None) -> None:
-        """The rotary tables (float32) for positions 0..length - 1, one pair per kind of layer."""
-        for kind in self.kinds:
-            cos, sin = (t.to(device) if device is not None else t for t in rotary_tables(self.cfg, length, kind))
-            self.register_buffer(f"rope_cos_{kind}", cos, persistent=False)
-            self.register_buffer(f"rope_sin_{kind}", sin, persistent=False)
-
     @property
     def rope_cos(self) -> torch.Tensor:
         return getattr(self, f"rope_cos_{self.kinds[0]}")
-
-    @property
-    def max_context(self) -> int:
-        return self.rope_cos.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The activations' dtype (the embedding table may be quantized: see quant/embedding.py)."""
-        return self.norm.weight.dtype
 
     def kv_layout(self) -> list[tuple[int, int, int]]:
         """Per layer: (key/value heads, head size, the layer whose cache it uses); 0 heads for a linear layer."""
@@ -580,9 +588,6 @@ class Transformer(nn.Module):
         if hasattr(self, "ple_proj_norm"):
             self.ple_proj_norm.plan(kernels)
         return {"layers": len(self.layers), "fused_layers": sum(b.step is not None for b in self.layers)}
-
-    def _tables(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return getattr(self, f"rope_cos_{kind}"), getattr(self, f"rope_sin_{kind}")
 
     def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """Run tokens (B, S) at positions cache.length .. cache.length + S - 1.

@@ -295,3 +295,46 @@ def test_cuda_hybrid_and_moe_models_speculate_exactly(tmp_path, name):
         plain, _ = tokens_of(Engine(gpu, 256), params)
         ours, final = tokens_of(Engine(gpu, 256, drafter, spec), params)
         assert ours == plain and final.stats.rounds > 0, (name, params)
+
+
+def test_cuda_gemma4_assistant_speculates_exactly(tmp_path):
+    """Gemma 4's assistant on the GPU, reading the target's keys and values there: its step as the CPU's in float32
+    to bf16 rounding, greedy and seeded speculation equal to plain decoding."""
+    from quickdraft.speculative.draft import Draft, DraftBuilder
+    from tests.families import save, tiny_model
+    from tests.test_assistant import tiny_assistant
+
+    hf = tiny_model("gemma4")
+    target_dir = save(hf, tmp_path / "t")
+    tiny_assistant(hf.config, True).save_pretrained(tmp_path / "a")
+    gpu = load_model(str(target_dir), CUDA, progress=False)
+    spec = SpeculationConfig(draft_max=3, adaptive=False, p_min=0.0)
+    drafter = DraftBuilder(gpu, CUDA, 256).drafter(Draft.parse(str(tmp_path / "a")), spec)
+    assert drafter.device.type == "cuda"
+    for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
+                   SamplingParams(temperature=0.9, seed=3, max_tokens=32, stop_at_eos=False)):
+        plain, _ = tokens_of(Engine(gpu, 256), params)
+        ours, final = tokens_of(Engine(gpu, 256, drafter, spec), params)
+        assert ours == plain and final.stats.draft_n > 0, params
+
+
+def test_cuda_hybrid_from_llama_cpps_gguf_speculates_exactly(tmp_path):
+    """qwen3.5 with its MTP block, converted by llama.cpp to q8_0 (tiled value heads, nextn tensors), on the GPU in
+    int8 and int4: greedy speculation with the MTP layers and with n-gram lookup equal to plain decoding."""
+    from quickdraft.speculative.mtp import MtpDrafter
+    from tests import llamacpp
+    from tests.test_hybrid_gguf import build
+
+    (tmp_path / "hf").mkdir()
+    build("qwen3_5-mtp", tmp_path / "hf")
+    path = llamacpp.convert(tmp_path / "hf", tmp_path / "q8.gguf", "q8_0", pre="qwen35")
+    params = SamplingParams(max_tokens=32, stop_at_eos=False)
+    for fmt in ("int8", "int4"):
+        gpu = load_model(str(path), EngineConfig(device="cuda", dtype="bfloat16", weights=fmt, max_context=256),
+                         progress=False)
+        plain, _ = tokens_of(Engine(gpu, 256), params)
+        spec = SpeculationConfig(draft_max=4, adaptive=False)
+        for drafter in (MtpDrafter(gpu, 256), NgramDrafter()):
+            ours, final = tokens_of(Engine(gpu, 256, drafter, spec), params, PROMPT + plain + PROMPT)
+            want, _ = tokens_of(Engine(gpu, 256), params, PROMPT + plain + PROMPT)
+            assert ours == want, (fmt, drafter.kind)

@@ -188,6 +188,7 @@ class Engine:
         origin, step = _TARGET, 0  # who proposed the tokens of this step (Event.source)
         if drafter is not None:
             drafter.begin(prompt)
+            self.policy.begin()
         finish, first = "length", None
         while new_tokens:
             for j, token in enumerate(new_tokens):

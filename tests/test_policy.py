@@ -84,8 +84,11 @@ def test_probes_back_off_while_plain_keeps_winning_and_are_short():
             since += 1
             policy.record_plain(1.0)
     assert waits[:5] == [16, 32, 64, 128, 256] and set(waits[5:]) == {PROBE_MAX}
+    policy.begin()  # a new generation: its text may draft better; probing starts over
+    assert policy.plain_since_round >= 16 and policy.k_for("draft") > 0
     for i in range(len(policy.tried["draft"])):  # drafts now always accepted: speculation wins
         policy.tried["draft"][i], policy.accepted["draft"][i] = 200, 200
     policy.t_draft["draft"] = 0.01
     policy.t_verify = {k: 1.0 + 0.01 * k for k in range(1, 13)}
     assert policy.k_for("draft") > PROBE_SHORT and "draft" not in policy.probe_after
+

@@ -14,7 +14,8 @@ EMA = 0.25  # weight of a new timing
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
 PROBE_K = 4  # the first round of a source not yet measured
 # While plain decoding wins, a source is probed after probe_every plain steps, then after twice as many each time
-# a probe finds plain decoding still better (at most PROBE_MAX), with at most PROBE_SHORT drafts: a probe costs a
+# a probe finds plain decoding still better (at most PROBE_MAX; each generation starts over), with at most
+# PROBE_SHORT drafts: a probe costs a
 # round that is expected to lose (a draft model's catch-up pass over the steps it missed, its drafts, a verification),
 # and probing at a fixed interval made adaptive decoding 10-20% slower than plain where speculation does not pay.
 PROBE_MAX = 256
@@ -32,6 +33,11 @@ class AdaptivePolicy:
         self.plain_since_round = 0
         self.probe_after: dict[str, int] = {}  # source -> plain steps before its next probe (backing off)
         self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
+
+    def begin(self) -> None:
+        """A new generation: its text may draft better or worse than the last one's, so probing starts over at
+        probe_every (the timings and acceptance measured so far are kept)."""
+        self.probe_after.clear()
 
     def _warm(self, key) -> bool:
         """False the first time `key` is timed (that sample is dropped), True after."""

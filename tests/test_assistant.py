@@ -99,7 +99,7 @@ def test_a_step_equals_transformers(target_dir, assistant_dir):
         drafter.hidden = cache.hidden[tokens.shape[1] - 1].view(1, 1, -1)
         token = 13
         for logits_want, hidden_want in want:
-            logits = drafter._step(token, cache)[0, -1]
+            logits = drafter._step(token)[0, -1]
             errors = (float((logits - logits_want).abs().max()), float((drafter.hidden[0, -1] - hidden_want).abs().max()))
             print(f"assistant step against transformers: logits {errors[0]:.1e}, hidden {errors[1]:.1e}")
             assert errors[0] <= 1e-5 * max(1.0, float(logits_want.abs().max())) and errors[1] <= 1e-5

@@ -106,9 +106,9 @@ class AssistantDrafter(DraftModelDrafter):
             committed, self.first = self.first, None
             self.keys = TargetKeys(self.target_cache, self.layers, committed)
             self.hidden = self.target_cache.hidden[committed - 1].view(1, 1, -1)
-        return self._step(feed[-1], self.target_cache)[0, -1]
+        return self._step(feed[-1])[0, -1]
 
-    def _step(self, token: int, cache: KVCache) -> torch.Tensor:
+    def _step(self, token: int) -> torch.Tensor:
         embedded = self.target.model.embed(torch.tensor([[token]], device=self.device))
         logits, self.hidden = self.lm.model.step(embedded, self.hidden, self.keys, self.keys.committed)
         return logits
@@ -137,7 +137,7 @@ class AssistantDrafter(DraftModelDrafter):
 
         def one():
             self.hidden = hidden
-            self._step(prompt[-1], cache)
+            self._step(prompt[-1])
 
         return median_seconds(one, self.device, reps)
 
@@ -156,7 +156,7 @@ class AssistantDrafter(DraftModelDrafter):
             self.hidden = target.hidden[committed - 1].view(1, 1, -1)
             span, kept, token = min(kmax, len(output) - t), 0, output[t - 1]
             for i in range(span):
-                token = int(self._step(token, target)[0, -1].argmax())
+                token = int(self._step(token)[0, -1].argmax())
                 if token != output[t + i]:
                     break
                 kept += 1

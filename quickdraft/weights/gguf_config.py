@@ -89,7 +89,7 @@ def config(meta: dict, shapes: dict[str, tuple[int, ...]], small: dict[str, list
     if ours in HYBRID_ARCHS:
         fields.update(_hybrid(meta, get, shapes, fields, layers, mtp))
     if meta.get(f"{arch}.expert_count"):
-        fields.update(_experts(meta, get, shapes, layers))
+        fields.update(_experts(get, shapes, layers))
     return ModelConfig(**fields)
 
 
@@ -201,13 +201,12 @@ def _hybrid(meta: dict, get, shapes: dict, fields: dict, layers: int, mtp: int) 
                 attn_output_gate=q_rows == 2 * fields["n_heads"] * fields["head_dim"], rope=rope, mtp_layers=mtp)
 
 
-def _experts(meta: dict, get, shapes: dict, layers: int) -> dict:
+def _experts(get, shapes: dict, layers: int) -> dict:
     """The mixture of experts: expert_count experts, expert_used_count a token, each expert_feed_forward_length
     wide, their weights renormalised over the chosen ones (llama.cpp's qwen3moe and qwen35moe always do), a shared
     expert where expert_shared_feed_forward_length says; layers without ffn_gate_exps are dense."""
     return dict(n_experts=_count(get, "expert_count"), experts_per_token=_count(get, "expert_used_count"),
                 expert_ffn_dim=_count(get, "expert_feed_forward_length"),
-                norm_topk=bool(meta.get(f"{meta['general.architecture']}.expert_weights_norm", True)),
-                shared_expert_ffn_dim=int(meta.get(f"{meta['general.architecture']}.expert_shared_feed_forward_length")
-                                          or 0),
+                norm_topk=bool(get("expert_weights_norm", True)),
+                shared_expert_ffn_dim=int(get("expert_shared_feed_forward_length", 0)),
                 dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes))

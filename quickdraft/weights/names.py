@@ -77,6 +77,8 @@ _GGUF_MOE = {
     "ffn_gate_inp_shexp.weight": "feed_forward.shared_gate.weight",
 }
 _GGUF_EXPERTS = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2"}
+_GGUF_DENSE_LAYER = {**_GGUF_LAYER, **_GGUF_MOE}  # a layer's names, per kind of family
+_GGUF_HYBRID_LAYER = {**_GGUF_LAYER, **_GGUF_HYBRID, **_GGUF_MOE}
 # a multi-token-prediction block (llama.cpp: the block after the decoder's, with nextn.* tensors)
 _GGUF_MTP = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.enorm.weight",
              "nextn.hnorm.weight": "mtp.hnorm.weight", "nextn.shared_head_norm.weight": "mtp.norm.weight"}
@@ -179,7 +181,7 @@ def gguf_to_model(name: str, arch: str = "llama", n_layers: int | None = None) -
             return _unknown(name)  # a second MTP block: llama.cpp and vLLM run one
         inner = _GGUF_MTP.get(m.group(2)) or gguf_to_model(f"blk.0.{m.group(2)}", arch)
         return inner if inner.startswith("mtp.") else "mtp.layer." + inner.removeprefix("layers.0.")
-    layer = {**_GGUF_LAYER, **(_GGUF_HYBRID if arch in ("qwen3_5", "qwen3_5_moe") else {}), **_GGUF_MOE}
+    layer = _GGUF_HYBRID_LAYER if arch in ("qwen3_5", "qwen3_5_moe") else _GGUF_DENSE_LAYER
     mapped = _map(name, _GGUF_LAYER_RE, layer, _GGUF_GLOBAL)
     return mapped if mapped is not None else _unknown(name)
 

@@ -28,12 +28,14 @@ class BenchConfig:
     source: str  # the row's label: none (plain), draft, ngram, ngram+draft, or a tune candidate's name
     draft: Draft = NONE
     k: int | None = None  # None: the adaptive policy (up to draft_max)
+    vocab: int | None = None  # the draft model's --draft-vocab (None: the run's)
 
     @property
     def name(self) -> str:
         if self.draft.kind == "none":
             return "plain"
-        return f"{self.source} {'adaptive' if self.k is None else f'k={self.k}'}"
+        vocab = "" if self.vocab is None else f" vocab={self.vocab}"
+        return f"{self.source} {'adaptive' if self.k is None else f'k={self.k}'}{vocab}"
 
 
 PLAIN = BenchConfig("none")
@@ -50,21 +52,25 @@ def source_draft(source: str, draft: Draft) -> Draft | None:
 
 
 def parse_configs(text: str, draft: Draft = NONE) -> list[BenchConfig]:
-    """'plain,draft:k=4,ngram+draft:adaptive' -> configurations (QuickdraftError naming a bad item)."""
+    """'plain,draft:k=4,ngram+draft:adaptive:vocab=32768' -> configurations (QuickdraftError naming a bad item)."""
     configs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "plain":
             configs.append(PLAIN)
             continue
         source, _, how = item.partition(":")
+        how, _, vocab = how.partition(":")
         if source not in SOURCES or not (how == "adaptive" or (how.startswith("k=") and how[2:].isdigit()
-                                                                and 1 <= int(how[2:]) <= 63)):
+                                                                and 1 <= int(how[2:]) <= 63)) \
+                or not (vocab == "" or (vocab.startswith("vocab=") and vocab[6:].isdigit() and source != "ngram")):
             raise QuickdraftError(f"bad configuration {item!r}: use plain, or SOURCE:k=N (1..63) or SOURCE:adaptive "
-                                  f"with SOURCE one of {', '.join(SOURCES)}")
+                                  f"with SOURCE one of {', '.join(SOURCES)}, then :vocab=N for a draft model's "
+                                  "--draft-vocab")
         drafted = source_draft(source, draft)
         if drafted is None:
             raise QuickdraftError(f"configuration {item!r} needs a draft: give --draft")
-        configs.append(BenchConfig(source, drafted, None if how == "adaptive" else int(how[2:])))
+        configs.append(BenchConfig(source, drafted, None if how == "adaptive" else int(how[2:]),
+                                   int(vocab[6:]) if vocab else None))
     if not configs:
         raise QuickdraftError("no configuration to benchmark: give --configs, e.g. plain,draft:adaptive")
     return configs
@@ -78,6 +84,10 @@ def default_configs(draft: Draft) -> str:
 
 
 def _speculation(config: BenchConfig, base: SpeculationConfig) -> SpeculationConfig:
+    if config.draft.kind != "model":  # n-gram lookup has no head to cut
+        base = replace(base, draft_vocab=0)
+    elif config.vocab is not None:
+        base = replace(base, draft_vocab=config.vocab)
     if config.draft.kind == "none":
         return replace(base, draft_max=0, draft_min=0)
     if config.k is None:

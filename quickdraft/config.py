@@ -241,6 +241,7 @@ class SpeculationConfig:
     adaptive: bool = True  # False: always draft draft_max tokens
     probe_every: int = 16  # while plain decoding wins, try one round after this many plain steps
     constrain_draft: bool = True  # under a grammar, mask the draft too (False: blind drafts, as llama.cpp)
+    draft_vocab: int = 0  # a draft model scores its first this many ids and the text's (speculative/subset.py); 0: all
 
     def __post_init__(self):
         if not 0 <= self.draft_min <= self.draft_max:
@@ -249,6 +250,8 @@ class SpeculationConfig:
             raise QuickdraftError("--draft-max above 63 is never useful: rounds that long are rejected early")
         if not 0 <= self.p_min < 1:
             raise QuickdraftError("--draft-p-min must be in [0, 1)")
+        if self.draft_vocab < 0:
+            raise QuickdraftError("--draft-vocab must be 0 (the whole vocabulary) or a number of ids, e.g. 32768")
 
 
 @dataclass(frozen=True)

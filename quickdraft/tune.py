@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from quickdraft.config import SamplingParams, SpeculationConfig
@@ -39,6 +39,7 @@ class Candidate:
     best_k: int = 0
     best_speedup: float = 0.0
     why_not: str = ""
+    vocab: int = 0  # the draft model's --draft-vocab (0: its whole head)
 
 
 def reference(target, prompts: dict[str, list[int]], n: int) -> tuple[dict[str, list[int]], float]:
@@ -146,24 +147,30 @@ def choose(llm, candidates: list[Candidate], prompts: dict[str, list[int]], v: d
             c.why_not = "" if c is best else explain(c, v, best)
         return Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, ""), None, []
     top = [c for c in ranked if c.best_speedup >= 0.85 * ranked[0].best_speedup][:3]
-    configs = [bench.BenchConfig(c.name, Draft.parse(c.name), c.best_k) for c in top]
+    configs = [bench.BenchConfig(c.name, Draft.parse(c.name), c.best_k, c.vocab or None) for c in top]
     check = bench.run(llm, [bench.PLAIN] + configs, dict(list(prompts.items())[:2]), n, runs=1)
-    speedups = {s["config"]: s["speedup"] for s in check["summary"]}
-    checked = [{"candidate": c.name, "k": c.best_k, "predicted": c.best_speedup, "measured": speedups[config.name]}
+    by_config = {s["config"]: s for s in check["summary"]}
+    checked = [{"candidate": c.name, "vocab": c.vocab, "k": c.best_k, "predicted": c.best_speedup,
+                "measured": by_config[config.name]["speedup"], "tok_s": by_config[config.name]["decode_tok_s"],
+                "plain_tok_s": by_config[bench.PLAIN.name]["decode_tok_s"]}
                for c, config in zip(top, configs)]
     pick = checked[0]
     fastest = max(checked, key=lambda x: x["measured"])
     if fastest["measured"] > SWITCH * pick["measured"]:
         pick = fastest
-    winner = next(c for c in top if c.name == pick["candidate"])
+    winner = next(c for c in top if (c.name, c.vocab) == (pick["candidate"], pick["vocab"]))
     for c in candidates:
         c.why_not = "" if c is winner else explain(c, v, winner)
     return winner, pick["measured"], checked
 
 
+SUBSET = 32768  # the --draft-vocab tune also measures each draft model with (speculative/subset.py)
+
+
 def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, p_min: float, n: int,
-        log=lambda message: print(f"tune: {message}", file=sys.stderr)) -> dict:
-    """Measure every candidate draft for llm's target and choose; returns the profile (write_profile keeps it)."""
+        log=lambda message: print(f"tune: {message}", file=sys.stderr), vocab: int = SUBSET) -> dict:
+    """Measure every candidate draft for llm's target and choose; returns the profile (write_profile keeps it).
+    vocab: also measure each draft model with its head cut to that many ids (0: not)."""
     from quickdraft import roofline
 
     if not 1 <= kmax <= 63:
@@ -181,32 +188,105 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     speculation = SpeculationConfig(draft_max=kmax, p_min=p_min)
     results = []
     for draft in candidates:
-        log(f"measuring {draft}")
-        results.append(measure(str(draft), llm.drafter(draft, speculation), prompts, outputs, t_plain, t_step, v))
+        for cut in ([0, vocab] if vocab and draft.kind == "model" else [0]):
+            log(f"measuring {draft}" + (f" with --draft-vocab {cut}" if cut else ""))
+            drafter = llm.drafter(draft, replace(speculation, draft_vocab=cut))
+            results.append(replace(measure(str(draft), drafter, prompts, outputs, t_plain, t_step, v), vocab=cut))
     log("checking the best predictions against plain decoding")
     winner, measured, checked = choose(llm, results, prompts, v, n)
-    return {"version": PROFILE_VERSION, "target": target.name, "draft": winner.name, "draft_max": winner.best_k,
-            "fixed_k": True, "p_min": p_min, "predicted_speedup": winner.best_speedup, "measured_speedup": measured,
-            "t_plain_s": t_plain, "v": v, "candidates": [asdict(c) for c in results], "checked": checked}
+    pick = next((x for x in checked if (x["candidate"], x["vocab"]) == (winner.name, winner.vocab)), None)
+    plain_tok_s = pick["plain_tok_s"] if pick else 1 / t_step  # decode tok/s without and with the pick, same run
+    return {"version": PROFILE_VERSION, "target": target.name, "weights": target.weights, "draft": winner.name,
+            "draft_max": winner.best_k, "draft_vocab": winner.vocab, "fixed_k": True, "p_min": p_min, "predicted_speedup": winner.best_speedup,
+            "measured_speedup": measured, "plain_tok_s": plain_tok_s, "tok_s": pick["tok_s"] if pick else plain_tok_s,
+            "t_plain_s": t_plain, "t_step_s": t_step, "v": v, "candidates": [asdict(c) for c in results],
+            "checked": checked}
+
+
+# Perplexity on quality.TEXT above bf16's, in percent, that a recommended format may have unless the user allows
+# more: the default formats keep a GGUF file's quality (mixed: +0.7% on the default target), int4 does not (+3.6%).
+QUALITY_BOUND = 1.5
+
+
+def by_format(load, formats: list[str], candidates, prompts: dict[str, list[int]], kmax: int, p_min: float, n: int,
+              bound: float = QUALITY_BOUND, log=lambda message: print(f"tune: {message}", file=sys.stderr),
+              vocab: int = SUBSET) -> dict:
+    """tune (run) the pair in each target weight format of `formats` and recommend the fastest whose perplexity
+    on quality.TEXT is within `bound` percent of bf16's (the most faithful one when none is). load(fmt): the LLM
+    with its target in that format; candidates(llm): its candidate Drafts. Returns the recommended format's
+    profile, with every format's quality and measured speeds under "formats"."""
+    import gc
+
+    from quickdraft import quality
+
+    log("scoring the quality text with bf16 weights (the reference)")
+    llm = load("bf16")
+    tokens = quality.text_tokens(llm.target.tokenizer)
+    reference = quality.log_probs(llm.target.model, tokens)
+    rows, profiles = [], []
+    for fmt in formats:
+        if fmt != "bf16" or llm is None:
+            llm = None
+            gc.collect()
+            llm = load(fmt)
+        log(f"target in {llm.target.weights}: scoring the quality text")
+        if llm.target.weights == "bf16":
+            ppl = quality._ppl(reference, tokens)
+            q = quality.Quality(ppl, ppl, 0.0, 1.0, len(tokens))
+        else:
+            q = quality.compare(llm.target.model, tokens, reference)
+        profile = run(llm, candidates(llm), prompts, kmax, p_min, n, log, vocab)
+        rows.append({"weights": llm.target.weights, **q.as_dict(), "plain_tok_s": profile["plain_tok_s"],
+                     "tok_s": profile["tok_s"], "draft": profile["draft"], "draft_max": profile["draft_max"],
+                     "within_bound": q.ppl_increase <= bound})
+        profiles.append(profile)
+        llm = None
+    within = [i for i, r in enumerate(rows) if r["within_bound"]]
+    best = (max(within, key=lambda i: rows[i]["tok_s"]) if within
+            else min(range(len(rows)), key=lambda i: rows[i]["kl"]))
+    return {**profiles[best], "quality_bound": bound, "formats": rows}
 
 
 def report(profile: dict) -> str:
     """The profile as the tune command prints it."""
-    lines = [f"target step {1000 * profile['t_plain_s']:.0f} ms; v(k): "
+    fmt = f" (target in {profile['weights']})" if "formats" in profile else ""
+    lines = [f"target step{fmt} {1000 * profile['t_plain_s']:.0f} ms; v(k): "
              + ", ".join(f"{k}: {x:.2f}" for k, x in profile["v"].items()),
              f"{'candidate':30} {'r':>5} {'a1':>5} {'rounds':>6} {'best k':>6} {'predicted':>9}"]
     for c in profile["candidates"]:
-        lines.append(f"{c['name']:30} {c['r']:5.2f} {100 * c['acceptance'][0]:4.0f}% {100 * c['coverage']:5.0f}% "
+        label = f"{c['name']} vocab={c['vocab']}" if c.get("vocab") else c["name"]
+        lines.append(f"{label:30} {c['r']:5.2f} {100 * c['acceptance'][0]:4.0f}% {100 * c['coverage']:5.0f}% "
                      f"{c['best_k']:6} {c['best_speedup']:8.2f}x  {c['why_not']}")
     for x in profile["checked"]:
-        lines.append(f"checked {x['candidate']} k={x['k']}: predicted {x['predicted']:.2f}x, measured "
+        vocab = f" vocab={x['vocab']}" if x.get("vocab") else ""
+        lines.append(f"checked {x['candidate']}{vocab} k={x['k']}: predicted {x['predicted']:.2f}x, measured "
                      f"{x['measured']:.2f}x")
+    if "formats" in profile:
+        lines += _formats_report(profile)
     if profile["draft"] == "none":
         lines.append("recommendation: no speculation; every candidate is predicted slower than plain decoding")
     else:
-        lines.append(f"recommendation: {profile['draft']} at k = {profile['draft_max']}: predicted "
+        vocab = f" with --draft-vocab {profile['draft_vocab']}" if profile.get("draft_vocab") else ""
+        lines.append(f"recommendation: {profile['draft']}{vocab} at k = {profile['draft_max']}: predicted "
                      f"{profile['predicted_speedup']:.2f}x, measured {profile['measured_speedup']:.2f}x on a short run")
     return "\n".join(lines)
+
+
+def _formats_report(profile: dict) -> list[str]:
+    bound = profile["quality_bound"]
+    lines = [f"target formats (quality: {profile['formats'][0]['tokens']} positions of the quality text against "
+             "bf16; decode tok/s plain and with the format's own pick, from its check run):",
+             f"{'weights':7} {'ppl':>8} {'vs bf16':>8} {'KL':>7} {'top-1':>6} {'plain':>7} {'pair':>7}  pair's draft"]
+    for r in profile["formats"]:
+        mark = "" if r["within_bound"] else f"  over the {bound:g}% bound"
+        lines.append(f"{r['weights']:7} {r['ppl']:8.3f} {r['ppl_increase']:+7.2f}% {r['kl']:7.4f} {100 * r['top1']:5.1f}% "
+                     f"{r['plain_tok_s']:7.1f} {r['tok_s']:7.1f}  {r['draft']} k={r['draft_max']}{mark}")
+    within = [r for r in profile["formats"] if r["within_bound"]]
+    lines.append(f"weights: {profile['weights']}, " + (
+        f"the fastest pair within {bound:g}% of bf16's perplexity" if within else
+        f"no format is within {bound:g}% of bf16's perplexity: the closest to bf16 (raise --quality-bound to allow "
+        "more)"))
+    return lines
 
 
 def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:

@@ -109,3 +109,36 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
         assert spec is None
     else:
         assert spec["drafter"] == p["draft"] and max(spec["k_history"]) <= p["draft_max"]
+
+
+def test_tune_recommends_the_fastest_format_within_the_quality_bound(tmp_path):
+    path = write_gguf_from_hf(tiny_hf_model("llama", seed=8, logit_scale=6), tmp_path / "t.gguf")
+    profile = tmp_path / "p.json"
+    args = ("tune", "-m", str(path), "--draft", "ngram", "--kmax", "3", "-n", "12", "--prompts", "code-en",
+            "--dtype", "bfloat16", "--profile", str(profile), "--formats", "int8,bf16")
+    r = run(*args, "--quality-bound", "0")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(profile.read_text())
+    rows = {row["weights"]: row for row in p["formats"]}
+    assert list(rows) == ["int8", "bf16"] and p["quality_bound"] == 0
+    assert rows["bf16"]["kl"] == 0 and rows["bf16"]["top1"] == 1 and rows["bf16"]["ppl_increase"] == 0
+    assert rows["int8"]["kl"] > 0 and rows["int8"]["tokens"] >= 256  # int8 moved the distributions
+    assert rows["bf16"]["within_bound"] and rows["int8"]["within_bound"] == (rows["int8"]["ppl_increase"] <= 0)
+    within = [w for w, row in rows.items() if row["within_bound"]]
+    assert p["weights"] == max(within, key=lambda w: rows[w]["tok_s"])
+    assert all(row["tok_s"] > 0 and row["plain_tok_s"] > 0 for row in rows.values())
+    assert "target formats" in r.stdout and f"weights: {p['weights']}" in r.stdout and "KL" in r.stdout
+    # generate and serve take the profile's format unless --weights says otherwise
+    from argparse import Namespace
+    from quickdraft.cli.commands import apply_profile
+
+    for given, taken in (("auto", p["weights"]), ("int4", "int4")):
+        a = Namespace(profile=profile, model=str(path), weights=given, draft="auto", ngram=False, draft_max=16,
+                      fixed_k=False, draft_p_min=0.5, draft_min=0)
+        apply_profile(a)
+        assert a.weights == taken and a.draft == p["draft"]
+    # a bound without formats to choose from is a mistake, said as one
+    r = run("tune", "-m", str(path), "--quality-bound", "2", "--profile", str(profile))
+    assert r.returncode != 0 and "--formats" in r.stderr
+    r = run(*args[:-1], "int3")
+    assert r.returncode != 0 and "--formats 'int3'" in r.stderr

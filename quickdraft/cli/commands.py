@@ -18,7 +18,8 @@ def speculation_config(args):
     from quickdraft.config import SpeculationConfig
 
     return SpeculationConfig(draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min,
-                             adaptive=not args.fixed_k, constrain_draft=not getattr(args, "blind_draft", False))
+                             adaptive=not args.fixed_k, constrain_draft=not getattr(args, "blind_draft", False),
+                             draft_vocab=getattr(args, "draft_vocab", 0))
 
 
 def grammar_of(args):
@@ -65,7 +66,9 @@ def engine_config(args):
 
 
 def apply_profile(args) -> None:
-    """--profile FILE: the draft and k that `quickdraft tune` chose."""
+    """--profile FILE: the draft and k that `quickdraft tune` chose, and the target's weight format it measured
+    them in (which --weights overrides; a format other than the file's quality is there only when the user let
+    `tune --formats` choose one)."""
     if not getattr(args, "profile", None):
         return
     from quickdraft.tune import read_profile
@@ -73,10 +76,14 @@ def apply_profile(args) -> None:
     profile = read_profile(args.profile)
     if profile["target"] != args.model:
         print(f"warning: {args.profile} was tuned for {profile['target']}, not {args.model}", file=sys.stderr)
+    if getattr(args, "weights", None) == "auto" and profile.get("weights"):
+        args.weights = profile["weights"]
     args.draft, args.ngram = profile["draft"], False
     if profile["draft"] != "none":
         args.draft_max, args.fixed_k = int(profile["draft_max"]), bool(profile.get("fixed_k", True))
         args.draft_p_min = float(profile.get("p_min", args.draft_p_min))
+        if getattr(args, "draft_vocab", 0) == 0:
+            args.draft_vocab = int(profile.get("draft_vocab", 0))
         args.draft_min = min(args.draft_min, args.draft_max)
 
 
@@ -279,7 +286,22 @@ def cmd_tune(args) -> int:
     candidates = args.drafts or (["mtp", "ngram", "ngram+mtp"] if builtin else
                                  [hub.DEFAULT_DRAFT, "ngram", f"ngram+{hub.DEFAULT_DRAFT}"])
     drafts = [Draft.parse(c, weights=args.draft_weights) for c in candidates]
-    profile = tune.run(llm, drafts, _prompts(args, llm.tokenizer), args.kmax, args.draft_p_min, args.max_tokens)
+    if args.formats is None:
+        if args.quality_bound is not None:
+            raise QuickdraftError("--quality-bound bounds the formats --formats lets tune choose from: give --formats")
+        profile = tune.run(llm, drafts, _prompts(args, llm.tokenizer), args.kmax, args.draft_p_min, args.max_tokens,
+                           vocab=args.draft_vocab)
+    else:
+        formats = _formats(args.formats)
+        prompts = _prompts(args, llm.tokenizer)
+        llm = None  # loaded again in each format
+
+        def load_in(fmt: str):
+            return load(argparse.Namespace(**{**vars(args), "weights": fmt}), NONE)
+
+        bound = tune.QUALITY_BOUND if args.quality_bound is None else args.quality_bound
+        profile = tune.by_format(load_in, formats, lambda llm: drafts, prompts, args.kmax, args.draft_p_min,
+                                 args.max_tokens, bound, vocab=args.draft_vocab)
     tune.write_profile(args.profile, profile)
     if args.json:
         print(json.dumps(profile))
@@ -289,6 +311,17 @@ def cmd_tune(args) -> int:
     if args.export:
         print(_export(args, profile))
     return 0
+
+
+def _formats(spec: str) -> list[str]:
+    from quickdraft.quant import FORMATS
+
+    formats = [f.strip() for f in spec.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise QuickdraftError(f"--formats {spec!r}: give formats from {', '.join(FORMATS)}, comma-separated "
+                              "(e.g. mixed,int4)")
+    return list(dict.fromkeys(formats))
 
 
 def _export(args, profile: dict) -> str:

@@ -63,10 +63,16 @@ def _speculation_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-p-min", type=float, default=0.5,
                    help="stop a draft early when the draft model's top probability falls below this "
                         "(default: %(default)s)")
+    s.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="a cheaper draft step: the draft model scores only its first N ids (the commonest tokens of a "
+                        "BPE vocabulary) and every id of the prompt and answer, instead of its whole vocabulary; "
+                        "output stays identical, acceptance may drop where the answer's tokens are rare ones; `tune` "
+                        "measures whether it pays (0: the whole vocabulary; default: %(default)s)")
     s.add_argument("--fixed-k", action="store_true",
                    help="always draft --draft-max tokens instead of choosing k by measurement")
     s.add_argument("--profile", type=Path, default=None, metavar="FILE",
-                   help="take the draft, n-gram lookup and k from a profile written by `quickdraft tune`")
+                   help="take the draft, n-gram lookup and k from a profile written by `quickdraft tune`, and the "
+                        "target's weight format it was tuned in unless --weights is given")
 
 
 def _pair_args(parser: argparse.ArgumentParser) -> None:
@@ -240,6 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "and ngram+mtp)")
     tu.add_argument("--draft-weights", default="auto", choices=FORMATS,
                     help="the draft models' weight format (as for generate)")
+    tu.add_argument("--formats", default=None, metavar="LIST",
+                    help="target weight formats to measure the pair in, comma-separated (e.g. mixed,int4): tune runs "
+                         "in each, scores each format's quality against bf16 on a fixed text (perplexity and KL "
+                         "divergence, printed), and recommends the fastest pair within --quality-bound; the profile "
+                         "keeps the format (default: --weights alone, the file's quality)")
+    tu.add_argument("--quality-bound", type=float, default=None, metavar="PCT",
+                    help="with --formats: the most perplexity above bf16's, in percent, a recommended format may have "
+                         "(default: 1.5, which the default formats keep and int4 on a Q4_K_M file does not)")
+    tu.add_argument("--draft-vocab", type=int, default=32768, metavar="N",
+                    help="also measure each draft model with its head cut to its first N ids and the text's (as "
+                         "generate's --draft-vocab: a cheaper draft step, maybe a lower acceptance); the profile keeps "
+                         "the faster (0: measure the whole head alone; default: %(default)s)")
     tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
     tu.add_argument("--draft-p-min", type=float, default=0.5,
                     help="the draft model stops a round early below this top probability, as in generate; tuned "
@@ -267,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     _pair_args(b)
     b.add_argument("--configs", default=None,
                    help="comma-separated: plain, SOURCE:k=N, SOURCE:adaptive with SOURCE draft, ngram or "
-                        "ngram+draft (default: plain and every draft configuration the --draft allows)")
+                        "ngram+draft, each optionally followed by :vocab=N (the draft model's --draft-vocab, e.g. "
+                        "draft:adaptive:vocab=32768) (default: plain and every draft configuration the --draft allows)")
     _prompts_arg(b)
     b.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per run (default: %(default)s)")
     b.add_argument("--runs", type=int, default=3, help="measured runs per configuration (default: %(default)s)")

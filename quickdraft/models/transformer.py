@@ -589,11 +589,13 @@ class Transformer(Decoder):
             self.ple_proj_norm.plan(kernels)
         return {"layers": len(self.layers), "fused_layers": sum(b.step is not None for b in self.layers)}
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False, head=None) -> torch.Tensor:
         """Run tokens (B, S) at positions cache.length .. cache.length + S - 1.
 
         Writes their keys and values into the cache and advances cache.length by S.
-        Returns float32 logits (B, S, V), or (B, 1, V) for the last position when last_only.
+        Returns float32 logits (B, S, V), or (B, 1, V) for the last position when last_only; head: what turns the
+        normed hidden states into logits instead of the model's own head (a draft's head over part of its
+        vocabulary: speculative/subset.py).
         """
         S = tokens.shape[1]
         start, end = cache.length, cache.length + S
@@ -605,7 +607,7 @@ class Transformer(Decoder):
             positions = torch.arange(start, end, device=tokens.device)[:, None]
             span = torch.arange(end, device=tokens.device)[None, :]
             masks = {kind: self._mask(kind, positions, span) for kind in self.kinds}
-        logits = self._run(tokens, rotary, cache, masks, last_only)
+        logits = self._run(tokens, rotary, cache, masks, last_only, head)
         cache.length = end
         return logits
 
@@ -632,7 +634,7 @@ class Transformer(Decoder):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x
 
-    def _run(self, tokens, rotary: dict, cache, masks: dict, last_only: bool) -> torch.Tensor:
+    def _run(self, tokens, rotary: dict, cache, masks: dict, last_only: bool, head=None) -> torch.Tensor:
         x = self.embed(tokens)
         ple = self._per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
         for i, layer in enumerate(self.layers):
@@ -645,7 +647,7 @@ class Transformer(Decoder):
             x = x[:, -1:] if last_only else x
         else:
             x = self.norm(x[:, -1:] if last_only else x)
-        return self.head(x)
+        return (head or self.head)(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Normed hidden states -> float32 logits."""

@@ -116,6 +116,9 @@ class DraftBuilder:
             return None
         if draft.kind not in KINDS:
             raise QuickdraftError(f"unknown kind of draft {draft.kind!r}: give {SPELLINGS}")
+        if getattr(speculation, "draft_vocab", 0) and draft.kind != "model":
+            raise QuickdraftError(f"--draft-vocab cuts a draft model's output head, and --draft {draft} has no draft "
+                                  "model: drop --draft-vocab or give a draft model")
         drafter = KINDS[draft.kind].build(draft, self.target, self.models(draft), self.capacity, speculation)
         drafter.name = str(replace(draft, ngram=False))
         if draft.ngram and draft.kind != "ngram":

@@ -10,6 +10,7 @@ from quickdraft import constraint as constraints, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.base import Drafter, KFor, Offer, Proposal
+from quickdraft.speculative.subset import SubsetHead
 from quickdraft.speculative.vocab import check_compatible
 
 # Tokens of the sequence the draft has not seen that its first drafting pass feeds along (after a fully accepted
@@ -28,11 +29,13 @@ class DraftModelDrafter(Drafter):
     sources = ("draft",)
     samples = True
 
-    def __init__(self, lm, target_vocab: int, capacity: int, p_min: float = 0.0, shared: int | None = None):
+    def __init__(self, lm, target_vocab: int, capacity: int, p_min: float = 0.0, shared: int | None = None,
+                 vocab: int = 0):
         """lm: the draft's LoadedModel; target_vocab: the target's rows (the width of the distributions);
         capacity: positions of the draft's KV cache; shared: the ids both vocabularies share (check_compatible's
         answer; default: the draft tokenizer's ids up to target_vocab): no other id is proposed, and a target token
-        past them reaches the draft as a stand-in."""
+        past them reaches the draft as a stand-in; vocab: score only the first this many ids and the text's
+        (speculative/subset.py; 0: every id)."""
         self.lm = lm
         self.device = lm.device
         self.name = lm.name
@@ -43,6 +46,8 @@ class DraftModelDrafter(Drafter):
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
         self.matched = 0  # length of the prefix of tokens known to equal the sequence
         self.skipped = 0  # plain steps (k = 0) since its last round
+        self.subset = SubsetHead(lm.model, vocab, self.shared) if 0 < vocab < self.shared else None
+        self.seen = 0  # tokens of the sequence the subset has taken in
 
     @classmethod
     def load(cls, draft, target, load_model) -> list:
@@ -52,7 +57,7 @@ class DraftModelDrafter(Drafter):
     def build(cls, draft, target, models, capacity, speculation) -> "DraftModelDrafter":
         (lm,) = models
         shared = check_compatible(target.tokenizer, lm.tokenizer, target.config.vocab_size, lm.config.vocab_size)
-        return cls(lm, target.config.vocab_size, capacity, speculation.p_min, shared)
+        return cls(lm, target.config.vocab_size, capacity, speculation.p_min, shared, speculation.draft_vocab)
 
     @property
     def models(self) -> tuple:
@@ -64,6 +69,9 @@ class DraftModelDrafter(Drafter):
         self.cache.reset()
         self.tokens = []
         self.matched = self.skipped = 0
+        if self.subset is not None:
+            self.subset.reset(prompt)
+            self.seen = len(prompt)
         if prompt:
             self._logits(prompt)
 
@@ -102,8 +110,10 @@ class DraftModelDrafter(Drafter):
 
     def _logits(self, feed: list[int]) -> torch.Tensor:
         """Run feed through the draft; logits of the last position over the target's vocabulary (V,)."""
-        logits = self.lm.forward(self._ids(feed), self.cache, last_only=True)[0, 0]
+        logits = self.lm.forward(self._ids(feed), self.cache, last_only=True, head=self.subset)[0, 0]
         self.tokens += feed
+        if self.subset is not None:
+            return self.subset.scatter(logits, self.target_vocab)
         return self._over_target(logits)
 
     @torch.inference_mode()
@@ -114,6 +124,9 @@ class DraftModelDrafter(Drafter):
             self.skipped += 1  # decoding plainly costs what plain decoding costs
             return Proposal([], "draft")
         feed = self._sync(seq)
+        if self.subset is not None:  # the answer's tokens are scored from now on
+            self.subset.add(seq[self.seen:])
+            self.seen = len(seq)
         # (not on a recurrent draft, whose state rolls back HISTORY positions at most)
         probe = self.skipped >= PROBE_AFTER and len(feed) > PROBE_WINDOW and self.cache.max_draft is None
         self.skipped = 0
@@ -183,10 +196,12 @@ class DraftModelDrafter(Drafter):
         from quickdraft.roofline import median_seconds
 
         cache = KVCache.for_model(self.lm.model, len(prompt) + 2)
-        self.lm.forward(self._ids(prompt), cache, last_only=True)
+        if self.subset is not None:
+            self.subset.reset(prompt)
+        self.lm.forward(self._ids(prompt), cache, last_only=True, head=self.subset)
         feed = self._ids(prompt[-1:])
-        return median_seconds(lambda: self.lm.forward(feed, cache, last_only=True), self.device, reps,
-                              lambda: cache.rollback(len(prompt)))
+        return median_seconds(lambda: self.lm.forward(feed, cache, last_only=True, head=self.subset), self.device,
+                              reps, lambda: cache.rollback(len(prompt)))
 
     @torch.inference_mode()
     def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
@@ -200,6 +215,8 @@ class DraftModelDrafter(Drafter):
         seq = prompt + output
         cache = KVCache.for_model(self.lm.model, len(seq))
         logits = self._over_target(self.lm.model(self._ids(seq[:-1]), cache)[0, len(prompt) - 1:])
+        if self.subset is not None:  # the ids the subset scores at each position: the full head's logits there
+            logits = logits.masked_fill(~self.subset.allowed(prompt, output, logits.shape[-1]), float("-inf"))
         agree = [g == o for g, o in zip(logits.argmax(-1).tolist(), output)]
         sure = (logits.softmax(-1).amax(-1) >= self.p_min).tolist() if self.p_min > 0 else [True] * n
         out = [Offer("", 0, 0)]

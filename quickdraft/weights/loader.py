@@ -39,11 +39,12 @@ class LoadedModel:
     def device(self) -> torch.device:
         return self.model.device
 
-    def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
-        """One pass of the model (Transformer.forward), replayed from a captured CUDA graph where one applies."""
-        if self.graphs is not None and self.graphs.applies(tokens, cache):
+    def forward(self, tokens: torch.Tensor, cache, last_only: bool = False, head=None) -> torch.Tensor:
+        """One pass of the model (Transformer.forward), replayed from a captured CUDA graph where one applies
+        (not with a head of the caller's)."""
+        if head is None and self.graphs is not None and self.graphs.applies(tokens, cache):
             return self.graphs.run(tokens, cache, last_only)
-        return self.model(tokens, cache, last_only)
+        return self.model(tokens, cache, last_only, head)
 
 
 def resolve(source: str) -> Path:

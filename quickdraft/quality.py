@@ -1,0 +1,77 @@
+"""How far a runtime weight format moves a model from bf16 on a fixed text (`TEXT`): perplexity as llama.cpp
+computes it and the KL divergence of every next-token distribution from bf16's, with the share of positions
+whose top token agrees. `tune --formats` weighs a format's speed against these.
+
+Perplexity over about a thousand tokens is coarse (a code moved by one step here and there changes it by a
+percent or two), so the KL divergence at every position, which is steadier, is printed beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from quickdraft.perplexity import window_nll
+from quickdraft.runtime.kv_cache import KVCache
+
+TEXT = Path(__file__).resolve().parent / "data" / "ppl.txt"
+WINDOW = 256  # tokens per window: each starts fresh; perplexity scores its second half, as llama.cpp does
+
+
+@dataclass
+class Quality:
+    ppl: float  # the format's perplexity on the text
+    ppl_bf16: float  # bf16's, on the same windows
+    kl: float  # mean KL(bf16 || format) per position, nats
+    top1: float  # share of positions where both put the same token first
+    tokens: int  # positions compared
+
+    @property
+    def ppl_increase(self) -> float:
+        """Perplexity above bf16's, in percent."""
+        return 100 * (self.ppl / self.ppl_bf16 - 1)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ppl_increase": self.ppl_increase}
+
+
+def text_tokens(tokenizer) -> list[int]:
+    """The fixed text's tokens, in whole windows."""
+    ids = tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_bos=False)
+    return ids[: len(ids) // WINDOW * WINDOW]
+
+
+@torch.inference_mode()
+def log_probs(model, tokens: list[int]) -> list[torch.Tensor]:
+    """Per window, the model's float32 log-probabilities (WINDOW, V) at every position."""
+    cache = KVCache.for_model(model, WINDOW)
+    out = []
+    for i in range(0, len(tokens), WINDOW):
+        cache.reset()
+        logits = model(torch.tensor([tokens[i:i + WINDOW]], device=model.device), cache)[0]
+        out.append(torch.log_softmax(logits.float(), -1).cpu())
+    return out
+
+
+def _ppl(lps: list[torch.Tensor], tokens: list[int]) -> float:
+    first, total, scored = WINDOW // 2, 0.0, 0
+    for w, lp in enumerate(lps):
+        window = torch.tensor(tokens[w * WINDOW:(w + 1) * WINDOW])
+        total += float(window_nll(lp, window, first))  # log_softmax of log-probabilities is themselves
+        scored += WINDOW - first - 1
+    return math.exp(total / scored)
+
+
+def compare(model, tokens: list[int], reference: list[torch.Tensor]) -> Quality:
+    """model's quality against the bf16 log-probabilities `reference` (log_probs of the bf16 load, same tokens)."""
+    mine = log_probs(model, tokens)
+    kl = top1 = 0.0
+    n = 0
+    for ref, lp in zip(reference, mine):
+        kl += float((ref.exp() * (ref - lp)).sum(-1).sum())
+        top1 += float((ref.argmax(-1) == lp.argmax(-1)).sum())
+        n += ref.shape[0]
+    return Quality(_ppl(mine, tokens), _ppl(reference, tokens), kl / n, top1 / n, n)

@@ -189,8 +189,16 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     results = []
     for draft in candidates:
         for cut in ([0, vocab] if vocab and draft.kind == "model" else [0]):
+            try:
+                drafter = llm.drafter(draft, replace(speculation, draft_vocab=cut))
+            except QuickdraftError as e:
+                if not cut:
+                    raise
+                log(f"{draft} with --draft-vocab {cut}: not measured ({e})")
+                continue
+            if cut and not drafter.cut_head:  # a vocabulary of at most `cut` ids: nothing to cut
+                continue
             log(f"measuring {draft}" + (f" with --draft-vocab {cut}" if cut else ""))
-            drafter = llm.drafter(draft, replace(speculation, draft_vocab=cut))
             results.append(replace(measure(str(draft), drafter, prompts, outputs, t_plain, t_step, v), vocab=cut))
     log("checking the best predictions against plain decoding")
     winner, measured, checked = choose(llm, results, prompts, v, n)

@@ -6,13 +6,15 @@ venv first, `.venv/bin/pip install llama-cpp-python`, which compiles llama.cpp f
 bundled prompts (chat template applied, the same token ids) greedily for -n tokens, end-of-generation
 ignored; decode tok/s is counted from the first generated token on (prompt processing excluded), medians
 of --runs with the engines taking turns. llama.cpp runs plain and with prompt-lookup speculation (the
-speculation llama-cpp-python offers); quickdraft runs plain in its default target format (`mixed`: int4 where
+speculation llama-cpp-python offers), and with --server also as llama.cpp's own llama-server (built once from the
+same vendored source: tests/llamacpp.py), plain and speculating with the draft model (`-md`, its defaults: its
+best speculation on the CPU); quickdraft runs plain in its default target format (`mixed`: int4 where
 the file holds 4-bit blocks, int8 elsewhere) and in int4, and speculative with the default pair (that target,
 int4 draft, n-gram lookup in front; --draft for another model's): with the adaptive policy as `generate` and
 `serve` run it, at a fixed --k, and with the int4 target (`--weights int4`), adaptive.
 
 Usage: .venv/bin/python scripts/bench_llamacpp.py [-m ALIAS] [--draft DRAFT] [--prompts code-en,qa-en] [-n 96]
-       [--runs 3] [--k 8]
+       [--runs 3] [--k 8] [--server] [--draft-vocab N]
   e.g. -m gemma3-270m --draft ngram (a family without a draft model in the defaults)
 """
 
@@ -23,6 +25,9 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/llamacpp.py builds llama-server
 
 
 def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -37,6 +42,19 @@ def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
     return (len(out) - 1) / (time.perf_counter() - t_first), out
 
 
+def server_decode(url: str, prompt: list[int], n: int) -> tuple[float, list[int], float | None]:
+    """llama-server's greedy completion of the token ids: its own generation tok/s, the tokens, the share of its
+    drafts it accepted (None without a draft)."""
+    import httpx
+
+    reply = httpx.post(f"{url}/completion", json={
+        "prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "repeat_penalty": 1.0, "return_tokens": True,
+        "cache_prompt": False, "ignore_eos": True}, timeout=600).json()
+    t = reply["timings"]
+    drafted = t.get("draft_n") or 0
+    return t["predicted_per_second"], reply["tokens"], (t.get("draft_n_accepted", 0) / drafted if drafted else None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default=None, help="the target, an alias (default: the default target)")
@@ -47,6 +65,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--k", type=int, default=8, help="quickdraft's fixed k for the speculative row")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--server", action="store_true", help="also llama.cpp's llama-server, plain and with the draft "
+                    "model (-md): built from the vendored source on first use (about 10 minutes)")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="also the default pair with this --draft-vocab")
     args = ap.parse_args()
     try:
         from llama_cpp import Llama
@@ -78,17 +99,34 @@ def main() -> int:
         f"quickdraft {pair} k={args.k}": llm.engine_for(pair, fixed),
         f"quickdraft int4 target {pair} adaptive": llm4.engine_for(pair, adaptive),
     }
+    if args.draft_vocab:
+        cut = SpeculationConfig(draft_vocab=args.draft_vocab)
+        engines[f"quickdraft {pair} adaptive vocab={args.draft_vocab}"] = llm.engine_for(pair, cut)
+        engines[f"quickdraft int4 target {pair} adaptive vocab={args.draft_vocab}"] = llm4.engine_for(pair, cut)
+    servers = {}
+    if args.server:
+        from tests import llamacpp
+        from tests.test_llama_server import LlamaServer
+
+        binary = llamacpp.server_binary()
+        servers["llama-server plain"] = LlamaServer(binary, "-m", path)
+        if model == hub.DEFAULT_TARGET:
+            draft_path = str(hub.model_path(hub.DEFAULT_DRAFT))
+            servers[f"llama-server -md {hub.DEFAULT_DRAFT}"] = LlamaServer(binary, "-m", path, "-md", draft_path)
     common = dict(model_path=path, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     llamas = {"llama.cpp plain": Llama(**common),
               "llama.cpp prompt lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))}
     prompts = encoded(target.tokenizer, args.prompts.split(","))
     params = SamplingParams(max_tokens=args.n, stop_at_eos=False)
-    names = list(llamas) + list(engines)
+    names = list(llamas) + list(servers) + list(engines)
     speeds = {(p, c): [] for p in prompts for c in names}
+    accepted = {}
     same = {}
     for p, prompt in prompts.items():
         for c, llm in llamas.items():  # warm-up
             llama_decode(llm, prompt, 8)
+        for c, server in servers.items():
+            server_decode(server.url, prompt, 8)
         for c, e in engines.items():
             list(e.generate(prompt, SamplingParams(max_tokens=8, stop_at_eos=False)))
         for i in range(args.runs):
@@ -97,20 +135,38 @@ def main() -> int:
             for c, llm in llamas.items():
                 tok_s, out = llama_decode(llm, prompt, args.n)
                 speeds[p, c].append(tok_s)
+            for c, server in servers.items():
+                tok_s, out, rate = server_decode(server.url, prompt, args.n)
+                speeds[p, c].append(tok_s)
+                accepted.setdefault((p, c), []).append(rate)
             for c, e in engines.items():
                 events = list(e.generate(prompt, params))
                 speeds[p, c].append(events[-1].timings.decode_tok_s)
+                if events[-1].stats.rounds:
+                    accepted.setdefault((p, c), []).append(events[-1].stats.acceptance_rate)
                 tokens = [ev.token for ev in events if ev.token is not None]
                 same[p, c] = tokens == reference.setdefault(e.target.weights, tokens)
+    for server in servers.values():
+        server.stop()
     print(f"\n{model}: decode tok/s (median of {args.runs}, {args.n} greedy tokens, {args.threads} threads); "
-          "x = against llama.cpp's best on that prompt")
-    best = {p: max(statistics.median(speeds[p, c]) for c in llamas) for p in prompts}
+          "x = against llama.cpp's best on that prompt; % = drafts accepted")
+    best = {p: max(statistics.median(speeds[p, c]) for c in list(llamas) + list(servers)) for p in prompts}
     width = max(len(c) for c in names)
-    print(f"{'':{width}} " + " ".join(f"{p:>16}" for p in prompts))
+    print(f"{'':{width}} " + " ".join(f"{p:>22}" for p in prompts))
     for c in names:
-        cells = [f"{statistics.median(speeds[p, c]):6.2f} ({statistics.median(speeds[p, c]) / best[p]:4.2f}x)"
-                 for p in prompts]
-        print(f"{c:{width}} " + " ".join(f"{x:>16}" for x in cells))
+        cells = []
+        for p in prompts:
+            x = statistics.median(speeds[p, c])
+            rates = [r for r in accepted.get((p, c), []) if r is not None]
+            rate = f" {100 * statistics.median(rates):3.0f}%" if rates else "     "
+            cells.append(f"{x:6.2f} ({x / best[p]:4.2f}x){rate}")
+        print(f"{c:{width}} " + " ".join(f"{x:>22}" for x in cells))
+    plain = {w: f"quickdraft plain {w}" for w in (target.weights, "int4")}
+    for c in engines:
+        if "adaptive" in c:
+            own = plain["int4" if "int4 target" in c else target.weights]
+            ratios = [statistics.median(speeds[p, c]) / statistics.median(speeds[p, own]) for p in prompts]
+            print(f"{c} / {own}: " + ", ".join(f"{p} {r:.2f}x" for p, r in zip(prompts, ratios)))
     print("quickdraft speculative output equal to the plain output of its target's format: "
           + ", ".join(f"{p} {'yes' if all(same[p, c] for c in engines) else 'NO'}" for p in prompts))
     return 0

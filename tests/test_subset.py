@@ -65,7 +65,10 @@ def test_the_subset_grows_with_the_text(int8_draft):
 
 @pytest.mark.parametrize("which", ["bf16", "int8"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_speculation_with_a_cut_head_equals_plain(bf16_pair, int8_draft, which, temperature):
+def test_speculation_with_a_cut_head_equals_plain(bf16_pair, int8_draft, which, temperature, monkeypatch):
+    from quickdraft.speculative import subset
+
+    monkeypatch.setattr(subset, "MISS_MAX", 1.0)  # the random models' answers miss often: keep the subset on
     target, draft = bf16_pair
     draft = draft if which == "bf16" else int8_draft
     params = SamplingParams(max_tokens=40, stop_at_eos=False, temperature=temperature, seed=3)
@@ -116,3 +119,27 @@ def test_a_head_that_cannot_be_cut_says_so(bf16_pair):
     builder = DraftBuilder(target, EngineConfig(device="cpu", dtype="bfloat16", weights="bf16"), 256)
     with pytest.raises(QuickdraftError, match="no draft model"):
         builder.drafter(Draft("ngram"), SpeculationConfig(draft_vocab=64))
+
+
+def test_an_answer_that_keeps_missing_drafts_with_the_whole_head(bf16_pair):
+    """Past MISS_MAX misses per answer token (after MISS_MIN of them) the drafter scores every id again, in the
+    engine and in tune's replay alike."""
+    from quickdraft.speculative import subset
+
+    target, draft = bf16_pair
+    head = SubsetHead(draft.model, 16, 320)
+    head.reset([1, 2, 3])
+    head.add(list(range(16, 16 + subset.MISS_MIN - 1)), answer=True)  # every one a miss, not yet judged
+    assert head.active
+    head.add([5], answer=True)
+    assert not head.active and head.missed == subset.MISS_MIN - 1
+    output = list(range(100, 140))
+    allowed = head.allowed([1, 2, 3], output, 320)
+    # output[t] is judged with the ids up to it; the miss rate trips at the MISS_MIN-th token, all ids after it
+    assert not allowed[subset.MISS_MIN - 1].all() and allowed[subset.MISS_MIN:].all()
+    drafter = DraftModelDrafter(draft, 320, 256, vocab=16)
+    engine = Engine(target, 256, drafter, SpeculationConfig(draft_max=3, adaptive=False))
+    params = SamplingParams(max_tokens=60, stop_at_eos=False)
+    plain = [e.token for e in Engine(target, 256).generate(PROMPT, params) if e.token is not None]
+    assert [e.token for e in engine.generate(PROMPT, params) if e.token is not None] == plain
+    assert not drafter.subset.active  # 16 of 320 ids: the random model's answer misses most of the time

@@ -90,13 +90,17 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
     path = write_gguf_from_hf(tiny_hf_model("llama", seed=8, logit_scale=6), tmp_path / "t.gguf")
     profile = tmp_path / "p.json"
     r = run("tune", "-m", str(path), "--draft", str(path), "--draft", "ngram", "--kmax", "4", "-n", "12",
-            "--prompts", "qa-en,code-en", "--dtype", "bfloat16", "--profile", str(profile))
+            "--prompts", "qa-en,code-en", "--dtype", "bfloat16", "--profile", str(profile), "--draft-vocab", "64",
+            "--draft-weights", "bf16")  # (the tiny model's int4 head is in PyTorch's packing, which cannot be cut)
     assert r.returncode == 0, r.stderr
     assert "recommendation:" in r.stdout and "v(k)" in r.stdout
     p = json.loads(profile.read_text())
     assert set(p) >= {"version", "target", "draft", "draft_max", "predicted_speedup", "measured_speedup",
                       "v", "candidates", "checked"}
-    assert [c["name"] for c in p["candidates"]] == [str(path), "ngram"]
+    # the draft model measured with its whole head and with it cut to 64 of its 320 ids
+    assert [(c["name"], c["vocab"]) for c in p["candidates"]] == [(str(path), 0), (str(path), 64), ("ngram", 0)]
+    assert p["draft_vocab"] in (0, 64) and (p["draft_vocab"] == 0 or p["draft"] == str(path))
+    assert "vocab=64" in r.stdout
     assert all(len(c["acceptance"]) == 4 and c["best_k"] in range(1, 5) for c in p["candidates"])
     # every candidate but the winner (the best one when nothing beats plain decoding) says why it lost
     assert sum(not c["why_not"] for c in p["candidates"]) == 1 and p["candidates"][0]["r"] > 0

@@ -75,6 +75,11 @@ class Drafter:
         """The engine's KV cache, for a drafter that reads the target's hidden states there (reads_hidden)."""
 
     @property
+    def cut_head(self) -> bool:
+        """It drafts with its output head cut to part of the vocabulary (--draft-vocab: speculative/subset.py)."""
+        return False
+
+    @property
     def max_draft(self) -> int | None:
         """The most tokens a round may ask of it (a hybrid draft model's recurrent state rolls back a bounded number
         of positions); None: no bound of its own."""

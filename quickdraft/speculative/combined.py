@@ -29,6 +29,10 @@ class CombinedDrafter(Drafter):
     def max_draft(self) -> int | None:
         return self.draft.max_draft
 
+    @property
+    def cut_head(self) -> bool:
+        return self.draft.cut_head
+
     def begin(self, prompt: list[int]) -> None:
         self.ngram.begin(prompt)
         self.draft.begin(prompt)

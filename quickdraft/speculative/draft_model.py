@@ -110,10 +110,11 @@ class DraftModelDrafter(Drafter):
 
     def _logits(self, feed: list[int]) -> torch.Tensor:
         """Run feed through the draft; logits of the last position over the target's vocabulary (V,)."""
-        logits = self.lm.forward(self._ids(feed), self.cache, last_only=True, head=self.subset)[0, 0]
+        head = self.subset if self.subset is not None and self.subset.active else None
+        logits = self.lm.forward(self._ids(feed), self.cache, last_only=True, head=head)[0, 0]
         self.tokens += feed
-        if self.subset is not None:
-            return self.subset.scatter(logits, self.target_vocab)
+        if head is not None:
+            return head.scatter(logits, self.target_vocab)
         return self._over_target(logits)
 
     @torch.inference_mode()
@@ -125,7 +126,7 @@ class DraftModelDrafter(Drafter):
             return Proposal([], "draft")
         feed = self._sync(seq)
         if self.subset is not None:  # the answer's tokens are scored from now on
-            self.subset.add(seq[self.seen:])
+            self.subset.add(seq[self.seen:], answer=True)
             self.seen = len(seq)
         # (not on a recurrent draft, whose state rolls back HISTORY positions at most)
         probe = self.skipped >= PROBE_AFTER and len(feed) > PROBE_WINDOW and self.cache.max_draft is None
@@ -186,6 +187,10 @@ class DraftModelDrafter(Drafter):
     @property
     def max_draft(self) -> int | None:
         return self.cache.max_draft
+
+    @property
+    def cut_head(self) -> bool:
+        return self.subset is not None
 
     def cache_bytes(self) -> int:
         return self.cache.nbytes()

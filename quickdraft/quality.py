@@ -1,9 +1,12 @@
-"""How far a runtime weight format moves a model from bf16 on a fixed text (`TEXT`): perplexity as llama.cpp
-computes it and the KL divergence of every next-token distribution from bf16's, with the share of positions
-whose top token agrees. `tune --formats` weighs a format's speed against these.
+"""How far a runtime weight format moves a model from bf16 on a fixed text (`TEXT`): perplexity and the KL
+divergence of every next-token distribution from bf16's, with the share of positions whose top token agrees.
+`tune --formats` weighs a format's speed against these.
 
-Perplexity over about a thousand tokens is coarse (a code moved by one step here and there changes it by a
-percent or two), so the KL divergence at every position, which is steadier, is printed beside it.
+The text is cut into windows of WINDOW tokens, each run fresh; every position from CONTEXT on is scored (rather
+than llama.cpp's second half of each window: the comparison is between formats on the same positions, and twice
+the positions halve the noise). Perplexity over under a thousand tokens is still coarse (a code moved by one step
+here and there changes it by a percent or so), so the KL divergence at every position, which is steadier, is
+printed beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from quickdraft.perplexity import window_nll
 from quickdraft.runtime.kv_cache import KVCache
 
 TEXT = Path(__file__).resolve().parent / "data" / "ppl.txt"
-WINDOW = 256  # tokens per window: each starts fresh; perplexity scores its second half, as llama.cpp does
+WINDOW = 256  # tokens per window: each starts fresh
+CONTEXT = 32  # positions scored from this one on: each with at least this many tokens before it
 
 
 @dataclass
@@ -57,11 +61,11 @@ def log_probs(model, tokens: list[int]) -> list[torch.Tensor]:
 
 
 def _ppl(lps: list[torch.Tensor], tokens: list[int]) -> float:
-    first, total, scored = WINDOW // 2, 0.0, 0
+    total, scored = 0.0, 0
     for w, lp in enumerate(lps):
         window = torch.tensor(tokens[w * WINDOW:(w + 1) * WINDOW])
-        total += float(window_nll(lp, window, first))  # log_softmax of log-probabilities is themselves
-        scored += WINDOW - first - 1
+        total += float(window_nll(lp, window, CONTEXT - 1))  # log_softmax of log-probabilities is themselves
+        scored += WINDOW - CONTEXT
     return math.exp(total / scored)
 
 

@@ -246,6 +246,7 @@ def by_format(load, formats: list[str], candidates, prompts: dict[str, list[int]
         profile = run(llm, candidates(llm), prompts, kmax, p_min, n, log, vocab)
         rows.append({"weights": llm.target.weights, **q.as_dict(), "plain_tok_s": profile["plain_tok_s"],
                      "tok_s": profile["tok_s"], "draft": profile["draft"], "draft_max": profile["draft_max"],
+                     "draft_vocab": profile["draft_vocab"],
                      "within_bound": q.ppl_increase <= bound})
         profiles.append(profile)
         llm = None
@@ -288,7 +289,8 @@ def _formats_report(profile: dict) -> list[str]:
     for r in profile["formats"]:
         mark = "" if r["within_bound"] else f"  over the {bound:g}% bound"
         lines.append(f"{r['weights']:7} {r['ppl']:8.3f} {r['ppl_increase']:+7.2f}% {r['kl']:7.4f} {100 * r['top1']:5.1f}% "
-                     f"{r['plain_tok_s']:7.1f} {r['tok_s']:7.1f}  {r['draft']} k={r['draft_max']}{mark}")
+                     f"{r['plain_tok_s']:7.1f} {r['tok_s']:7.1f}  {r['draft']} k={r['draft_max']}"
+                     + (f" vocab={r['draft_vocab']}" if r.get("draft_vocab") else "") + mark)
     within = [r for r in profile["formats"] if r["within_bound"]]
     lines.append(f"weights: {profile['weights']}, " + (
         f"the fastest pair within {bound:g}% of bf16's perplexity" if within else

@@ -37,6 +37,7 @@ def measure(fmt: str, n: int, ppl_chunks: int) -> dict:
     from quickdraft.cli import DEMO_PROMPT
     from quickdraft.config import SamplingParams
     from quickdraft.perplexity import perplexity
+    from quickdraft.quality import TEXT as QUALITY_TEXT
     from quickdraft.weights import hub
 
     llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", weights=fmt, context=1024,
@@ -47,7 +48,7 @@ def measure(fmt: str, n: int, ppl_chunks: int) -> dict:
     list(llm.stream(prompt, params=SamplingParams(max_tokens=8, stop_at_eos=False)))  # warm-up
     final = list(llm.stream(prompt, params=SamplingParams(max_tokens=n, stop_at_eos=False)))[-1]
     t1, v = roofline.v_curve(lm, prompt, 16)
-    text = (ROOT / "tests" / "data" / "ppl.txt").read_text()
+    text = QUALITY_TEXT.read_text(encoding="utf-8")
     tokens = lm.tokenizer.encode(text, add_bos=False)
     ppl = perplexity(lm.model, tokens, 256, None, ppl_chunks).ppl if ppl_chunks else None
     return {"format": fmt, "decode_tok_s": final.timings.decode_tok_s, "pass_bytes": roofline.pass_bytes(lm.model, len(prompt) + n // 2),

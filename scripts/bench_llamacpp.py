@@ -112,7 +112,10 @@ def main() -> int:
         servers["llama-server plain"] = LlamaServer(binary, "-m", path)
         if model == hub.DEFAULT_TARGET:
             draft_path = str(hub.model_path(hub.DEFAULT_DRAFT))
-            servers[f"llama-server -md {hub.DEFAULT_DRAFT}"] = LlamaServer(binary, "-m", path, "-md", draft_path)
+            # (this llama.cpp loads a -md draft but drafts only with a --spec-type naming the kind)
+            servers[f"llama-server -md {hub.DEFAULT_DRAFT}"] = LlamaServer(binary, "-m", path, "-md", draft_path,
+                                                                           "--spec-type", "draft-simple")
+        servers["llama-server --spec-type ngram-simple"] = LlamaServer(binary, "-m", path, "--spec-type", "ngram-simple")
     common = dict(model_path=path, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
     llamas = {"llama.cpp plain": Llama(**common),
               "llama.cpp prompt lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))}

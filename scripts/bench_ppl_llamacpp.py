@@ -22,9 +22,10 @@ import torch  # noqa: E402
 
 from quickdraft.config import EngineConfig  # noqa: E402
 from quickdraft.perplexity import perplexity, window_nll  # noqa: E402
+from quickdraft.quality import TEXT as QUALITY_TEXT  # noqa: E402
 from quickdraft.weights.loader import load_model, resolve  # noqa: E402
 
-TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "ppl.txt"
+TEXT = QUALITY_TEXT
 
 
 def llama_cpp_ppl(path: Path, tokens: list[int], ctx: int, bos: int | None) -> float:

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-from pathlib import Path
 
 import torch
 
 from quickdraft.config import EngineConfig
+from quickdraft.quality import TEXT as QUALITY_TEXT
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.weights import hub
 from quickdraft.weights.loader import load_model
 
-TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "ppl.txt"
+TEXT = QUALITY_TEXT
 WINDOW = 256
 
 

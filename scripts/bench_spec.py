@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 
 import quickdraft
+from quickdraft.quality import TEXT as QUALITY_TEXT
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.weights import hub
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTICLE = "\n\n".join((ROOT / "tests" / "data" / "ppl.txt").read_text(encoding="utf-8").split("\n\n")[:2])
+ARTICLE = "\n\n".join(QUALITY_TEXT.read_text(encoding="utf-8").split("\n\n")[:2])
 PROMPTS = {
     "code": "Write a Python class for a least-recently-used cache with get and put methods, with comments.",
     "summary": "Summarize the following text in a few sentences, reusing its wording:\n\n" + ARTICLE,

@@ -9,11 +9,12 @@ import torch
 from quickdraft.config import EngineConfig, SamplingParams
 from quickdraft.engine import Engine
 from quickdraft.perplexity import perplexity
+from quickdraft.quality import TEXT as QUALITY_TEXT
 from quickdraft.weights.loader import load_model
 
 pytestmark = pytest.mark.slow
 
-TEXT = (Path(__file__).parent / "data" / "ppl.txt").read_text(encoding="utf-8")
+TEXT = QUALITY_TEXT.read_text(encoding="utf-8")
 CTX = 256
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",

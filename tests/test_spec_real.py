@@ -2,7 +2,6 @@
 and without a grammar; constrained samples are always valid with speculation on."""
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -11,12 +10,13 @@ import quickdraft
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.grammar import Grammar
+from quickdraft.quality import TEXT as QUALITY_TEXT
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
 pytestmark = pytest.mark.slow
 
-ARTICLE = (Path(__file__).parent / "data" / "ppl.txt").read_text(encoding="utf-8").split("\n\n")[:2]
+ARTICLE = QUALITY_TEXT.read_text(encoding="utf-8").split("\n\n")[:2]
 PROMPTS = {
     "code": "Write a Python class for a least-recently-used cache with get and put methods, with comments.",
     "chinese": "请用中文详细解释快速排序算法的原理，并分析它的时间复杂度。",

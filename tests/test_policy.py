@@ -92,3 +92,23 @@ def test_probes_back_off_while_plain_keeps_winning_and_are_short():
     policy.t_verify = {k: 1.0 + 0.01 * k for k in range(1, 13)}
     assert policy.k_for("draft") > PROBE_SHORT and "draft" not in policy.probe_after
 
+
+
+def test_a_long_run_of_rounds_times_a_plain_step_again():
+    """t_plain is measured on plain steps alone: while speculation keeps winning, one plain step every REFRESH
+    rounds keeps it current (a stale one could hold the policy speculating where plain decoding got faster)."""
+    from quickdraft.speculative.policy import REFRESH
+
+    policy = trained(acceptance=0.9, verify_slope=0.02, draft_cost=0.05)
+    policy.record_plain(1.0)
+    for _ in range(REFRESH):
+        k = policy.k_for("draft")
+        assert k > 0
+        policy.record_round("draft", k, k, 0.05 * k, 1 + 0.02 * k)
+    assert policy.k_for("draft") == 0  # the refresh
+    policy.record_plain(2.0)  # the machine got slower: the new timing counts
+    assert policy.t_plain > 1.0 and policy.k_for("draft") > 0
+    policy.cfg = SpeculationConfig(draft_min=1, draft_max=12)
+    for _ in range(REFRESH):
+        policy.record_round("draft", 4, 4, 0.2, 1.08)
+    assert policy.k_for("draft") >= 1  # draft_min > 0 forbids plain steps, refreshes too

@@ -20,6 +20,11 @@ PROBE_K = 4  # the first round of a source not yet measured
 # and probing at a fixed interval made adaptive decoding 10-20% slower than plain where speculation does not pay.
 PROBE_MAX = 256
 PROBE_SHORT = 2
+# While speculation wins, one plain step after this many rounds in a row times a plain step again: t_plain is
+# measured only on plain steps, and a stale one (taken while the machine was slower, or before its caches were
+# warm) can hold the policy speculating where plain decoding has become faster. One plain step in 64 rounds
+# costs well under 1% where speculation wins by 1.2x or more.
+REFRESH = 64
 
 
 class AdaptivePolicy:
@@ -31,6 +36,7 @@ class AdaptivePolicy:
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
         self.accepted: dict[str, list[float]] = {}
         self.plain_since_round = 0
+        self.rounds_since_plain = 0
         self.probe_after: dict[str, int] = {}  # source -> plain steps before its next probe (backing off)
         self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
 
@@ -52,9 +58,11 @@ class AdaptivePolicy:
         if self._warm("plain"):
             self.t_plain = _ema(self.t_plain, seconds)
         self.plain_since_round += 1
+        self.rounds_since_plain = 0
 
     def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         self.plain_since_round = 0
+        self.rounds_since_plain += 1
         if self._warm(("verify", drafted)):
             self.t_verify[drafted] = _ema(self.t_verify.get(drafted), verify_s)
         if self._warm(("draft", source)):
@@ -116,6 +124,8 @@ class AdaptivePolicy:
             return 0 if cfg.draft_min == 0 else cfg.draft_max
         if source not in self.t_draft:  # not measured yet (or only its warm-up round): probe
             return max(cfg.draft_min, min(cfg.draft_max, PROBE_K))
+        if cfg.draft_min == 0 and self.rounds_since_plain >= REFRESH:  # time a plain step again (every source
+            return 0  # of this step hears the same, so the step is plain)
         candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
         best = max(candidates, key=lambda k: self.predicted_rate(source, k), default=0)
         if cfg.draft_min == 0 and self.predicted_rate(source, 0) >= self.predicted_rate(source, best):

@@ -60,7 +60,8 @@ def log_probs(model, tokens: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def _ppl(lps: list[torch.Tensor], tokens: list[int]) -> float:
+def perplexity_of(lps: list[torch.Tensor], tokens: list[int]) -> float:
+    """Perplexity of tokens under the log-probabilities (log_probs' windows), from position CONTEXT of each."""
     total, scored = 0.0, 0
     for w, lp in enumerate(lps):
         window = torch.tensor(tokens[w * WINDOW:(w + 1) * WINDOW])
@@ -78,4 +79,4 @@ def compare(model, tokens: list[int], reference: list[torch.Tensor]) -> Quality:
         kl += float((ref.exp() * (ref - lp)).sum(-1).sum())
         top1 += float((ref.argmax(-1) == lp.argmax(-1)).sum())
         n += ref.shape[0]
-    return Quality(_ppl(mine, tokens), _ppl(reference, tokens), kl / n, top1 / n, n)
+    return Quality(perplexity_of(mine, tokens), perplexity_of(reference, tokens), kl / n, top1 / n, n)

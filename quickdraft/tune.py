@@ -205,14 +205,14 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     pick = next((x for x in checked if (x["candidate"], x["vocab"]) == (winner.name, winner.vocab)), None)
     plain_tok_s = pick["plain_tok_s"] if pick else 1 / t_step  # decode tok/s without and with the pick, same run
     return {"version": PROFILE_VERSION, "target": target.name, "weights": target.weights, "draft": winner.name,
-            "draft_max": winner.best_k, "draft_vocab": winner.vocab, "fixed_k": True, "p_min": p_min, "predicted_speedup": winner.best_speedup,
-            "measured_speedup": measured, "plain_tok_s": plain_tok_s, "tok_s": pick["tok_s"] if pick else plain_tok_s,
+            "draft_max": winner.best_k, "draft_vocab": winner.vocab, "fixed_k": True, "p_min": p_min,
+            "predicted_speedup": winner.best_speedup, "measured_speedup": measured, "plain_tok_s": plain_tok_s, "tok_s": pick["tok_s"] if pick else plain_tok_s,
             "t_plain_s": t_plain, "t_step_s": t_step, "v": v, "candidates": [asdict(c) for c in results],
             "checked": checked}
 
 
 # Perplexity on quality.TEXT above bf16's, in percent, that a recommended format may have unless the user allows
-# more: the default formats keep a GGUF file's quality (mixed: +0.7% on the default target), int4 does not (+3.6%).
+# more: the default formats keep a GGUF file's quality (mixed: +0.6% on the default target), int4 does not (+2.5%).
 QUALITY_BOUND = 1.5
 
 
@@ -239,7 +239,7 @@ def by_format(load, formats: list[str], candidates, prompts: dict[str, list[int]
             llm = load(fmt)
         log(f"target in {llm.target.weights}: scoring the quality text")
         if llm.target.weights == "bf16":
-            ppl = quality._ppl(reference, tokens)
+            ppl = quality.perplexity_of(reference, tokens)
             q = quality.Quality(ppl, ppl, 0.0, 1.0, len(tokens))
         else:
             q = quality.compare(llm.target.model, tokens, reference)
@@ -288,8 +288,8 @@ def _formats_report(profile: dict) -> list[str]:
              f"{'weights':7} {'ppl':>8} {'vs bf16':>8} {'KL':>7} {'top-1':>6} {'plain':>7} {'pair':>7}  pair's draft"]
     for r in profile["formats"]:
         mark = "" if r["within_bound"] else f"  over the {bound:g}% bound"
-        lines.append(f"{r['weights']:7} {r['ppl']:8.3f} {r['ppl_increase']:+7.2f}% {r['kl']:7.4f} {100 * r['top1']:5.1f}% "
-                     f"{r['plain_tok_s']:7.1f} {r['tok_s']:7.1f}  {r['draft']} k={r['draft_max']}"
+        lines.append(f"{r['weights']:7} {r['ppl']:8.3f} {r['ppl_increase']:+7.2f}% {r['kl']:7.4f} "
+                     f"{100 * r['top1']:5.1f}% {r['plain_tok_s']:7.1f} {r['tok_s']:7.1f}  {r['draft']} k={r['draft_max']}"
                      + (f" vocab={r['draft_vocab']}" if r.get("draft_vocab") else "") + mark)
     within = [r for r in profile["formats"] if r["within_bound"]]
     lines.append(f"weights: {profile['weights']}, " + (

@@ -18,9 +18,16 @@ ROW_FIELDS = {"prompt", "config", "decode_tok_s", "decode_min", "decode_max", "e
 
 
 def test_configurations_parse_and_bad_ones_say_how():
-    configs = bench.parse_configs("plain, draft:k=4,ngram+draft:adaptive", Draft.parse("some-draft"))
-    assert [c.name for c in configs] == ["plain", "draft k=4", "ngram+draft adaptive"]
-    for bad in ("draft", "draft:k=0", "eagle:k=2", "draft:k=x"):
+    configs = bench.parse_configs("plain, draft:k=4,ngram+draft:adaptive,draft:adaptive:vocab=64",
+                                  Draft.parse("some-draft"))
+    assert [c.name for c in configs] == ["plain", "draft k=4", "ngram+draft adaptive", "draft adaptive vocab=64"]
+    assert [c.vocab for c in configs] == [None, None, None, 64]
+    assert bench._speculation(configs[3], SpeculationConfig()).draft_vocab == 64
+    assert bench._speculation(configs[1], SpeculationConfig(draft_vocab=32)).draft_vocab == 32  # the run's
+    (lookup,) = bench.parse_configs("ngram:adaptive", Draft.parse("some-draft"))
+    assert bench._speculation(lookup, SpeculationConfig(draft_vocab=32)).draft_vocab == 0  # no head to cut
+    for bad in ("draft", "draft:k=0", "eagle:k=2", "draft:k=x", "ngram:adaptive:vocab=64", "draft:k=2:vocab=x",
+                "draft:k=2:v=3"):
         with pytest.raises(QuickdraftError, match="bad configuration"):
             bench.parse_configs(bad, Draft.parse("some-draft"))
 

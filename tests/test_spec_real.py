@@ -60,7 +60,9 @@ def _tokens(engine, prompt):
 
 @pytest.mark.parametrize("kind", ["draft-model", "ngram", "combined"])
 def test_greedy_speculative_equals_plain_on_real_pair(target, draft, prompts, plain, kind):
-    spec = SpeculationConfig(draft_max=8)
+    # lookup alone at a fixed k: whether the adaptive policy probes it again after early rejections is a matter of
+    # timings (a loaded machine found none accepted in 96 tokens), and the rounds are what this test needs
+    spec = SpeculationConfig(draft_max=8, adaptive=kind != "ngram")
     drafter = {"draft-model": draft, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), draft)}[kind]
     engine = Engine(target, 1024, drafter, spec)
     accepted = {}

@@ -77,19 +77,15 @@ class SubsetHead:
             raise QuickdraftError(
                 "--draft-vocab: the draft's output head is in a layout that cannot be cut into rows (int4 or int8 off "
                 "quickdraft's CPU kernels); drop --draft-vocab or give the draft --draft-weights bf16")
-        self.answered = self.missed = 0
-        self.active = True
-        self.extra: set[int] = set()  # tiles (or ids, for a float head) past the base the subset also has
-        self.extra_layer = None
         self.ids = torch.arange(self.base, device=self.device)  # the id each column of the logits stands for
-        self._columns()
+        self.reset([])
 
     def _unit(self, token: int) -> int:
         return token // TILE if self.quantized else token
 
     def reset(self, tokens: list[int]) -> None:
         """A new generation: the base ids and tokens' (the prompt's)."""
-        self.extra = set()
+        self.extra: set[int] = set()  # tiles (or ids, for a float head) past the base the subset also has
         self.extra_layer = None
         self.ids = self.ids[: self.base]
         self._columns()

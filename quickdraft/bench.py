@@ -149,6 +149,7 @@ def _speed_model(policy, source: str | None, c: BenchConfig, k_mean: float) -> d
         return {}
     k = c.k if c.k is not None else max(1, round(k_mean))
     return {"source": source, "k": k, "t_verify_s": dict(policy.t_verify), "t_draft_s": policy.t_draft[source],
+            "t_catch_up_s": policy.t_catch_up.get(source, 0.0),
             "expected_tokens_per_round": policy.expected_length(source, k),
             "acceptance": policy.acceptance(source, k)}
 
@@ -167,7 +168,8 @@ def _speedups(rows: list[dict]) -> None:
             if t_verify is not None:
                 r["v_k"] = t_verify / t_plain
                 r["r"] = m["t_draft_s"] / t_plain
-                r["predicted_speedup"] = speed.speedup(m["expected_tokens_per_round"], r["v_k"], m["k"], r["r"])
+                r["predicted_speedup"] = speed.speedup(m["expected_tokens_per_round"], r["v_k"], m["k"], r["r"],
+                                                       m["t_catch_up_s"] / t_plain)
 
 
 def _summary(rows: list[dict], configs: list[BenchConfig]) -> list[dict]:

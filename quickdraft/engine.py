@@ -286,7 +286,8 @@ class Engine:
         tokens, accepted, scores = self._verify(seq, proposal, params, generator, constraint)
         verify_s = time.perf_counter() - t0
         k = len(proposal.tokens)
-        self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s)
+        self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s,
+                                 proposal.catch_up_s)
         stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
         return tokens, scores, Origin(proposal.source, accepted, k)
 

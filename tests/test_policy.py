@@ -106,9 +106,66 @@ def test_a_long_run_of_rounds_times_a_plain_step_again():
         assert k > 0
         policy.record_round("draft", k, k, 0.05 * k, 1 + 0.02 * k)
     assert policy.k_for("draft") == 0  # the refresh
-    policy.record_plain(2.0)  # the machine got slower: the new timing counts
-    assert policy.t_plain > 1.0 and policy.k_for("draft") > 0
+    policy.record_plain(2.0)  # one slow sample is taken for an outlier
+    assert policy.t_plain == 1.0
+    policy.record_plain(2.0)  # the machine got slower: the new timings count
+    assert policy.t_plain == 2.0 and policy.k_for("draft") > 0
     policy.cfg = SpeculationConfig(draft_min=1, draft_max=12)
     for _ in range(REFRESH):
         policy.record_round("draft", 4, 4, 0.2, 1.08)
     assert policy.k_for("draft") >= 1  # draft_min > 0 forbids plain steps, refreshes too
+
+
+def test_a_timing_is_robust_to_one_slow_sample_and_follows_a_lasting_change():
+    """On a shared machine a step now and then takes several times as long: the median of the last few samples
+    ignores it, where an average would carry it for many rounds; a lasting change is followed within a few."""
+    from quickdraft.speculative.policy import WINDOW
+
+    policy = trained(acceptance=0.9, verify_slope=0.02, draft_cost=0.05)
+    for _ in range(WINDOW):
+        policy.record_round("draft", 4, 4, 0.2, 1.08)
+    policy.record_round("draft", 4, 4, 0.2, 5.0)  # preempted
+    assert policy.t_verify[4] == pytest.approx(1.08)
+    for _ in range(WINDOW // 2 + 1):
+        policy.record_round("draft", 4, 4, 0.4, 2.16)  # twice as slow from now on
+    assert policy.t_verify[4] == pytest.approx(2.16) and policy.t_draft["draft"] == pytest.approx(0.1)
+
+
+def test_a_catch_up_is_a_cost_per_round_and_a_switch_back_is_not_counted():
+    """A draft model pays one pass over the tokens n-gram rounds added before it drafts again: a cost per round,
+    whatever its k (so it favours longer rounds), that can make plain decoding the faster choice; the catch-up
+    of the round that resumes speculation after plain steps is the cost of switching, not of a round."""
+    from quickdraft.speculative import speed
+
+    policy = trained(acceptance=0.7, verify_slope=0.05, draft_cost=0.1)
+    k_free = policy.k_for("draft")
+    assert k_free > 0 and policy.t_catch_up["draft"] == 0.0
+    policy.t_catch_up["draft"] = 0.6
+    k = policy.k_for("draft")
+    assert k >= k_free
+    assert policy.predicted_rate("draft", k) == pytest.approx(
+        speed.expected_length(policy.acceptance("draft", k)) / (policy.verify_seconds(k) + 0.1 * k + 0.6))
+    policy.t_catch_up["draft"] = 3.0  # catching up costs more than speculation wins
+    assert policy.k_for("draft") == 0 and "draft" in policy.resuming
+    policy.record_round("draft", 2, 2, 0.2, 1.1, catch_up_s=9.0)  # the probe's catch-up over the plain steps
+    assert policy.t_catch_up["draft"] == 3.0 and "draft" not in policy.resuming
+    policy.record_round("draft", 2, 2, 0.2, 1.1, catch_up_s=0.0)  # a round with nothing to catch up
+    assert policy.t_catch_up["draft"] < 3.0
+
+
+def test_where_speculation_wins_narrowly_plain_steps_are_timed_more_often():
+    """Near the break-even point the choice rests on t_plain and a plain step costs least there: one every
+    REFRESH_NEAR rounds instead of every REFRESH."""
+    from quickdraft.speculative.policy import MARGIN, REFRESH_NEAR
+
+    policy = trained(acceptance=0.5, verify_slope=0.1, draft_cost=0.25)
+    k = policy.k_for("draft")
+    gain = policy.predicted_rate("draft", k) / policy.predicted_rate("draft", 0)
+    assert k > 0 and 1.0 < gain < MARGIN
+    policy.record_plain(1.0)
+    steps = []
+    for _ in range(REFRESH_NEAR + 1):
+        steps.append(policy.k_for("draft"))
+        if steps[-1]:
+            policy.rounds_since_plain += 1  # a round whose counts leave the estimate as it is
+    assert steps[:REFRESH_NEAR] == [k] * REFRESH_NEAR and steps[-1] == 0

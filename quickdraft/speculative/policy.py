@@ -1,16 +1,26 @@
 """How many tokens to draft now: the k that maximises expected tokens per second, by measurement.
 
 The policy measures what the speed model (speculative/speed.py) needs as the engine runs: a plain step, the
-verification of k drafts, a drafted token's cost per source and the acceptance of each draft position; it picks
-the best k, 0 (plain) included, probing now and then so that it can switch back.
+verification of k drafts, a drafted token's cost per source, a source's catch-up per round and the acceptance of
+each draft position; it picks the best k, 0 (plain) included, probing now and then so that it can switch back.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from quickdraft.config import SpeculationConfig
 from quickdraft.speculative import speed
 
-EMA = 0.25  # weight of a new timing
+# A timing is the median of its last WINDOW samples (t_plain's: PLAIN_WINDOW). On a shared machine a step now and
+# then takes two or three times as long (the process was preempted), and the machine's speed drifts by a quarter
+# over minutes; an average lets one slow sample move the estimate, and a rarely timed one (t_plain while
+# speculating) keeps it for hundreds of rounds. A median over a few recent samples drops the outlier and follows the
+# drift. t_plain, timed once per REFRESH rounds while speculation wins, keeps fewer: its samples are far apart.
+WINDOW = 5
+PLAIN_WINDOW = 3
+CATCH_UP_EMA = 0.1  # weight of a new round in a source's mean catch-up seconds per round (about the last 10)
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
 PROBE_K = 4  # the first round of a source not yet measured
 # While plain decoding wins, a source is probed after probe_every plain steps, then after twice as many each time
@@ -23,8 +33,11 @@ PROBE_SHORT = 2
 # While speculation wins, one plain step after this many rounds in a row times a plain step again: t_plain is
 # measured only on plain steps, and a stale one (taken while the machine was slower, or before its caches were
 # warm) can hold the policy speculating where plain decoding has become faster. One plain step in 64 rounds
-# costs well under 1% where speculation wins by 1.2x or more.
+# costs well under 1% where speculation wins by 1.2x or more. Where it wins by less than MARGIN, plain decoding is
+# timed every REFRESH_NEAR rounds instead: there the choice depends on t_plain most and a plain step costs least.
 REFRESH = 64
+REFRESH_NEAR = 8
+MARGIN = 1.15
 
 
 class AdaptivePolicy:
@@ -33,6 +46,11 @@ class AdaptivePolicy:
         self.t_plain: float | None = None
         self.t_verify: dict[int, float] = {}  # k -> seconds to verify k drafts (k + 1 tokens)
         self.t_draft: dict[str, float] = {}  # source -> seconds per drafted token
+        # source -> mean seconds per round spent feeding the drafter what it missed while another source drafted
+        # (a draft model after n-gram rounds: one pass over their tokens); paid once per round, whatever its k
+        self.t_catch_up: dict[str, float] = {}
+        self.samples: dict = {}  # timing key -> its last WINDOW samples
+        self.resuming: set = set()  # sources that plain decoding was chosen over: their next round is a switch
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
         self.accepted: dict[str, list[float]] = {}
         self.plain_since_round = 0
@@ -54,19 +72,36 @@ class AdaptivePolicy:
 
     # ---- measurements -----------------------------------------------------------------------
 
+    def _timed(self, key, seconds: float) -> float | None:
+        """The median of key's last few samples, seconds the newest; None while only its warm-up was seen."""
+        if not self._warm(key):
+            return None
+        window = self.samples.setdefault(key, deque(maxlen=PLAIN_WINDOW if key == "plain" else WINDOW))
+        window.append(seconds)
+        return statistics.median(window)
+
     def record_plain(self, seconds: float) -> None:
-        if self._warm("plain"):
-            self.t_plain = _ema(self.t_plain, seconds)
+        t = self._timed("plain", seconds)
+        if t is not None:
+            self.t_plain = t
         self.plain_since_round += 1
         self.rounds_since_plain = 0
 
-    def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                     catch_up_s: float = 0.0) -> None:
+        """draft_s: the drafting passes; catch_up_s: feeding the drafter first what it missed (not in draft_s)."""
+        if source in self.resuming:  # its catch-up over the plain steps (or a probe's window) is the cost of
+            self.resuming.discard(source)  # switching back, which probing pays for, not of a round
+        else:
+            self.t_catch_up[source] = _ema(self.t_catch_up.get(source, catch_up_s), catch_up_s, CATCH_UP_EMA)
         self.plain_since_round = 0
         self.rounds_since_plain += 1
-        if self._warm(("verify", drafted)):
-            self.t_verify[drafted] = _ema(self.t_verify.get(drafted), verify_s)
-        if self._warm(("draft", source)):
-            self.t_draft[source] = _ema(self.t_draft.get(source), draft_s / max(drafted, 1))
+        t = self._timed(("verify", drafted), verify_s)
+        if t is not None:
+            self.t_verify[drafted] = t
+        t = self._timed(("draft", source), draft_s / max(drafted, 1))
+        if t is not None:
+            self.t_draft[source] = t
         tried = self.tried.setdefault(source, [])
         acc = self.accepted.setdefault(source, [])
         for i in range(len(tried)):
@@ -111,7 +146,8 @@ class AdaptivePolicy:
     def predicted_rate(self, source: str, k: int) -> float:
         if k == 0:
             return 1.0 / self.t_plain
-        return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.t_draft.get(source, 0.0))
+        return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.t_draft.get(source, 0.0),
+                          self.t_catch_up.get(source, 0.0))
 
     # ---- the decision -----------------------------------------------------------------------
 
@@ -124,11 +160,13 @@ class AdaptivePolicy:
             return 0 if cfg.draft_min == 0 else cfg.draft_max
         if source not in self.t_draft:  # not measured yet (or only its warm-up round): probe
             return max(cfg.draft_min, min(cfg.draft_max, PROBE_K))
-        if cfg.draft_min == 0 and self.rounds_since_plain >= REFRESH:  # time a plain step again (every source
-            return 0  # of this step hears the same, so the step is plain)
         candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
         best = max(candidates, key=lambda k: self.predicted_rate(source, k), default=0)
-        if cfg.draft_min == 0 and self.predicted_rate(source, 0) >= self.predicted_rate(source, best):
+        gain = self.predicted_rate(source, best) / self.predicted_rate(source, 0) if best else 0.0
+        if cfg.draft_min == 0 and self.rounds_since_plain >= (REFRESH if gain >= MARGIN else REFRESH_NEAR):
+            return 0  # time a plain step again
+        if cfg.draft_min == 0 and gain <= 1.0:
+            self.resuming.add(source)
             wait = self.probe_after.get(source, cfg.probe_every)
             if self.plain_since_round < wait:
                 return 0
@@ -144,9 +182,10 @@ class AdaptivePolicy:
             "t_plain_s": self.t_plain,
             "v": {k: t / t1 for k, t in sorted(self.t_verify.items())} if t1 else {},
             "r": {s: t / t1 for s, t in self.t_draft.items()} if t1 else {},
+            "catch_up": {s: t / t1 for s, t in self.t_catch_up.items()} if t1 else {},
             "acceptance": {s: self.acceptance(s, len(self.tried[s])) for s in self.tried},
         }
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else (1 - EMA) * old + EMA * new
+def _ema(old: float, new: float, weight: float) -> float:
+    return (1 - weight) * old + weight * new

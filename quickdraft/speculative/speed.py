@@ -6,9 +6,10 @@ given the ones before it were, a round of k drafts emits
 
     E[L](k) = 1 + sum_{i<=k} prod_{j<=i} a_j
 
-tokens in t_verify(k) + k t_draft seconds, where plain decoding emits one token in t_plain, so speculation runs
-at E[L](k) / (v(k) + k r) times the speed of plain decoding (E[L](k) = (1 - alpha^(k+1)) / (1 - alpha) when every
-a_i is alpha).
+tokens in t_verify(k) + k t_draft + t_catch_up seconds (t_catch_up: what the drafter spends per round feeding the
+tokens it missed while another source drafted), where plain decoding emits one token in t_plain, so speculation
+runs at E[L](k) / (v(k) + k r + c) times the speed of plain decoding (c = t_catch_up / t_plain; E[L](k) =
+(1 - alpha^(k+1)) / (1 - alpha) when every a_i is alpha).
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ def expected_length(acceptance: Sequence[float]) -> float:
     return total
 
 
-def round_seconds(t_verify: float, k: int, t_draft: float) -> float:
-    """Seconds of a round: verifying k drafts and drafting them."""
-    return t_verify + k * t_draft
+def round_seconds(t_verify: float, k: int, t_draft: float, t_catch_up: float = 0.0) -> float:
+    """Seconds of a round: verifying k drafts, drafting them and catching up first."""
+    return t_verify + k * t_draft + t_catch_up
 
 
-def rate(acceptance: Sequence[float], t_verify: float, t_draft: float) -> float:
+def rate(acceptance: Sequence[float], t_verify: float, t_draft: float, t_catch_up: float = 0.0) -> float:
     """Tokens per second of rounds drafting len(acceptance) tokens."""
-    return expected_length(acceptance) / round_seconds(t_verify, len(acceptance), t_draft)
+    return expected_length(acceptance) / round_seconds(t_verify, len(acceptance), t_draft, t_catch_up)
 
 
-def speedup(expected: float, v_k: float, k: int, r: float) -> float:
-    """E[L](k) / (v(k) + k r): speculation's speed over plain decoding."""
-    return expected / (v_k + k * r)
+def speedup(expected: float, v_k: float, k: int, r: float, c: float = 0.0) -> float:
+    """E[L](k) / (v(k) + k r + c): speculation's speed over plain decoding."""
+    return expected / (v_k + k * r + c)

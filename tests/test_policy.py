@@ -136,6 +136,7 @@ def test_a_catch_up_is_a_cost_per_round_and_a_switch_back_is_not_counted():
     whatever its k (so it favours longer rounds), that can make plain decoding the faster choice; the catch-up
     of the round that resumes speculation after plain steps is the cost of switching, not of a round."""
     from quickdraft.speculative import speed
+    from quickdraft.speculative.policy import CATCH_UP_EMA
 
     policy = trained(acceptance=0.7, verify_slope=0.05, draft_cost=0.1)
     k_free = policy.k_for("draft")
@@ -148,9 +149,12 @@ def test_a_catch_up_is_a_cost_per_round_and_a_switch_back_is_not_counted():
     policy.t_catch_up["draft"] = 3.0  # catching up costs more than speculation wins
     assert policy.k_for("draft") == 0 and "draft" in policy.resuming
     policy.record_round("draft", 2, 2, 0.2, 1.1, catch_up_s=9.0)  # the probe's catch-up over the plain steps
-    assert policy.t_catch_up["draft"] == 3.0 and "draft" not in policy.resuming
-    policy.record_round("draft", 2, 2, 0.2, 1.1, catch_up_s=0.0)  # a round with nothing to catch up
-    assert policy.t_catch_up["draft"] < 3.0
+    w = CATCH_UP_EMA
+    assert policy.t_catch_up["draft"] == pytest.approx((1 - w) * 3.0) and "draft" not in policy.resuming  # as none
+    policy.record_round("draft", 2, 2, 0.2, 1.1, catch_up_s=1.0)  # a round after n-gram rounds
+    assert policy.t_catch_up["draft"] == pytest.approx((1 - w) ** 2 * 3.0 + w * 1.0)
+    policy.begin()  # another text: how often lookup interleaves is its own
+    assert policy.t_catch_up == {}
 
 
 def test_where_speculation_wins_narrowly_plain_steps_are_timed_more_often():
@@ -169,3 +173,23 @@ def test_where_speculation_wins_narrowly_plain_steps_are_timed_more_often():
         if steps[-1]:
             policy.rounds_since_plain += 1  # a round whose counts leave the estimate as it is
     assert steps[:REFRESH_NEAR] == [k] * REFRESH_NEAR and steps[-1] == 0
+
+
+def test_a_probe_that_wins_keeps_the_next_one_close():
+    """A probe whose drafts beat plain steps (an estimate turned speculation off where it pays) is followed by the
+    next after probe_every plain steps again; one that loses doubles the wait."""
+    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
+
+    def wait_for_probe() -> int:
+        steps = 0
+        while policy.k_for("draft") == 0:
+            policy.record_plain(1.0)
+            steps += 1
+        return steps
+
+    every = policy.cfg.probe_every
+    assert wait_for_probe() == every
+    policy.record_round("draft", 2, 0, 0.8, 2.2)  # lost: 1 token in 3 seconds
+    assert wait_for_probe() == 2 * every
+    policy.record_round("draft", 2, 2, 0.1, 1.1)  # won: 3 tokens in 1.2 seconds
+    assert wait_for_probe() == every

@@ -24,10 +24,12 @@ CATCH_UP_EMA = 0.1  # weight of a new round in a source's mean catch-up seconds 
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
 PROBE_K = 4  # the first round of a source not yet measured
 # While plain decoding wins, a source is probed after probe_every plain steps, then after twice as many each time
-# a probe finds plain decoding still better (at most PROBE_MAX; each generation starts over), with at most
-# PROBE_SHORT drafts: a probe costs a
+# a probe loses (at most PROBE_MAX; each generation starts over), with at most PROBE_SHORT drafts: a probe costs a
 # round that is expected to lose (a draft model's catch-up pass over the steps it missed, its drafts, a verification),
 # and probing at a fixed interval made adaptive decoding 10-20% slower than plain where speculation does not pay.
+# A probe that emits its tokens faster than plain steps would have (its drafting and verification; the catch-up is
+# the switch's) keeps the wait at probe_every: speculation that was turned off by a noisy estimate where it pays
+# (code-zh, int4 pair: 1.2x) came back only after several doubled waits.
 PROBE_MAX = 256
 PROBE_SHORT = 2
 # While speculation wins, one plain step after this many rounds in a row times a plain step again: t_plain is
@@ -60,8 +62,10 @@ class AdaptivePolicy:
 
     def begin(self) -> None:
         """A new generation: its text may draft better or worse than the last one's, so probing starts over at
-        probe_every (the timings and acceptance measured so far are kept)."""
+        probe_every, and how often lookup leaves a draft model behind is its own (the timings and acceptance
+        measured so far are kept)."""
         self.probe_after.clear()
+        self.t_catch_up.clear()
 
     def _warm(self, key) -> bool:
         """False the first time `key` is timed (that sample is dropped), True after."""
@@ -90,10 +94,12 @@ class AdaptivePolicy:
     def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float,
                      catch_up_s: float = 0.0) -> None:
         """draft_s: the drafting passes; catch_up_s: feeding the drafter first what it missed (not in draft_s)."""
-        if source in self.resuming:  # its catch-up over the plain steps (or a probe's window) is the cost of
-            self.resuming.discard(source)  # switching back, which probing pays for, not of a round
-        else:
-            self.t_catch_up[source] = _ema(self.t_catch_up.get(source, catch_up_s), catch_up_s, CATCH_UP_EMA)
+        if source in self.resuming:  # a probe, or the round resuming speculation: its catch-up over the plain
+            self.resuming.discard(source)  # steps (or a probe's window) is the cost of switching, not of a round,
+            catch_up_s = 0.0  # which counts as none (so that a catch-up measured before fades while it is off)
+            if self.t_plain and (accepted + 1) * self.t_plain > draft_s + verify_s:  # it beat a plain step: the
+                self.probe_after.pop(source, None)  # next probe comes as soon as the first did, not later
+        self.t_catch_up[source] = _ema(self.t_catch_up.get(source, catch_up_s), catch_up_s, CATCH_UP_EMA)
         self.plain_since_round = 0
         self.rounds_since_plain += 1
         t = self._timed(("verify", drafted), verify_s)

@@ -51,7 +51,7 @@ class AdaptivePolicy:
         # source -> mean seconds per round spent feeding the drafter what it missed while another source drafted
         # (a draft model after n-gram rounds: one pass over their tokens); paid once per round, whatever its k
         self.t_catch_up: dict[str, float] = {}
-        self.samples: dict = {}  # timing key -> its last WINDOW samples
+        self.samples: dict = {}  # timing key -> its last samples (WINDOW of them; PLAIN_WINDOW for "plain")
         self.resuming: set = set()  # sources that plain decoding was chosen over: their next round is a switch
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
         self.accepted: dict[str, list[float]] = {}

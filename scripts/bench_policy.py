@@ -16,12 +16,11 @@ Usage: .venv/bin/python scripts/bench_policy.py [--rev HEAD] [--weights int4] [-
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import statistics
 import subprocess
 import sys
-import tempfile
+import types
 from pathlib import Path
 
 import quickdraft
@@ -36,11 +35,8 @@ def policy_at(rev: str):
     """The AdaptivePolicy class of quickdraft/speculative/policy.py at git revision rev."""
     source = subprocess.run(["git", "show", f"{rev}:quickdraft/speculative/policy.py"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "policy_at_rev.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("policy_at_rev", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = types.ModuleType("policy_at_rev")
+    exec(compile(source, f"{rev}:quickdraft/speculative/policy.py", "exec"), module.__dict__)
     base = module.AdaptivePolicy
     if "catch_up_s" in inspect.signature(base.record_round).parameters:
         return base

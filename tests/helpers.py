@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT, GGUFWriter, quants
 
 # A prompt with repeats, so that n-gram lookup finds matches
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
@@ -59,12 +59,13 @@ def drafter(kind, target, draft, p_min=0.0, capacity=256):
 
 
 
-def tiny_hf_config(arch: str, vocab: int = 320, layers: int = 2):
+def tiny_hf_config(arch: str, vocab: int = 320, layers: int = 2, **sizes):
+    """sizes: hidden_size, intermediate_size, ... in place of the tiny defaults (rows of 256 for K-quant blocks)."""
     import transformers
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2) | sizes
     if arch == "llama":
         return transformers.LlamaConfig(rope_theta=10000.0, **common)
     if arch == "qwen2":
@@ -75,12 +76,12 @@ def tiny_hf_config(arch: str, vocab: int = 320, layers: int = 2):
 
 
 def tiny_hf_model(arch: str, seed: int = 0, tie: bool = False, vocab: int = 320, layers: int = 2,
-                  logit_scale: float = 1.0):
+                  logit_scale: float = 1.0, **sizes):
     """A random model; logit_scale > 1 makes its next-token distributions peaked, like a trained model's."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = tiny_hf_config(arch, vocab, layers)
+    cfg = tiny_hf_config(arch, vocab, layers, **sizes)
     cfg.tie_word_embeddings = tie
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0: make every parameter matter
@@ -189,6 +190,9 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
                 heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
                 t = converter_permute(t, heads)
         qtype = table_type if gname == "token_embd.weight" else (layer_types or {}).get(gname.split(".", 2)[-1])
+        if qtype in K_QUANTS:  # gguf's Python quantizer cannot write these: random blocks, not the model's values
+            w.add_tensor(gname, random_blocks(qtype, *t.shape, np.random.default_rng(0)), raw_dtype=qtype)
+            continue
         if qtype is not None:
             w.add_tensor(gname, quants.quantize(np.ascontiguousarray(t), qtype), raw_dtype=qtype)
             continue
@@ -200,6 +204,22 @@ def write_gguf_from_hf(model, path: Path, arch: str | None = None, extra_tensors
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# Byte offsets of the float16 scale fields in each block (random bytes there could be inf/NaN).
+F16_FIELDS = {GT.Q8_0: [0], GT.Q4_0: [0], GT.Q4_1: [0, 2], GT.Q5_0: [0], GT.Q5_1: [0, 2],
+              GT.Q4_K: [0, 2], GT.Q5_K: [0, 2], GT.Q6_K: [208]}
+K_QUANTS = (GT.Q4_K, GT.Q5_K, GT.Q6_K)
+
+
+def random_blocks(qtype, rows, cols, rng) -> np.ndarray:
+    """Random quantized bytes with finite scales: (rows, bytes per row) uint8."""
+    size, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // size, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scales = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
+        blocks[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
 
 
 def add_noise(model, share: float = 0.2, seed: int = 1):

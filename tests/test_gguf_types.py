@@ -8,22 +8,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter, quants
 from quickdraft.errors import QuickdraftError
 from quickdraft.weights import gguf as gguf_io
 from quickdraft.weights.dequant import SUPPORTED_TYPES, dequantize
+from tests.helpers import F16_FIELDS, random_blocks
 
-# Byte offsets of the float16 scale fields in each block (random bytes there could be inf/NaN).
-F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2],
-              T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 BLOCK_TYPES = list(F16_FIELDS)
 ROWS, COLS = 8, 512
-
-
-def random_blocks(qtype, rows, cols, rng) -> np.ndarray:
-    """Random quantized bytes with finite scales: (rows, bytes per row) uint8."""
-    size, nbytes = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(rows * cols // size, nbytes), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        scales = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
-        blocks[:, off:off + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
 
 
 @pytest.fixture(scope="module")

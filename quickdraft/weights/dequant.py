@@ -96,7 +96,8 @@ def _q6_k(b):
     sc = b[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16): one scale per 16 elements
     d = _f16(b[:, 208:210])
     low = torch.cat([ql & 0xF, ql >> 4], dim=2)  # (n, 2, 128)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
+    # made on the device (no host list copied in: a lookup of the token table runs inside captured CUDA graphs)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
     high = ((qh >> shifts) & 3).reshape(-1, 2, 128)
     q = (low | (high << 4)).float() - 32
     y = (d * sc)[:, :, None] * q.reshape(-1, 16, 16)

@@ -117,8 +117,10 @@ def run(llm, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, 
         for c in configs:
             rows.append(_row(pname, c, measured[c], plain_tokens, engines[c]))
     _speedups(rows)
+    graphs = llm.target.graphs  # a measurement on CUDA assumes them: say so if a capture turned them off
     return {"n": n, "runs": runs, "warmup": warmup, "prompts": list(prompts), "configs": [c.name for c in configs],
-            "rows": rows, "summary": _summary(rows, configs)}
+            "rows": rows, "summary": _summary(rows, configs),
+            "graphs_off": graphs.disabled if graphs is not None else None}
 
 
 def _row(prompt: str, c: BenchConfig, measured, plain_tokens, engine) -> dict:
@@ -204,6 +206,8 @@ def table(result: dict) -> str:
         lines.append(f"  {s['config']:22} {s['decode_tok_s']:7.2f} tok/s decode, {s['e2e_tok_s']:7.2f} end to end "
                      f"{speedup:>12}  acceptance {100 * s['acceptance']:3.0f}%"
                      + ("" if s["all_same_as_plain"] else "  OUTPUT DIFFERS FROM PLAIN"))
+    if result.get("graphs_off"):
+        lines.append(f"CUDA graphs were off for the target ({result['graphs_off']}): these are eager passes")
     return "\n".join(lines)
 
 

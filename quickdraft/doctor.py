@@ -62,6 +62,13 @@ def placement(model: torch.nn.Module, intended: torch.device, role: str) -> Find
                    f"them; load with --device {intended} and enough free memory", figures)
 
 
+def _graphs(lm) -> str:
+    """Whether a model's passes replay CUDA graphs, or why not."""
+    if lm.graphs is None:
+        return "off (--no-cuda-graphs)"
+    return f"off ({lm.graphs.disabled})" if lm.graphs.disabled else "on"
+
+
 def kernels(*models) -> Finding:
     """On a CPU with bf16 activations: whether quickdraft's own kernels run the models' weights (and each decoder
     layer as one fused step), or why not."""
@@ -69,15 +76,18 @@ def kernels(*models) -> Finding:
 
     formats = ", ".join(f"{m.name.split('/')[-1]} {m.weights}" for m in models)
     figures = {"formats": formats, "plans": {m.name: m.plan for m in models}}
-    on_cuda = [m for m in models if m.device.type == "cuda" and m.weights in quant.QUANTIZED]
+    on_cuda = [m for m in models if m.device.type == "cuda"]
     if on_cuda:
         from quickdraft.quant import gpu
 
-        layers = sorted({k for m in on_cuda for k in m.plan.get("linear", {}) if not k.startswith(("bfloat", "float"))})
+        layers = sorted({k for m in on_cuda for k in m.plan.get("linear", {})})
         reason = gpu.triton_reason()
         slow = (f"; int8 runs on PyTorch's kernel, which reads the weights once per row ({reason}): install Triton"
                 if reason and any(m.weights in ("int8", "mixed") for m in on_cuda) else "")
-        return Finding("kernels", "warn" if slow else "ok", f"CUDA: {', '.join(layers)} ({formats}){slow}", figures)
+        passes = (f"; passes of {on_cuda[0].plan.get('rows')} rows, attention: {on_cuda[0].plan.get('attention')}; "
+                  + ", ".join(f"{m.name.split('/')[-1]} graphs {_graphs(m)}" for m in on_cuda))
+        return Finding("kernels", "warn" if slow else "ok", f"CUDA: {', '.join(layers)} ({formats}){passes}{slow}",
+                       figures)
     if not any(m.device.type == "cpu" and m.model.dtype == torch.bfloat16 for m in models):
         return Finding("kernels", "ok", f"not on a bf16 CPU path ({formats})", figures)
     if vnni.available():

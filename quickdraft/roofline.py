@@ -16,10 +16,9 @@ from quickdraft.models.rope import RopeConfig
 from quickdraft.runtime.kv_cache import KVCache
 
 # Random-weight stand-ins for real models where the files are not at hand (a GPU machine has no network; a pass's
-# speed and a plan's bytes depend on the shapes, not the values): the default pair (MODELS.md), the 0.5B-class
-# draft, and a 27B-class target of Qwen3.5-27B's dimensions with all 64 layers as attention layers (until the
-# hybrid layers are built, the nearest dense model of the size the seeds' users run: about 24B parameters, 15 GiB
-# in int4). Used by scripts/gpu_bench.py and the memory plan's tests.
+# speed and a plan's bytes depend on the shapes, not the values): the default pair, and a 27B-class target of
+# Qwen3.5-27B's dimensions with all 64 layers as attention layers (the nearest dense model of the size the seeds'
+# users run: about 24B parameters, 15 GiB in int4). Used by scripts/gpu_bench.py and the memory plan's tests.
 STAND_INS = {
     "qwen2.5-coder-1.5b": ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
     "qwen2.5-coder-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768, qkv_bias=True),
@@ -30,6 +29,8 @@ STAND_INS = {
         rope=RopeConfig(theta=1e7, rotary_dim=64), attn_output_gate=True,
         layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(24)),
         linear_k_heads=16, linear_v_heads=16, linear_k_dim=128, linear_v_dim=128),
+    # a tiny dense model of the default pair's family: the CPU rehearsal of scripts/gpu_check.sh (its paths, not speeds)
+    "dense-tiny": ModelConfig("qwen2", 512, 128, 2, 4, 2, 32, 256, 1e-6, 1e6, 4096, qkv_bias=True),
     # a tiny hybrid (3 Gated DeltaNet layers, 1 gated attention): for speeds of the mechanism itself
     "hybrid-tiny": ModelConfig(
         "qwen3_5", 512, 128, 4, 4, 2, 32, 256, 1e-6, 1e7, 4096, qk_norm=True, rope=RopeConfig(theta=1e7, rotary_dim=8),
@@ -57,9 +58,7 @@ def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024, noise: f
     from pathlib import Path
 
     from quickdraft.models.transformer import Transformer
-    from quickdraft.runtime.graphs import StepGraphs
-    from quickdraft.runtime.plan import plan
-    from quickdraft.weights.loader import LoadedModel, build_model
+    from quickdraft.weights.loader import LoadedModel, build_model, ready
 
     cfg, device = STAND_INS[name], torch.device(device)
     with torch.device("meta"):
@@ -84,9 +83,8 @@ def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024, noise: f
     t0 = time.perf_counter()
     model = build_model(cfg, tensors(), device, context, fmt, torch.bfloat16)
     lm = LoadedModel(name, Path(name), cfg, model, placeholder_tokenizer(cfg.vocab_size), time.perf_counter() - t0,
-                     fmt, plan=plan(model))
-    lm.graphs = StepGraphs(model) if device.type == "cuda" else None
-    return lm
+                     fmt)
+    return ready(lm)
 
 
 def q4_k_m_types(cfg: ModelConfig) -> dict:
@@ -179,6 +177,8 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 5) -> tuple[f
     cache = KVCache.for_model(model, len(prompt) + kmax + 2)
     if cache.max_draft is not None:  # a hybrid's recurrent state rolls back at most its kept positions
         kmax = min(kmax, cache.max_draft)
+    if target.rows is not None:  # on CUDA a round's pass is at most target.rows rows (Engine.max_draft)
+        kmax = min(kmax, target.rows - 1)
     target.forward(torch.tensor([prompt], device=device), cache, last_only=True)
     n = len(prompt)
     feed = torch.tensor([prompt[-1:] * (kmax + 1)], device=device)

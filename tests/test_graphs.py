@@ -2,6 +2,8 @@
 (Transformer.forward_at) against forward, and their bookkeeping (padding, spans, the check that turns them off)
 with a stand-in capture that reruns the pass. tests/test_cuda.py runs the same paths as real CUDA graphs."""
 
+import gc
+
 import pytest
 import torch
 
@@ -53,15 +55,21 @@ def test_graphed_speculative_output_equals_graphed_plain_and_eager(models, spec)
     try:
         g = with_graphs(target)
         with_graphs(draft)
-        plain, _ = tokens_of(Engine(target, 256), params)
+        engines = [Engine(target, 256)]
+        plain, _ = tokens_of(engines[0], params)
         drafter = DraftModelDrafter(draft, target.config.vocab_size, 256)
-        ours, final = tokens_of(Engine(target, 256, drafter, spec), params)
+        engines.append(Engine(target, 256, drafter, spec))
+        ours, final = tokens_of(engines[1], params)
         caches = len(g.graphs)
+        del engines
+        gc.collect()
+        left = len(g.graphs)
     finally:
         target.graphs = draft.graphs = None
     assert ours == plain == eager
     assert final.stats.rounds > 0 and g.disabled is None
     assert caches == 2  # one graph for each engine's cache
+    assert left == 0  # gone with the caches: a graph never keeps a cache alive beyond its owner
 
 
 def test_passes_too_wide_or_too_near_the_end_run_eagerly(models):

@@ -22,18 +22,27 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import rope as ropes
+from quickdraft.quant.gpu import ROW_TILE
 from quickdraft.runtime.kv_cache import KVCache
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with a single row computed as one row of two.
+    """F.linear, with a single row computed as one row of two (on CUDA: short passes as ROW_TILE rows).
 
     Kernels pick a different algorithm (a GEMV) for one row than for several, so the same row would get
     slightly different results in a plain step (1 row) and in a verification (k + 1 rows); with oneDNN's
     bf16 GEMM every row's result is otherwise independent of the row count. Padding keeps greedy
-    speculative output identical to plain greedy output, for the cost of one extra activation row.
+    speculative output identical to plain greedy output, for the cost of one extra activation row. cuBLAS
+    chooses its algorithm by the row count at every size, so on CUDA every pass of fewer than ROW_TILE rows (a
+    mixture of experts' share of a pass, say) is computed as ROW_TILE rows.
     """
-    if x.numel() != x.shape[-1]:
+    rows = x.numel() // x.shape[-1]
+    if x.is_cuda:
+        if rows >= ROW_TILE:
+            return F.linear(x, weight, bias)
+        padded = F.pad(x.reshape(rows, -1), (0, 0, 0, ROW_TILE - rows))
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+    if rows != 1:
         return F.linear(x, weight, bias)
     return F.linear(x.reshape(1, -1).expand(2, -1), weight, bias)[:1].reshape(*x.shape[:-1], -1)
 
@@ -133,12 +142,14 @@ class Attention(nn.Module):
         self.fused_attention = (kernels and self.softcap is None and self.head_dim % 16 == 0
                                 and self.head_dim <= 256)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask, rows: int | None = None) -> torch.Tensor:
+        """rows: the pass's first `rows` positions are real, the rest padding (LoadedModel.forward on CUDA), which
+        nothing real attends to: their attention is not computed."""
         B, S, _ = x.shape
         if self.fused_qkv:
             q, k, v = torch.ops.quickdraft_vnni.qkv_rotary(self.wqkv(x).contiguous(), cos, sin, self.n_heads,
                                                            self.n_kv_heads)
-            return self._attend(q, k, v, cache, layer, mask, B, S)
+            return self._attend(q, k, v, cache, layer, mask, B, S, rows=rows)
         parts = self.wqkv(x).split(self.split, dim=-1)
         gate = None
         if self.gated:
@@ -149,7 +160,7 @@ class Attention(nn.Module):
             q = self.q_norm(q)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, H, S, D)
         if len(parts) == 1:  # keys and values of an earlier layer (gemma4's shared layers)
-            return self._attend(q, None, None, cache, layer, mask, B, S, gate)
+            return self._attend(q, None, None, cache, layer, mask, B, S, gate, rows)
         k = parts[1].view(B, S, self.n_kv_heads, self.head_dim)
         v = parts[2].view(B, S, self.n_kv_heads, self.head_dim) if len(parts) == 3 else k  # gemma4: values = keys
         if self.k_norm is not None:
@@ -157,9 +168,10 @@ class Attention(nn.Module):
         if self.v_norm:
             v = unit_norm(v, self.eps)
         k, v = apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
-        return self._attend(q, k, v, cache, layer, mask, B, S, gate)
+        return self._attend(q, k, v, cache, layer, mask, B, S, gate, rows)
 
-    def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int, gate=None) -> torch.Tensor:
+    def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int, gate=None,
+                rows: int | None = None) -> torch.Tensor:
         if k is None:
             keys, values = cache.read(self.source, S)
         else:
@@ -174,7 +186,8 @@ class Attention(nn.Module):
         elif mask is not None or (S == 1 and not self._windowed(start + S)) or S > ROWWISE_MAX:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
         else:
-            out = torch.cat([self._row(q[:, :, i:i + 1], keys, values, start + i + 1) for i in range(S)], dim=2)
+            out = torch.cat([self._row(q[:, :, i:i + 1], keys, values, start + i + 1) for i in range(rows or S)], dim=2)
+            out = F.pad(out, (0, 0, 0, S - out.shape[2]))  # padding rows: zeros
         out = out.transpose(1, 2).reshape(B, S, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(B, S, -1))
@@ -261,7 +274,9 @@ class GatedDeltaNet(nn.Module):
         self.out_norm.plan(kernels)
         self.fused_step = kernels
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask, rows: int | None = None) -> torch.Tensor:
+        """rows: the pass's first `rows` positions are real, the rest padding (LoadedModel.forward on CUDA): the
+        recurrence runs over the real ones only, and the state is saved after each of them."""
         B, S, _ = x.shape
         state = cache.states[layer]
         start = cache.length
@@ -277,14 +292,14 @@ class GatedDeltaNet(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, Hv, S, D)
         b, a = self.in_b(x), self.in_a(x)  # (B, S, Hv): beta = sigmoid(b), g = -exp(A) softplus(a + dt_bias)
         if S <= ROWWISE_MAX:
-            out = self._recurrent(q, k, v, b, a, state, window, start)
+            out = self._recurrent(q, k, v, b, a, state, window, start, rows or S)
         else:
             beta, g = self._gates(b, a)
             out, ssm = self._chunked(q, k, v, beta.transpose(1, 2), g.transpose(1, 2), state.ssm)
             index, slot = state.fresh()
             slot.copy_(ssm)
             state.save(start + S, window[:, -(self.kernel - 1):], index)
-        state.trim(start + S)
+        state.trim(start + (rows or S))
         out = out.transpose(1, 2)  # (B, S, Hv, Dv)
         z = self.in_z(x).view(B, S, self.v_heads, self.v_dim)
         h = (self.out_norm(out.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
@@ -301,12 +316,12 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b).float()
         return beta, -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
-    def _recurrent(self, q, k, v, b, a, state, window, start: int) -> torch.Tensor:
-        """Token by token. Each token's gates are computed on its own row too: PyTorch's vectorised elementwise
-        kernels leave a tensor's tail to scalar code, so a value's rounding could otherwise depend on how many
-        tokens the pass holds."""
+    def _recurrent(self, q, k, v, b, a, state, window, start: int, rows: int) -> torch.Tensor:
+        """Token by token, over the first `rows` tokens (the rest, padding, give zeros). Each token's gates are
+        computed on its own row too: PyTorch's vectorised elementwise kernels leave a tensor's tail to scalar code,
+        so a value's rounding could otherwise depend on how many tokens the pass holds."""
         ssm, outs = state.ssm, []
-        for t in range(q.shape[2]):
+        for t in range(rows):
             beta, g = self._gates(b[:, t].contiguous(), a[:, t].contiguous())  # (B, Hv)
             decay = g.exp()
             index, slot = state.fresh()
@@ -322,7 +337,8 @@ class GatedDeltaNet(nn.Module):
                 outs.append((slot * q[:, :, t][..., None]).sum(-2))
             state.save(start + t + 1, window[:, t + 1:t + self.kernel], index)
             ssm = slot
-        return torch.stack(outs, dim=2)
+        out = torch.stack(outs, dim=2)
+        return F.pad(out, (0, 0, 0, q.shape[2] - rows)) if rows < q.shape[2] else out
 
     def _chunked(self, q, k, v, beta, g, ssm):
         """The same recurrence over chunks of C tokens, in matrix products. Within a chunk with decay products
@@ -370,7 +386,7 @@ class FeedForward(nn.Module):
     def plan(self, kernels: bool) -> None:
         self.fused = kernels and self.activation == "silu" and (2 * self.w2.in_features) % 32 == 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         gate_up = self.w13(x)
         if self.fused:
             return self.w2(torch.ops.quickdraft_vnni.silu_mul(gate_up.contiguous()))  # the same, fused
@@ -403,7 +419,9 @@ class MoE(nn.Module):
         for expert in [*self.experts, *([self.shared] if self.shared is not None else [])]:
             expert.plan(kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """rows: the first `rows` positions are real, the rest padding (LoadedModel.forward on CUDA): only the real
+        ones are routed (padding rows get the shared expert alone)."""
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         logits = linear(h, self.router.weight)
@@ -412,6 +430,8 @@ class MoE(nn.Module):
             top = top / top.sum(-1, keepdim=True)
         top = top.to(logits.dtype)
         out = torch.zeros_like(h)
+        if rows is not None:
+            chosen = chosen[:rows]
         for e in torch.unique(chosen).tolist():  # ascending: every token's experts in the same order
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             y = self.experts[e](h[rows]) * top[rows, slot, None]
@@ -471,15 +491,15 @@ class Block(nn.Module):
             return None
         return [n.weight for n in norms] + [t for operands, _ in parts for t in operands], [kind for _, kind in parts]
 
-    def forward(self, x, cos, sin, cache, layer, mask, ple=None):
+    def forward(self, x, cos, sin, cache, layer, mask, ple=None, rows: int | None = None):
         if self.step is not None and mask is None and x.shape[1] <= ROWWISE_MAX:
             a = self.attention
             return torch.ops.quickdraft_vnni.block_step(x, self.step[0], self.step[1], self.attention_norm.eps, cos,
                                                         sin, a.n_heads, a.n_kv_heads, cache.k[layer], cache.v[layer],
                                                         cache.length)
-        h = self.attention(self.attention_norm(x), cos, sin, cache, layer, mask)
+        h = self.attention(self.attention_norm(x), cos, sin, cache, layer, mask, rows)
         x = x + (self.post_attention_norm(h) if self.post_attention_norm is not None else h)
-        h = self.feed_forward(self.ffn_norm(x))
+        h = self.feed_forward(self.ffn_norm(x), rows)
         x = x + (self.post_ffn_norm(h) if self.post_ffn_norm is not None else h)
         if ple is not None:
             x = x + self.ple_norm(self.ple_proj(F.gelu(self.ple_gate(x), approximate="tanh") * ple))
@@ -589,13 +609,16 @@ class Transformer(Decoder):
             self.ple_proj_norm.plan(kernels)
         return {"layers": len(self.layers), "fused_layers": sum(b.step is not None for b in self.layers)}
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False, head=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache, last_only: bool = False, head=None,
+                rows: int | None = None) -> torch.Tensor:
         """Run tokens (B, S) at positions cache.length .. cache.length + S - 1.
 
         Writes their keys and values into the cache and advances cache.length by S.
         Returns float32 logits (B, S, V), or (B, 1, V) for the last position when last_only; head: what turns the
         normed hidden states into logits instead of the model's own head (a draft's head over part of its
-        vocabulary: speculative/subset.py).
+        vocabulary: speculative/subset.py); rows: only the first `rows` tokens are real, the rest padding that
+        keeps the pass's shape fixed (LoadedModel.forward): their keys, values and hidden states are written past
+        them and mean nothing, and a recurrent state stops after the real ones (the caller rolls back to them).
         """
         S = tokens.shape[1]
         start, end = cache.length, cache.length + S
@@ -607,7 +630,7 @@ class Transformer(Decoder):
             positions = torch.arange(start, end, device=tokens.device)[:, None]
             span = torch.arange(end, device=tokens.device)[None, :]
             masks = {kind: self._mask(kind, positions, span) for kind in self.kinds}
-        logits = self._run(tokens, rotary, cache, masks, last_only, head)
+        logits = self._run(tokens, rotary, cache, masks, last_only, head, rows)
         cache.length = end
         return logits
 
@@ -634,12 +657,13 @@ class Transformer(Decoder):
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x
 
-    def _run(self, tokens, rotary: dict, cache, masks: dict, last_only: bool, head=None) -> torch.Tensor:
+    def _run(self, tokens, rotary: dict, cache, masks: dict, last_only: bool, head=None,
+             rows: int | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         ple = self._per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[layer.attention.kind]
-            x = layer(x, cos, sin, cache, i, masks[layer.attention.kind], None if ple is None else ple[:, :, i])
+            x = layer(x, cos, sin, cache, i, masks[layer.attention.kind], None if ple is None else ple[:, :, i], rows)
         hidden = getattr(cache, "hidden", None)
         if hidden is not None:  # a drafter reads the hidden states (the `mtp` drafter): every row's, normed
             x = self.norm(x)

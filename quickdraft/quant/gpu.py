@@ -5,7 +5,7 @@
   same layout as its CPU twin `_weight_int4pack_mm_for_cpu`, which the CPU tests run.
 - int8: a Triton kernel of ours (`int8_mm`), per output row one bf16 scale. PyTorch's `_weight_int8pack_mm` on
   CUDA gives one warp to each (row of activations, output) pair, so a pass of r rows reads the weights r times: a
-  padded verification pass (runtime/graphs.py: 17 rows) would read 17 times the bytes of a step. Ours reads each
+  padded verification pass (runtime/graphs.py: 16 rows) would read 16 times the bytes of a step. Ours reads each
   weight tile once for up to 64 rows, and splits K in a fixed number of slices (from the shapes only, never
   from the rows), summed in a fixed order: a row's result does not depend on the other rows. Without Triton,
   PyTorch's kernel runs (correct, slower), and doctor says so.
@@ -78,12 +78,24 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor) -> torch.Te
 
 def int8_splits(n: int, k: int, device=None) -> int:
     """Slices of K each output tile is split into for passes of up to DECODE_ROWS rows: enough programs to fill the
-    GPU (two per multiprocessor) when N alone gives too few, at least BLOCK_K inputs a slice. From the shapes only:
-    the same for every such pass."""
+    GPU (two per multiprocessor) when N alone gives too few, at least BLOCK_K inputs a slice, and none of them empty
+    (the count is taken again once the slice size is rounded up to whole blocks). From the shapes only: the same for
+    every such pass."""
     cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
     sms = torch.cuda.get_device_properties(device or 0).multi_processor_count if cuda else 132
     tiles = -(-n // BLOCK_N)
-    return max(1, min(-(-2 * sms // tiles), k // BLOCK_K, 16))
+    return int8_slices(k, max(1, min(-(-2 * sms // tiles), k // BLOCK_K, 16)))[0]
+
+
+def int8_slices(k: int, splits: int) -> tuple[int, int]:
+    """(slices, inputs per slice) when K is cut into at most `splits` slices of whole BLOCK_K blocks: the slice size
+    rounded up, then only as many slices as it takes to cover K (rounding up can leave the last ones empty)."""
+    per_split = -(-k // (splits * BLOCK_K)) * BLOCK_K
+    return -(-k // per_split), per_split
+
+
+ROW_TILE = 16  # rows of tinygemm's tiles: CUDA passes of up to this many rows are computed as this many
+#               (runtime/graphs.WIDTH; LoadedModel.forward's eager passes; models.transformer.linear)
 
 
 DECODE_ROWS = 32  # passes of up to this many rows (steps, verifications, the padded graph pass) share one shape
@@ -101,7 +113,7 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.T
     n = q.shape[0]
     decode = m <= DECODE_ROWS
     block_m, splits = (DECODE_ROWS, splits) if decode else (64, 1)
-    per_split = -(-k // (splits * BLOCK_K)) * BLOCK_K
+    splits, per_split = int8_slices(k, splits)
     grid = (-(-n // BLOCK_N), -(-m // block_m), splits)
     common = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, FLOAT32_DOT=not x.is_cuda)
     if splits == 1:

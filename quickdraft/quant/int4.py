@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quickdraft.quant import gpu, vnni
@@ -155,8 +156,10 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.vnni:
             out = torch.ops.quickdraft_vnni.int4_linear(x2.contiguous(), self.packed, self.scales, self.lows, self.bias)
-        elif self.on_cuda:
-            out = gpu.int4_mm(x2.contiguous(), self.packed, self.scales_and_zeros)
+        elif self.on_cuda:  # a short pass as ROW_TILE rows (one tile): each row's result whatever the pass
+            rows = x2.shape[0]
+            padded = F.pad(x2, (0, 0, 0, gpu.ROW_TILE - rows)) if rows < gpu.ROW_TILE else x2
+            out = gpu.int4_mm(padded.contiguous(), self.packed, self.scales_and_zeros)[:rows]
             if self.bias is not None:
                 out = out + self.bias
         else:

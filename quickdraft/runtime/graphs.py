@@ -7,11 +7,14 @@ as one launch. A graph fixes its tensors' addresses and shapes, so every pass is
 it) and attends over the whole cache under a mask.
 
 Every pass of up to WIDTH tokens (a plain step: 1; a verification: k + 1; a draft model's step) is padded
-to WIDTH rows and replays the same graph. Padding costs little where decoding is bound by memory (WIDTH
-rows read the weights once) and buys exactness: each row goes through the same kernels with the same
-shapes whatever the pass, so a verification gives every position bit for bit the logits a plain step
-gives it, and greedy speculative output stays identical to plain output. (The padding rows write keys and
-values beyond the cache's length, which no row attends to and the next pass overwrites.)
+to WIDTH rows and replays the same graph. WIDTH is the row tile of the int4 kernel (tinygemm: 16 rows; a pass
+of 17 would read every weight twice), so a round drafts at most WIDTH - 1 tokens on CUDA (Engine.max_draft).
+Padding costs little where decoding is bound by memory (WIDTH rows read the weights once) and buys exactness:
+each row goes through the same kernels with the same shapes whatever the pass, so a verification gives every
+position bit for bit the logits a plain step gives it, and greedy speculative output stays identical to plain
+output. (The padding rows write keys and values beyond the cache's length, which no row attends to and the next
+pass overwrites.) A pass no graph runs (a hybrid's, a mixture of experts') is padded to WIDTH rows eagerly, for
+the same reason (LoadedModel.forward).
 
 Every pass attends over the cache's whole capacity (the rows' masks hide what is not theirs): one graph
 per cache, and the same attention kernel with the same shapes at every position, for the same exactness.
@@ -21,18 +24,26 @@ growing with the sequence would save that, but a position would then be computed
 a plain and in a speculative run, by a softmax whose reduction order follows the length.
 
 A graph is captured when a pass first needs it and checked once against the same pass run eagerly: a graph
-that disagrees is never used (a warning says so) and the model runs eagerly from then on.
+that disagrees is never used (a warning says so, and `disabled` says why: benchmarks check it) and the model runs
+eagerly from then on.
+
+A graph writes into its cache's tensors, so it lives exactly as long as that cache: it holds the cache weakly and
+is dropped when the cache is (an engine's cache is the one the memory plan counts; a benchmark's or a tool's
+short-lived caches are not kept alive by their graphs).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 
 import torch
 
-WIDTH = 17  # rows of every graphed pass: a verification of the default --draft-max (16) plus its last token
-KEEP = 4  # graphs kept, one per cache (least recently used dropped): an engine's, a drafter's, a benchmark's
+from quickdraft.quant.gpu import ROW_TILE
+
+WIDTH = ROW_TILE  # rows of every graphed pass: a verification of up to WIDTH - 1 drafts plus its last token
+KEEP = 4  # graphs kept, one per live cache (least recently used dropped): an engine's, a drafter's, a benchmark's
 TOLERANCE = 1e-2  # most a graph's logits may differ from the eager pass's, relative to their largest
 
 
@@ -58,15 +69,15 @@ def eager_capture(fn):
 
 class _Graph:
     def __init__(self, model, cache, width: int, capture, tokens: torch.Tensor):
-        """Captured on the pass of tokens at the cache's length (warm-up runs write its keys and values)."""
+        """Captured on the pass of tokens at the cache's length (warm-up runs write its keys and values). The cache
+        is held weakly: StepGraphs drops the graph with it."""
         device = model.device
-        self.cache = cache  # held: the graph writes into its tensors' addresses
         self.tokens = torch.zeros(1, width, dtype=torch.long, device=device)
         self.base = torch.arange(width, device=device)
         self.positions = self.base.clone()
         self.load(tokens, cache.length)
-        self.replay, self.logits = capture(lambda: model.forward_at(self.tokens, self.positions, cache,
-                                                                    cache.capacity))
+        ref, span = weakref.ref(cache), cache.capacity
+        self.replay, self.logits = capture(lambda: model.forward_at(self.tokens, self.positions, ref(), span))
 
     def load(self, tokens: torch.Tensor, start: int) -> None:
         S = tokens.shape[1]
@@ -97,13 +108,14 @@ class StepGraphs:
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, cache, last_only: bool) -> torch.Tensor:
         S, start = tokens.shape[1], cache.length
-        key = (cache.k[0].data_ptr(), cache.capacity)
+        key = id(cache)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(tokens, cache)
             if graph is None:  # disabled: the pass runs eagerly
                 return self.model(tokens, cache, last_only)
             self.graphs[key] = graph
+            weakref.finalize(cache, self.graphs.pop, key, None)  # the graph goes with its cache
             while len(self.graphs) > KEEP:
                 self.graphs.popitem(last=False)
         else:

@@ -11,6 +11,8 @@ from collections import Counter
 
 import torch
 
+from quickdraft.quant.gpu import ROW_TILE
+
 
 def kernels_apply(model) -> bool:
     """Whether quickdraft's CPU kernels can run this model's steps here."""
@@ -26,7 +28,26 @@ def plan(model, fused_layers: bool = True) -> dict:
     chosen = model.plan(kernels, fused_layers)
     linear = Counter(layer_format(m) for m in model.modules() if isinstance(m, torch.nn.Module)
                      and (hasattr(m, "fused_operands") or isinstance(m, torch.nn.Linear)))
-    return {"cpu_kernels": kernels, **chosen, "linear": dict(linear)}
+    out = {"cpu_kernels": kernels, **chosen, "linear": dict(linear)}
+    if model.device.type == "cuda":
+        out |= {"rows": ROW_TILE, "attention": attention_backends()}
+    return out
+
+
+def attention_backends() -> str:
+    """Choose the attention backends of scaled_dot_product_attention on CUDA, and say which: the plan records it,
+    doctor and gpu_check print it. Process-wide (PyTorch keeps one set of flags).
+
+    cuDNN's is turned off: PyTorch 2.11 prefers it on sm90 with CUDA 13, and it builds (and caches) a graph of its own
+    per key length, which an eager pass pays at every new length (hundreds of milliseconds), and whose failure inside
+    a CUDA graph capture would turn the graphs off. Flash attention then takes the passes without a mask (eager
+    steps, row by row), the memory-efficient kernel those with one (graphed passes: a mask over the whole cache),
+    the math kernel whatever neither takes."""
+    torch.backends.cuda.enable_flash_sdp(True)
+    torch.backends.cuda.enable_mem_efficient_sdp(True)
+    torch.backends.cuda.enable_math_sdp(True)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return "flash (no mask), memory-efficient (masked), math; cuDNN off"
 
 
 def layer_format(module) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
@@ -34,6 +35,11 @@ class LoadedModel:
     kept_from: Path | None = None  # the kept conversion it was read from (weights/converted.py), if it was
     plan: dict = field(default_factory=dict)  # which kernels run it (runtime/plan.py)
     graphs: StepGraphs | None = None  # on CUDA: its decode and verification passes replay CUDA graphs
+    # On CUDA (runtime/plan.py): every pass of fewer tokens than this is run as this many (the graphs' width, and
+    # eagerly padded where no graph runs), because CUDA kernels choose their arithmetic by the shape: one shape for
+    # every short pass gives a position the same logits in a plain step and in a verification. A round's drafts are
+    # bounded by it (Engine.max_draft). None: the passes run as they are (the CPU's kernels are row-invariant).
+    rows: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -41,9 +47,16 @@ class LoadedModel:
 
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False, head=None) -> torch.Tensor:
         """One pass of the model (Transformer.forward), replayed from a captured CUDA graph where one applies
-        (not with a head of the caller's)."""
+        (not with a head of the caller's), else padded to `rows` tokens where that is set and fits."""
         if head is None and self.graphs is not None and self.graphs.applies(tokens, cache):
             return self.graphs.run(tokens, cache, last_only)
+        S, width = tokens.shape[1], self.rows
+        if (width is not None and S < width and tokens.shape[0] == 1 and isinstance(self.model, Transformer)
+                and cache.length + width <= min(cache.capacity, self.model.max_context)):
+            start = cache.length
+            logits = self.model(F.pad(tokens, (0, width - S)), cache, False, head, rows=S)
+            cache.rollback(start + S)  # the padding's positions are not the sequence's
+            return logits[:, S - 1:S] if last_only else logits[:, :S]
         return self.model(tokens, cache, last_only, head)
 
 
@@ -154,11 +167,18 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
 
 
 def _ready(lm: LoadedModel, engine: EngineConfig, start: float) -> LoadedModel:
-    """Plan the kernels, give CUDA passes their graphs, and time the load."""
-    lm.plan = plan_kernels(lm.model)
-    if lm.device.type == "cuda" and engine.cuda_graphs and isinstance(lm.model, Transformer):
-        lm.graphs = StepGraphs(lm.model)
+    ready(lm, engine.cuda_graphs)
     lm.load_seconds = time.perf_counter() - start
+    return lm
+
+
+def ready(lm: LoadedModel, cuda_graphs: bool = True) -> LoadedModel:
+    """Plan a loaded model's kernels; on CUDA fix its passes' rows and give them their graphs."""
+    lm.plan = plan_kernels(lm.model)
+    if lm.device.type == "cuda":
+        lm.rows = lm.plan["rows"]
+        if cuda_graphs and isinstance(lm.model, Transformer):
+            lm.graphs = StepGraphs(lm.model, lm.rows)
     return lm
 
 

@@ -125,8 +125,10 @@ class Engine:
         self.drafter = drafter
         if drafter is not None and drafter.reads_hidden:  # built-in drafters (mtp) read the target's hidden states
             drafter.attach(self.cache)
-        # a hybrid target's or draft's recurrent state rolls back a bounded number of positions: k stays within it
-        bounds = (self.cache.max_draft, drafter.max_draft if drafter is not None else None)
+        # a hybrid target's or draft's recurrent state rolls back a bounded number of positions, and on CUDA a pass
+        # has at most target.rows rows (LoadedModel.rows): k stays within both
+        bounds = (self.cache.max_draft, drafter.max_draft if drafter is not None else None,
+                  target.rows - 1 if target.rows is not None else None)
         reach = [m for m in bounds if m is not None]
         self.max_draft = min(reach) if reach else None
         self.speculation = speculation
@@ -177,7 +179,8 @@ class Engine:
         eos = self.target.tokenizer.eos_ids if params.stop_at_eos else frozenset()
         if constraint is not None:  # the output ends where the grammar allows an end and the model takes it
             eos = self.target.tokenizer.eos_ids | constraint.eos_ids
-        generator = sampling.make_generator(params.seed, self.target.device)
+        generators = sampling.Generators(params.seed)  # the target's device's, and the draft's if it has another
+        generator = generators.on(self.target.device)
         detok = Detokenizer(self.target.tokenizer)
         timings = Timings(prompt_n=len(prompt))
         stats = SpeculationStats(drafter=self.drafter_name if drafter else "none",
@@ -215,7 +218,7 @@ class Engine:
                 if len(seq) - len(prompt) == params.max_tokens:
                     break
             else:
-                new_tokens, scores, origin = self._step(seq, params, generator, len(prompt), stats, drafter,
+                new_tokens, scores, origin = self._step(seq, params, generators, len(prompt), stats, drafter,
                                                         speculation, constraint)
                 step += 1
                 continue
@@ -257,9 +260,10 @@ class Engine:
             return torch.log_softmax(raw.float(), -1)
         return self._per_position(masked, history, k, lambda x, h: sampling.process(x, params, h)).log()
 
-    def _step(self, seq, params, generator, prompt_n: int, stats: SpeculationStats, drafter: Drafter | None,
-              speculation: SpeculationConfig, constraint: Constraint | None):
+    def _step(self, seq, params, generators: sampling.Generators, prompt_n: int, stats: SpeculationStats,
+              drafter: Drafter | None, speculation: SpeculationConfig, constraint: Constraint | None):
         """One plain step or one speculative round: the tokens it adds to seq, their scores and their Origin."""
+        generator = generators.on(self.target.device)
         budget = draft_budget(params.max_tokens, len(seq) - prompt_n, self.context - len(seq))
         if self.max_draft is not None:
             budget = min(budget, self.max_draft)
@@ -272,7 +276,7 @@ class Engine:
         if drafter is not None and budget > 0:
             t0 = time.perf_counter()
             # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
-            proposal = drafter.propose(seq, k_for, params, generator,
+            proposal = drafter.propose(seq, k_for, params, generators.on(drafter.device or self.target.device),
                                        constraint if speculation.constrain_draft else None)
             draft_s = time.perf_counter() - t0
         if not proposal.tokens:

@@ -115,6 +115,25 @@ def _gumbel(seed: int, position: int, vocab: int, device) -> torch.Tensor:
     return -(-u.log()).log()  # u = 0 gives -inf: never chosen
 
 
+class Generators:
+    """A generation's random generators for unseeded draws, one per device: a draft on another device than the
+    target's (--draft-device) draws with its own, since torch.multinomial takes only a generator of its tensor's
+    device. Each is made on first use (make_generator)."""
+
+    def __init__(self, seed: int | None):
+        self.seed = seed
+        self.made: dict[str, torch.Generator] = {}
+
+    def on(self, device) -> torch.Generator:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current card
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = str(device)
+        if key not in self.made:
+            self.made[key] = make_generator(self.seed, device)
+        return self.made[key]
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """The generator of an unseeded draw (seeded generations use gumbel_choice): seeded from torch's global
     generator, itself random per process unless a caller fixed it with torch.manual_seed."""

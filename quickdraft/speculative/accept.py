@@ -18,9 +18,9 @@ def accept_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     """
     k = draft_tokens.shape[0]
     agree = (target_argmax[:k] == draft_tokens).int()
-    n = int(agree.cumprod(0).sum())
-    tokens = target_argmax[: n + 1].tolist()  # equal to the drafts on the accepted prefix
-    return tokens, n
+    n = agree.cumprod(0).sum()
+    read = torch.cat([n.view(1), target_argmax]).tolist()  # one read-back to the host (a GPU's one sync)
+    return read[1:read[0] + 2], read[0]  # the target's choices: equal to the drafts on the accepted prefix
 
 
 def accept_sampled(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens: torch.Tensor,
@@ -38,13 +38,15 @@ def accept_sampled(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens: 
     p_x, q_x = p_target[rows, draft_tokens], q_draft[rows, draft_tokens]
     u = torch.rand(k, generator=generator, device=p_target.device)
     accepted = (u * q_x < p_x).int()  # u < p/q without dividing; q_x > 0 since x was drawn from q
-    n = int(accepted.cumprod(0).sum())
-    if n < k:
-        residual = (p_target[n] - q_draft[n]).clamp_min(0)
-        mass = residual.sum()
-        # mass is 0 only if p <= q everywhere, i.e. p == q, where no rejection can happen; guard anyway.
-        dist = residual / mass if mass > 0 else p_target[n]
-    else:
-        dist = p_target[k]
+    n = accepted.cumprod(0).sum()  # (on the device: the last token is drawn before anything is read back)
+    at = n.view(1)
+    stop = at.clamp(max=k - 1)  # the rejected draft's row, if one was rejected
+    residual = (p_target.index_select(0, stop) - q_draft.index_select(0, stop)).clamp_min(0)[0]
+    mass = residual.sum()
+    # mass is 0 only if p <= q everywhere, i.e. p == q, where no rejection can happen; guard anyway. With every draft
+    # accepted (n == k) the row is p_target[k].
+    dist = torch.where((n < k) & (mass > 0), residual / mass, p_target.index_select(0, at)[0])
     last = torch.multinomial(dist, 1, generator=generator)
-    return draft_tokens[:n].tolist() + [int(last)], n
+    read = torch.cat([at, last, draft_tokens]).tolist()  # one read-back to the host (a GPU's one sync)
+    n = read[0]
+    return read[2:2 + n] + [read[1]], n

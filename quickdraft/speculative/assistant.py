@@ -99,17 +99,19 @@ class AssistantDrafter(DraftModelDrafter):
                 constraint.pop(len(tokens))
         return Proposal(tokens, "assistant", torch.stack(q_rows) if q_rows else None)
 
-    def _logits(self, feed: list[int]) -> torch.Tensor:
-        """One step for the last token fed: the pending token with the target's hidden state before it on a round's
-        first step, the token just drafted with the assistant's own hidden state after."""
+    def _logits(self, feed) -> torch.Tensor:
+        """One step for the last token fed (a list, or the draft still on the device): the pending token with the
+        target's hidden state before it on a round's first step, the token just drafted with the assistant's own
+        hidden state after."""
         if self.first is not None:
             committed, self.first = self.first, None
             self.keys = TargetKeys(self.target_cache, self.layers, committed)
             self.hidden = self.target_cache.hidden[committed - 1].view(1, 1, -1)
-        return self._step(feed[-1])[0, -1]
+        return self._step(feed[-1:])[0, -1]
 
-    def _step(self, token: int) -> torch.Tensor:
-        embedded = self.target.model.embed(torch.tensor([[token]], device=self.device))
+    def _step(self, token) -> torch.Tensor:
+        """token: an id, a list of one, or one on the device."""
+        embedded = self.target.model.embed(self._ids(token if not isinstance(token, int) else [token]))
         logits, self.hidden = self.lm.model.step(embedded, self.hidden, self.keys, self.keys.committed)
         return logits
 

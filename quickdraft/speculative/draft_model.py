@@ -92,9 +92,12 @@ class DraftModelDrafter(Drafter):
         self.matched = n
         return seq[n:]
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        """The ids as the draft reads them: a token the draft does not share (a target's added or padding token,
-        which text hardly ever holds) becomes id 0, a stand-in that costs acceptance, never exactness."""
+    def _ids(self, ids) -> torch.Tensor:
+        """The ids as the draft reads them, (1, n) on its device: a token the draft does not share (a target's added
+        or padding token, which text hardly ever holds) becomes id 0, a stand-in that costs acceptance, never
+        exactness. ids: a list, or the draft's own last token still on the device (it shares every id it drafts)."""
+        if isinstance(ids, torch.Tensor):
+            return ids.view(1, -1)
         return torch.tensor([[i if i < self.shared else 0 for i in ids]], dtype=torch.long, device=self.device)
 
     def _over_target(self, logits: torch.Tensor) -> torch.Tensor:
@@ -108,11 +111,13 @@ class DraftModelDrafter(Drafter):
         out[..., :n] = logits[..., :n]
         return out
 
-    def _logits(self, feed: list[int]) -> torch.Tensor:
-        """Run feed through the draft; logits of the last position over the target's vocabulary (V,)."""
+    def _logits(self, feed) -> torch.Tensor:
+        """Run feed (ids, or the last draft still on the device: see _draft) through the draft; logits of the last
+        position over the target's vocabulary (V,)."""
         head = self.subset if self.subset is not None and self.subset.active else None
         logits = self.lm.forward(self._ids(feed), self.cache, last_only=True, head=head)[0, 0]
-        self.tokens += feed
+        if isinstance(feed, list):  # a draft fed from the device is recorded once read back (propose)
+            self.tokens += feed
         if head is not None:
             return head.scatter(logits, self.target_vocab)
         return self._over_target(logits)
@@ -142,7 +147,8 @@ class DraftModelDrafter(Drafter):
             catch_up_s = time.perf_counter() - t0
         tokens, q_rows = [], []
         try:
-            self._draft(seq, k, feed, params, generator, constraint, tokens, q_rows)
+            drawn = self._draft(seq, k, feed, params, generator, constraint, tokens, q_rows)
+            self.tokens += drawn[:self.cache.length - len(self.tokens)]  # the drafts fed before they were read
         finally:
             if constraint is not None:  # the drafts were looked ahead: the state is the sequence's again
                 constraint.pop(len(tokens))
@@ -152,27 +158,31 @@ class DraftModelDrafter(Drafter):
         q_draft = torch.stack(q_rows) if q_rows else None
         return Proposal(tokens, "draft", q_draft, catch_up_s)
 
-    def _draft(self, seq, k, feed, params, generator, constraint, tokens: list[int], q_rows: list) -> None:
-        """Draft up to k tokens into tokens (and their distributions into q_rows), each masked by
-        constraint at the state it is drafted in (the constraint is advanced through them)."""
-        for _ in range(k):
+    def _draft(self, seq, k, feed, params, generator, constraint, tokens: list[int], q_rows: list) -> list[int]:
+        """Draft up to k tokens into tokens (and their distributions into q_rows), each masked by constraint at the
+        state it is drafted in (the constraint is advanced through them). Returns every token drawn, kept or not.
+
+        On a GPU, without a constraint or penalties (which need each token on the host), the drafts stay on the
+        device and are read back once, after the last (a read-back waits for the device: one per draft would make
+        Python and the GPU take turns); the early stop (p_min) is then applied to what was read, so a round may run
+        a few passes past it. Elsewhere each draft is read as it is drawn and drafting stops at once."""
+        resident = self._resident(constraint, params)
+        drawn, sure = [], []  # resident: each draft (1,) and whether the draft was sure of it, on the device
+        for i in range(k):
             history = sampling.history(seq, params, self.device, appended=tokens)
             logits = self._logits(feed)[None]
             if constraint is not None:
                 logits = constraints.apply(logits, constraint.allowed(self.device))
-            if params.greedy:
-                logits = sampling.penalize(logits, params, history)
-                token = int(logits.argmax())
-                confident = self.p_min <= 0 or float(logits.softmax(-1).max()) >= self.p_min
-            else:
-                q = sampling.process(logits, params, history)
-                if params.seed is not None:  # guess the target's seeded choice with the same noise
-                    token = int(sampling.gumbel_choice(q, params.seed, len(seq) + len(tokens))[0])
-                else:
-                    token = int(sampling.sample(q, generator))
+            token, q, confident = self._choose(logits, params, history, generator, len(seq) + i)
+            if q is not None:
                 q_rows.append(q[0])
-                confident = self.p_min <= 0 or float(q.max()) >= self.p_min
-            if not confident and tokens:  # stop early: the draft itself doubts this token
+            if resident:
+                drawn.append(token)
+                sure.append(confident)
+                feed = token
+                continue
+            token = int(token)
+            if not bool(confident) and tokens:  # stop early: the draft itself doubts this token
                 del q_rows[len(tokens):]
                 break
             if constraint is not None:  # drawn from the masked distribution: the matcher takes it
@@ -181,6 +191,34 @@ class DraftModelDrafter(Drafter):
             if constraint is not None and constraint.stopped:  # the output is complete: nothing follows
                 break
             feed = [token]
+        if not resident or not drawn:
+            return list(tokens)
+        read = torch.cat(drawn + [torch.stack(sure).view(-1).long()] if self.p_min > 0 else drawn).tolist()
+        n = len(drawn)
+        kept = next((i for i in range(1, n) if not read[n + i]), n) if self.p_min > 0 else n
+        tokens += read[:kept]
+        del q_rows[kept:]
+        return read[:n]
+
+    def _resident(self, constraint, params: SamplingParams) -> bool:
+        """Whether this round's drafts stay on the device until its end (_draft): on a GPU, without a constraint or
+        penalties."""
+        return self.device.type != "cpu" and constraint is None and not params.penalized
+
+    def _choose(self, logits, params: SamplingParams, history, generator, position: int):
+        """The draft's token at sequence index `position` from its logits (1, V), as the target would choose it
+        (greedy, seeded or drawn), left on the device: (token (1,), its processed distribution (1, V) or None when
+        greedy, whether the draft's top probability reaches p_min: a device bool, or True without a p_min)."""
+        if params.greedy:
+            logits = sampling.penalize(logits, params, history)
+            sure = logits.softmax(-1).amax() >= self.p_min if self.p_min > 0 else True
+            return logits.argmax(-1), None, sure
+        q = sampling.process(logits, params, history)
+        if params.seed is not None:  # guess the target's seeded choice with the same noise
+            token = sampling.gumbel_choice(q, params.seed, position)
+        else:
+            token = sampling.sample(q, generator)
+        return token, q, q.amax() >= self.p_min if self.p_min > 0 else True
 
     # ---- self-description ---------------------------------------------------------------------------------
 

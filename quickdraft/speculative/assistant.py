@@ -66,6 +66,9 @@ class AssistantDrafter(DraftModelDrafter):
         self.keys: TargetKeys | None = None
         self.hidden: torch.Tensor | None = None  # the assistant's last hidden state, for the next step
 
+    def fork(self) -> "AssistantDrafter":
+        return AssistantDrafter(self.lm, self.target, self.p_min)
+
     @classmethod
     def load(cls, draft, target, load_model) -> list:
         return [load_model(draft.model)]

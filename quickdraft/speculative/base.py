@@ -85,8 +85,14 @@ class Drafter:
         of positions); None: no bound of its own."""
         return None
 
+    def fork(self) -> "Drafter":
+        """A drafter of the same kind over the same models, with state of its own (a draft model's cache): the
+        engine keeps one per cache slot (runtime/slots.py)."""
+        raise NotImplementedError
+
     def begin(self, prompt: list[int]) -> None:
-        """Start a generation: forget the previous one and take in the prompt (a draft model prefills it)."""
+        """Start a generation: take in the prompt (a draft model prefills it, keeping what its cache already holds
+        of it from this slot's last generation)."""
 
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
                 generator: torch.Generator, constraint=None) -> Proposal:

@@ -14,6 +14,9 @@ class CombinedDrafter(Drafter):
         self.samples = draft.samples
         self.name = f"ngram+{draft.name}"
 
+    def fork(self) -> "CombinedDrafter":
+        return CombinedDrafter(self.ngram.fork(), self.draft.fork())
+
     @property
     def models(self) -> tuple:
         return self.draft.models

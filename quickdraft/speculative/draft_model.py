@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from quickdraft import constraint as constraints, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.runtime.slots import common_prefix
 from quickdraft.speculative.base import Drafter, KFor, Offer, Proposal
 from quickdraft.speculative.subset import SubsetHead
 from quickdraft.speculative.vocab import check_compatible
@@ -42,6 +44,7 @@ class DraftModelDrafter(Drafter):
         self.target_vocab = target_vocab
         self.shared = min(target_vocab, lm.tokenizer.vocab_size) if shared is None else shared
         self.p_min = p_min
+        self.capacity = capacity
         self.cache = KVCache.for_model(lm.model, capacity)
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
         self.matched = 0  # length of the prefix of tokens known to equal the sequence
@@ -59,21 +62,33 @@ class DraftModelDrafter(Drafter):
         shared = check_compatible(target.tokenizer, lm.tokenizer, target.config.vocab_size, lm.config.vocab_size)
         return cls(lm, target.config.vocab_size, capacity, speculation.p_min, shared, speculation.draft_vocab)
 
+    def fork(self) -> "DraftModelDrafter":
+        other = copy.copy(self)  # the same model, settings and cut head's rows; a cache and a sequence of its own
+        other.cache = KVCache.for_model(self.lm.model, self.capacity)
+        other.tokens, other.matched, other.skipped, other.seen = [], 0, 0, 0
+        other.subset = self.subset.fork() if self.subset is not None else None
+        return other
+
     @property
     def models(self) -> tuple:
         return (self.lm,)
 
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
-        """Prefill the prompt now, so that a round's draft time is the cost of drafting alone."""
-        self.cache.reset()
-        self.tokens = []
-        self.matched = self.skipped = 0
+        """Prefill the prompt now, so that a round's draft time is the cost of drafting alone. What the cache holds
+        of it already (this slot's last generation: the conversation so far) is kept; a recurrent draft keeps it
+        only where its state can return to."""
+        n = common_prefix(self.tokens, prompt)
+        if self.cache.recurrent and n not in self.cache.recurrent[0].saved:
+            n = 0
+        self.cache.rollback(n) if n else self.cache.reset()
+        del self.tokens[n:]
+        self.matched, self.skipped = n, 0
         if self.subset is not None:
             self.subset.reset(prompt)
             self.seen = len(prompt)
-        if prompt:
-            self._logits(prompt)
+        if len(prompt) > n:
+            self._logits(prompt[n:])
 
     def _sync(self, seq: list[int]) -> list[int]:
         """Keep the longest cached prefix that still matches seq; return the tokens still to feed.
@@ -83,8 +98,8 @@ class DraftModelDrafter(Drafter):
         target's extra one are both pending; after a rejection, its cache holds drafts the target did not
         keep. At least one token is always left to feed: the next draft needs its logits.
         """
-        n = self.matched  # tokens[:matched] == seq[:matched] held at the last sync; seq only grows
         limit = min(len(self.tokens), len(seq) - 1)
+        n = min(self.matched, limit)  # tokens[:matched] == seq[:matched] held at the last sync; seq only grows
         while n < limit and self.tokens[n] == seq[n]:
             n += 1
         self.cache.rollback(n)
@@ -112,10 +127,10 @@ class DraftModelDrafter(Drafter):
         return out
 
     def _logits(self, feed) -> torch.Tensor:
-        """Run feed (ids, or the last draft still on the device: see _draft) through the draft; logits of the last
-        position over the target's vocabulary (V,)."""
+        """Run feed (ids, or the last draft still on the device: see _draft) through the draft, in passes of at
+        most the model's chunk; logits of the last position over the target's vocabulary (V,)."""
         head = self.subset if self.subset is not None and self.subset.active else None
-        logits = self.lm.forward(self._ids(feed), self.cache, last_only=True, head=head)[0, 0]
+        logits = self.lm.prefill(self._ids(feed), self.cache, head=head)[0, 0]
         if isinstance(feed, list):  # a draft fed from the device is recorded once read back (propose)
             self.tokens += feed
         if head is not None:

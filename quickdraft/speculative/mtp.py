@@ -20,6 +20,7 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.runtime.slots import common_prefix
 from quickdraft.speculative.base import Offer, Proposal
 from quickdraft.speculative.draft_model import CATCH_UP, DraftModelDrafter
 
@@ -44,6 +45,10 @@ class MtpDrafter(DraftModelDrafter):
         self.target_cache: KVCache | None = None
         self.chain: tuple[list[int], int] | None = None  # the round's first pass: (sequence, positions committed)
         self.hidden: torch.Tensor | None = None  # the MTP block's last hidden state, for the next chained step
+        self.seen: list[int] = []  # the sequence the pairs in its cache came from (its entry p: tokens up to p + 1)
+
+    def fork(self) -> "MtpDrafter":
+        return MtpDrafter(self.lm, self.capacity, self.p_min)
 
     @classmethod
     def load(cls, draft, target, load_model) -> list:
@@ -65,8 +70,10 @@ class MtpDrafter(DraftModelDrafter):
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
         """Take in the prompt's pairs now (the engine has run the target's prefill): a round's draft time is then
-        the cost of drafting alone."""
-        self.cache.reset()
+        the cost of drafting alone. Pairs of the slot's last generation that the prompt begins with are kept (the
+        target's hidden states there are kept too)."""
+        self.cache.rollback(min(self.cache.length, max(common_prefix(self.seen, prompt) - 1, 0)))
+        self.seen = list(prompt)
         if len(prompt) > 1 and self.target_cache is not None and self.target_cache.hidden is not None:
             self._pairs(prompt, len(prompt) - 1)
 
@@ -86,6 +93,7 @@ class MtpDrafter(DraftModelDrafter):
             return Proposal([], "mtp")
         committed = len(seq) - 1  # the target has run positions 0 .. committed - 1; seq[committed] is pending
         self.cache.rollback(min(self.cache.length, committed))
+        self.seen = seq
         catch_up_s = 0.0
         if committed - self.cache.length > CATCH_UP:  # after plain steps or n-gram rounds: caught up apart, timed
             t0 = time.perf_counter()

@@ -24,6 +24,9 @@ class NgramDrafter(Drafter):
     def build(cls, draft, target, models, capacity, speculation) -> "NgramDrafter":
         return cls()
 
+    def fork(self) -> "NgramDrafter":
+        return NgramDrafter(self.min_n, self.max_n)
+
     def begin(self, prompt: list[int]) -> None:
         self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # continuation starts < indexed are in the index

@@ -80,6 +80,12 @@ class SubsetHead:
         self.ids = torch.arange(self.base, device=self.device)  # the id each column of the logits stands for
         self.reset([])
 
+    def fork(self) -> "SubsetHead":
+        """Another head over the same cut rows (shared, not copied), with a subset of its own."""
+        other = copy.copy(self)
+        other.reset([])
+        return other
+
     def _unit(self, token: int) -> int:
         return token // TILE if self.quantized else token
 

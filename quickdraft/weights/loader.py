@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.transformer import Transformer, build
+from quickdraft.models.transformer import ROWWISE_MAX, Transformer, build
 from quickdraft.quant import embedding, int4
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.plan import plan as plan_kernels
@@ -58,6 +58,20 @@ class LoadedModel:
             cache.rollback(start + S)  # the padding's positions are not the sequence's
             return logits[:, S - 1:S] if last_only else logits[:, :S]
         return self.model(tokens, cache, last_only, head)
+
+    def prefill(self, tokens: torch.Tensor, cache, head=None) -> torch.Tensor:
+        """Run tokens (1, S) in passes of at most `chunk` tokens: the logits (1, 1, V) of the last. Every row goes
+        through the kernels a decoding step uses, so each position's keys and values are the same bits however the
+        sequence was cut into passes (prefix reuse relies on it), and a long prompt's activations stay bounded."""
+        logits = None
+        for i in range(0, tokens.shape[1], self.chunk):
+            logits = self.forward(tokens[:, i:i + self.chunk], cache, last_only=True, head=head)
+        return logits
+
+    @property
+    def chunk(self) -> int:
+        """The most tokens a prefill pass takes: a CUDA pass's rows, else what the row-wise kernels take at once."""
+        return self.rows or ROWWISE_MAX
 
 
 def resolve(source: str) -> Path:

@@ -1,0 +1,148 @@
+"""Kept sequences (prefix reuse). A slot holds one sequence's target cache, the drafter that speaks for it (a draft
+model's own cache) and the tokens the cache holds; a request whose prompt begins with tokens a slot holds prefills
+only the rest. A chat or an agent resends its whole history every turn, so each turn after the first prefills only
+what is new.
+
+Reuse is exact: every pass the engine runs computes each row the way a one-token step computes it (row-invariant
+kernels, prefill in row-wise chunks: engine.py), so a position's keys and values are the same bits whether a
+prefill, a decoding step or a verification wrote them, in this request or in an earlier one.
+
+A hybrid model's recurrent state cannot roll back further than the positions it keeps (runtime/kv_cache.HISTORY):
+a slot also keeps snapshots of it (checkpoints) where turns end, at the end of each prefill and of each
+generation, and a prompt that leaves a slot between them restarts from the last checkpoint before it.
+
+Slots are made when first needed, up to `count`; one whose conversation ends is reused for the next (least recently
+used first). Taking a slot for a prompt that shares only its beginning (an agent's sub-agent, a second conversation
+under the same system prompt) would cut the slot's own conversation: while another slot is free or older, the
+common prefix is copied there instead (a copy of keys and values, far cheaper than prefilling them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from quickdraft.runtime.kv_cache import KVCache
+
+MIN_REUSE = 16  # a shorter common prefix is prefilled again rather than taken from another conversation's slot
+CHECKPOINTS = 4  # recurrent-state snapshots kept per slot (the most recent positions)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Slot:
+    cache: KVCache
+    drafter: object | None  # the slot's own drafter (speculative/base.Drafter), None without speculation
+    tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values the cache holds, in order
+    checkpoints: dict[int, list] = field(default_factory=dict)  # position -> recurrent states there (hybrids)
+    used: int = 0  # when it was last taken (a counter)
+
+    def reusable(self, prompt: list[int]) -> int:
+        """How many leading tokens of prompt this slot can keep: the common prefix, less one (a prefill passes at
+        least the prompt's last token, whose logits give the first new token), and for a recurrent state the last
+        position it can return to within that."""
+        n = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        if not self.cache.recurrent or n == 0:
+            return max(n, 0)
+        return max(p for p in self.restorable() if p <= n)
+
+    def restorable(self) -> set[int]:
+        """Positions a recurrent state can return to: those it keeps, the checkpoints, and the start."""
+        return set(self.cache.recurrent[0].saved) | set(self.checkpoints) | {0}
+
+    def keep(self, n: int) -> None:
+        """Forget everything after the first n tokens (n from reusable)."""
+        if self.cache.recurrent and n not in self.cache.recurrent[0].saved:
+            if n in self.checkpoints:
+                self.cache.restore_snapshot(n, self.checkpoints[n])
+            else:
+                self.cache.reset()
+        else:
+            self.cache.rollback(n)
+        del self.tokens[n:]
+        for p in [p for p in self.checkpoints if p > n]:
+            del self.checkpoints[p]
+
+    def checkpoint(self) -> None:
+        """Keep the recurrent states where the cache now ends (a turn boundary); nothing without them."""
+        if not self.cache.recurrent or self.cache.length in self.checkpoints or self.cache.length == 0:
+            return
+        self.checkpoints[self.cache.length] = self.cache.snapshot(self.cache.length)
+        while len(self.checkpoints) > CHECKPOINTS:
+            del self.checkpoints[min(self.checkpoints)]
+
+    def forget(self) -> None:
+        self.cache.reset()
+        self.tokens.clear()
+        self.checkpoints.clear()
+
+    def copy_prefix(self, other: "Slot", n: int) -> bool:
+        """Take other's first n tokens (keys and values copied; a recurrent state only where other can give it at
+        n without a pass: a position it keeps, or a checkpoint). False where it cannot."""
+        state = None
+        if other.cache.recurrent:
+            if n in other.cache.recurrent[0].saved:
+                state = other.cache.snapshot(n)
+            elif n in other.checkpoints:
+                state = other.checkpoints[n]
+            else:
+                return False
+        self.forget()
+        self.cache.copy_prefix(other.cache, n)
+        if state is not None:
+            self.cache.restore_snapshot(n, state)
+            self.checkpoints[n] = state
+        self.tokens[:] = other.tokens[:n]
+        return True
+
+    def nbytes(self) -> int:
+        kept = sum(t.numel() * t.element_size() for states in self.checkpoints.values() for s in states for t in s)
+        return self.cache.nbytes() + kept + (self.drafter.cache_bytes() if self.drafter is not None else 0)
+
+
+class Slots:
+    """Up to `count` slots, each made by `make` when first needed."""
+
+    def __init__(self, make: Callable[[], Slot], count: int = 1):
+        if count < 1:
+            raise ValueError("at least one slot")
+        self.make, self.count = make, count
+        self.slots: list[Slot] = []
+        self.clock = itertools.count(1)
+
+    def take(self, prompt: list[int], reuse: bool = True) -> tuple[Slot, int]:
+        """A slot for prompt and how many of its leading tokens the slot already holds (0 without reuse)."""
+        best = max(self.slots, key=lambda s: (s.reusable(prompt), s.used), default=None) if reuse else None
+        n = best.reusable(prompt) if best is not None else 0
+        if best is not None and n >= MIN_REUSE:
+            if len(best.tokens) > n + 1 and len(self.slots) + (len(self.slots) < self.count) > 1:
+                other = self._free(avoid=best)  # the prompt shares only its beginning: keep best's conversation
+                if other.copy_prefix(best, n):
+                    return self._taken(other, n)
+            best.keep(n)
+            return self._taken(best, n)
+        slot = self._free()
+        slot.forget()
+        return self._taken(slot, 0)
+
+    def _free(self, avoid: Slot | None = None) -> Slot:
+        """A new slot while fewer than count exist, else the least recently used one (not `avoid`)."""
+        if len(self.slots) < self.count:
+            self.slots.append(self.make())
+            return self.slots[-1]
+        return min((s for s in self.slots if s is not avoid), key=lambda s: s.used)
+
+    def _taken(self, slot: Slot, n: int) -> tuple[Slot, int]:
+        slot.used = next(self.clock)
+        return slot, n
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.slots)

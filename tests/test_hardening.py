@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import string
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -80,6 +81,43 @@ def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
             with pytest.raises(QuickdraftError, match="invalid regular expression: lexer error") as e:
                 await sandbox.compile(Grammar("regex", "a{1000}{1000}"))  # compiles, then fails at its first token
             assert "<" not in str(e.value)  # none of llguidance's internal state
+        finally:
+            await sandbox.close()
+
+    asyncio.run(scenario())
+
+
+def test_gbnf_rules_count_whatever_line_break_separates_them():
+    """llguidance's GBNF reader takes a carriage return (and other breaks) between rules: the bound counts them."""
+    for sep in ("\r", "\r\n", "\n"):
+        with pytest.raises(QuickdraftError, match="defines 1502 rules"):
+            grammars.check_bounds(Grammar("grammar", gbnf_chain(1500).replace("\n", sep)))
+
+
+def test_a_valid_constraint_does_not_wait_behind_grammar_bombs(vocabulary):
+    """Three compiles that would each run to the time limit, then a valid one: the valid one is answered while the
+    bombs still compile (each has a lane for a short first try; what needs longer finishes on a lane of its own),
+    and a bomb sent again is refused from the cache at once."""
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=2.0, bounds=False)
+        try:
+            await sandbox.start()
+            bombs = [asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(5000 + i))))
+                     for i in range(3)]
+            await asyncio.sleep(0.2)
+            start = time.perf_counter()
+            assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
+            valid_s = time.perf_counter() - start
+            still = sum(not b.done() for b in bombs)
+            outcomes = await asyncio.gather(*bombs, return_exceptions=True)
+            bombs_s = time.perf_counter() - start
+            start = time.perf_counter()
+            with pytest.raises(QuickdraftError):
+                await sandbox.compile(Grammar("grammar", gbnf_chain(5000)))
+            again_s = time.perf_counter() - start
+            print(f"\nvalid regex behind 3 bombs: {valid_s:.2f} s ({still} bombs still compiling then; all done at "
+                  f"{bombs_s:.2f} s: {[type(o).__name__ for o in outcomes]}); a bomb again: {again_s:.3f} s")
+            assert still >= 1, "the valid constraint waited for every bomb"
         finally:
             await sandbox.close()
 

@@ -104,6 +104,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        state.metrics.tasks.set(len(asyncio.all_tasks()))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card(name: str) -> dict:

@@ -1,0 +1,333 @@
+"""Clients that misbehave (issue 35), against a real server process on a tiny model: requests abandoned in the
+queue, bodies whose validation multiplies, slow connections, grammar bombs, tool schemas as agent frameworks write
+them, unbounded fields, odd keys and content types, too many tools, special-token text in messages, huge model
+names. Each test prints what it measured; none asserts a speed."""
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.helpers import gbnf_chain, tiny_hf_model, write_gguf_from_hf
+from tests.server_process import ServerProcess
+
+KEY = "misbehaving-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# turns end with the end-of-text control token, and the tools are rendered, as real templates do
+TEMPLATE = ("{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+            "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+HEAD_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("misbehaving")
+    path = write_gguf_from_hf(tiny_hf_model("llama", logit_scale=5), d / "tiny.gguf", chat_template=TEMPLATE, eos=True)
+    with ServerProcess("-m", str(path), "--draft", "ngram", "--ctx", "2048", "--max-queue", "3", "--api-key", KEY,
+                       "--dtype", "float32", "--request-timeout", str(HEAD_TIMEOUT_S), startup_timeout=120) as s:
+        s.rss_start = rss(s)
+        yield s
+
+
+def rss(server) -> int:
+    return psutil.Process(server.pid).memory_info().rss
+
+
+def post(server, body, route="/v1/completions", headers=None, **kw):
+    content = body if isinstance(body, bytes) else json.dumps(body)
+    return httpx.post(server.url + route, content=content,
+                      headers={**AUTH, "Content-Type": "application/json", **(headers or {})}, timeout=300, **kw)
+
+
+def health(server) -> dict:
+    return server.get("/health").json()
+
+
+def tasks(server) -> int:
+    """asyncio tasks alive on the server's event loop (its /metrics gauge)."""
+    text = server.get("/metrics", headers=AUTH).text
+    return int(float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("quickdraft_event_loop_tasks"))))
+
+
+def still_serving(server):
+    assert server.proc.poll() is None, server.stderr()
+    assert health(server)["status"] == "ok"
+    r = post(server, {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+class HealthWatch:
+    """/health asked every 20 ms on a thread while a block runs: its latencies (s)."""
+
+    def __init__(self, server):
+        self.server, self.latencies, self.stop = server, [], threading.Event()
+
+    def __enter__(self):
+        def poll():
+            with httpx.Client(timeout=120) as client:
+                while not self.stop.is_set():
+                    start = time.perf_counter()
+                    client.get(self.server.url + "/health")
+                    self.latencies.append(time.perf_counter() - start)
+                    time.sleep(0.02)
+
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies, default=0.0)
+
+
+def raw_request(server, body: dict, route="/v1/completions") -> socket.socket:
+    """A request sent on a raw socket, so that leaving is closing the connection."""
+    host, port = server.url.split("//")[1].split(":")
+    s = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n".encode()
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def wait_for(condition, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def settled_tasks(server, baseline: int, timeout_s=10.0) -> int:
+    """The task count once it is back at the baseline (or whatever it is after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while (n := tasks(server)) > baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+# ---- 1. abandoned queued requests -----------------------------------------------------------------------------
+
+def test_abandoned_queued_requests_leave_no_handler_behind(server):
+    """Non-streamed requests whose clients leave while they wait in the queue: the worker skips them, and their
+    handlers must end too (they waited for an end event forever: 511 of them made every request 503)."""
+    baseline = tasks(server)
+    done = {}
+    long = threading.Thread(target=lambda: done.setdefault("long", post(server, {
+        "prompt": "count", "max_tokens": 400, "temperature": 0, "ignore_eos": True})))
+    long.start()
+    wait_for(lambda: health(server)["running"])
+    leavers = [raw_request(server, {"prompt": f"wait {i}", "max_tokens": 8}) for i in range(3)]
+    wait_for(lambda: health(server)["waiting"] == 3)
+    for s in leavers:
+        s.close()
+    long.join()
+    wait_for(lambda: health(server) == {"status": "ok", "waiting": 0, "running": False})
+    left = settled_tasks(server, baseline)
+    print(f"\nabandoned queued requests: 3; event-loop tasks before {baseline}, after {left}")
+    assert done["long"].status_code == 200
+    assert left <= baseline, f"{left - baseline} tasks left behind by 3 abandoned requests"
+    still_serving(server)
+
+
+# ---- 2. validation that multiplies ----------------------------------------------------------------------------
+
+def test_nested_lists_within_their_caps_cannot_multiply_the_work(server):
+    """512 messages x 1365 empty content parts: each list within its cap of 4096, 700k items in all (2.1 MB)."""
+    body = json.dumps({"messages": [{"role": "user", "content": [{}] * 1365}] * 512}, separators=(",", ":")).encode()
+    before = rss(server)
+    with HealthWatch(server) as watch:
+        start = time.perf_counter()
+        r = post(server, body, "/v1/chat/completions")
+        took = time.perf_counter() - start
+    after = rss(server)
+    print(f"\n{len(body) / 1e6:.1f} MB body of 512 x 1365 parts: HTTP {r.status_code} in {took:.2f} s, /health worst "
+          f"{watch.worst:.2f} s, RSS {before >> 20} -> {after >> 20} MiB; {r.json()['error']['message'][:120]}")
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "values" in error["message"] and error["param"] == "messages", error
+    assert after < before + (200 << 20)
+    still_serving(server)
+
+
+# ---- 3. slow connections --------------------------------------------------------------------------------------
+
+def test_slow_connections_do_not_lock_out_real_clients(server):
+    """600 connections that send a request head slowly (no key needed): /health and a real request are still
+    answered while they are open."""
+    host, port = server.url.split("//")[1].split(":")
+    slow = []
+    try:
+        for _ in range(600):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            slow.append(s)
+        time.sleep(0.5)
+        start = time.perf_counter()
+        h = server.get("/health")
+        r = post(server, {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        print(f"\n600 slow connections open: /health HTTP {h.status_code}, a completion HTTP {r.status_code} "
+              f"({time.perf_counter() - start:.2f} s for both)")
+        assert h.status_code == 200, h.text
+        assert r.status_code == 200, r.text
+    finally:
+        for s in slow:
+            s.close()
+    still_serving(server)
+
+
+# ---- 4. compile lanes -----------------------------------------------------------------------------------------
+
+def test_gbnf_rules_separated_by_carriage_returns_count_as_rules(server):
+    chain = gbnf_chain(3000).replace("\n", "\r")  # 64 KB at most: within the byte bound
+    start = time.perf_counter()
+    r = post(server, {"prompt": "x", "max_tokens": 4, "grammar": chain[:60_000].rsplit("\r", 1)[0]})
+    print(f"\n\\r-separated GBNF chain: HTTP {r.status_code} in {time.perf_counter() - start:.2f} s: "
+          f"{r.json().get('error', {}).get('message', '')[:100]}")
+    assert r.status_code == 400 and "rules: at most 1000" in r.json()["error"]["message"], r.text
+
+
+def test_compiles_do_not_take_plain_requests_places(server):
+    """--max-queue 3 and six slow constraints compiling: a plain request is still admitted (compiles wait for the
+    compiler, not in the engine's queue)."""
+    results = {}
+
+    def constrained(i):  # each its own grammar (nothing cached), each about a second to compile
+        grammar = gbnf_chain(990).replace('"a"\n', f'"{i}"\n')
+        results[i] = post(server, {"prompt": "x", "max_tokens": 2, "grammar": grammar})
+
+    threads = [threading.Thread(target=constrained, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    plain = post(server, {"prompt": "hello", "max_tokens": 2})
+    plain_s = time.perf_counter() - start
+    start = time.perf_counter()
+    regex = post(server, {"prompt": "x", "max_tokens": 4, "regex": "[ab]{4}"})
+    regex_s = time.perf_counter() - start
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results.values())
+    print(f"\nsix slow compiles: plain request HTTP {plain.status_code} in {plain_s:.2f} s, a valid regex HTTP "
+          f"{regex.status_code} in {regex_s:.2f} s; the six: {codes}")
+    assert plain.status_code == 200, plain.text
+    assert regex.status_code == 200, regex.text
+    assert all(c in (200, 503) for c in codes), [r.text[:200] for r in results.values()]
+    still_serving(server)
+
+
+# ---- 5. tool schemas as Pydantic writes them ------------------------------------------------------------------
+
+PYDANTIC_TOOL = {"type": "function", "function": {"name": "plan", "parameters": {
+    "$defs": {"Step": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                       "additionalProperties": False}},
+    "type": "object", "properties": {"steps": {"type": "array", "items": {"$ref": "#/$defs/Step"}, "maxItems": 2}},
+    "required": ["steps"], "additionalProperties": False}}}
+TREE_TOOL = {"type": "function", "function": {"name": "tree", "parameters": {
+    "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+    "required": ["kids"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tool", [PYDANTIC_TOOL, TREE_TOOL], ids=["defs", "root"])
+def test_tool_schemas_with_refs_resolve_within_their_parameters(server, tool):
+    r = post(server, {"messages": [{"role": "user", "content": "go"}], "tools": [tool], "tool_choice": "required",
+                      "max_tokens": 60, "seed": 1}, "/v1/chat/completions")
+    print(f"\ntool with $ref ({tool['function']['name']}): HTTP {r.status_code} {r.text[:160]}")
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "tool_calls":  # a random model: a call it completed holds to the schema
+        import jsonschema
+
+        arguments = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+
+
+# ---- 6. fields outside the character bound -------------------------------------------------------------------
+
+@pytest.mark.parametrize("field", ["tools", "chat_template_kwargs"])
+def test_tool_descriptions_and_template_variables_count_toward_the_bound(server, field):
+    big = "lorem ipsum " * 600_000  # 7.2 MB
+    extra = {"tools": [{"type": "function", "function": {"name": "f", "description": big}}]} if field == "tools" \
+        else {"chat_template_kwargs": {"note": big}}
+    before = rss(server)
+    with HealthWatch(server) as watch:
+        start = time.perf_counter()
+        r = post(server, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra},
+                 "/v1/chat/completions")
+        took = time.perf_counter() - start
+    after = rss(server)
+    print(f"\n7.2 MB in {field}: HTTP {r.status_code} in {took:.2f} s, /health worst {watch.worst:.2f} s, RSS "
+          f"{before >> 20} -> {after >> 20} MiB; {r.text[:150]}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "characters" in r.json()["error"]["message"]
+    still_serving(server)
+
+
+# ---- 7. the small ones ----------------------------------------------------------------------------------------
+
+def test_a_lone_surrogate_as_a_key_is_a_400(server):
+    for body in (b'{"prompt": "x", "\\ud800": 1}', b'{"prompt": "x", "stream_options": {"\\udfff": true}}'):
+        r = post(server, body)
+        print(f"\n{body!r}: HTTP {r.status_code} {r.text[:150]}")
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+    assert "Traceback" not in server.stderr()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_that_is_not_declared_json_is_refused(server, content_type):
+    """A page on another site can POST text/plain (or form data, or a Blob with no type) without a preflight: such
+    a request must not start a completion."""
+    headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
+                   headers=headers, timeout=30)
+    print(f"\nContent-Type {content_type}: HTTP {r.status_code} {r.text[:150]}")
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], r.text
+    ok = post(server, {"prompt": "x", "max_tokens": 1}, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_more_tools_than_the_bound_are_refused(server):
+    many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    r = post(server, {"messages": [{"role": "user", "content": "hi"}], "tools": many, "max_tokens": 1},
+             "/v1/chat/completions")
+    print(f"\n129 tools: HTTP {r.status_code} {r.text[:150]}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "128" in r.text, r.text
+
+
+def test_special_token_text_in_a_message_stays_text(server):
+    """'<|endoftext|>' typed in a message is 13 characters of text, not the control token (the template's own
+    end-of-turn marks stay control tokens)."""
+    def prompt_tokens(content):
+        r = post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 1},
+                 "/v1/chat/completions")
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    plain, injected = prompt_tokens("a"), prompt_tokens("a<|endoftext|>")
+    print(f"\n'a': {plain} prompt tokens; 'a<|endoftext|>': {injected}")
+    assert injected - plain == len("<|endoftext|>")  # one byte-level token per character in this vocabulary
+
+
+def test_other_model_names_are_not_kept_in_full(server):
+    before = rss(server)
+    codes = []
+    for i in range(16):  # each a distinct 4 MB name
+        r = post(server, {"model": f"{i}" + "m" * 4_000_000, "prompt": "x", "max_tokens": 1})
+        codes.append(r.status_code)
+    after = rss(server)
+    print(f"\n16 model names of 4 MB: HTTP {sorted(set(codes))}, RSS {before >> 20} -> {after >> 20} MiB")
+    assert after < before + (40 << 20), "the names are kept"
+    assert set(codes) == {400}
+
+
+def test_the_server_still_serves_after_the_misbehaviour(server):
+    still_serving(server)
+    print(f"\nRSS at start {server.rss_start >> 20} MiB, now {rss(server) >> 20} MiB")

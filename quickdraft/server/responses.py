@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from quickdraft.server import protocol as p
 from quickdraft.server import requests as prepare
-from quickdraft.server.worker import Done, Failed, Job, Piece, QueueFull
+from quickdraft.server.worker import Cancelled, Done, Failed, Job, Piece, QueueFull
 from quickdraft.tools import ToolStream
 
 
@@ -51,10 +51,12 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     pieces, scored, traced = [], [], []
     async with _watch_disconnect(request, job):
-        while not isinstance(item := await job.events.get(), (Done, Failed)):
+        while not isinstance(item := await job.events.get(), (Done, Failed, Cancelled)):
             pieces.append(item.text)
             scored += item.logprobs or []
             traced += item.trace or []
+    if isinstance(item, Cancelled):
+        raise prepare.ClientGone()
     if isinstance(item, Failed):
         raise _error(item)
     return reply.whole("".join(pieces), item, scored + (item.logprobs or []),
@@ -80,6 +82,8 @@ async def _stream(request: Request, job: Job, reply: "_Reply") -> AsyncIterator[
             elif isinstance(item, Failed):
                 yield _sse(_error(item).body())
                 break
+            elif isinstance(item, Cancelled):  # nobody is reading any more
+                return
             else:
                 finish = item.finish_reason
                 if calls is not None:
@@ -105,11 +109,13 @@ def _sse(obj: dict) -> str:
 
 @asynccontextmanager
 async def _watch_disconnect(request: Request, job: Job):
-    """Cancel the job as soon as the client goes away (or this coroutine is cancelled)."""
+    """Cancel the job as soon as the client goes away (or this coroutine is cancelled), and end the wait for its
+    events at once: a running job ends after its current token, a queued one only when the engine reaches it."""
     async def watch():
         while (await request.receive())["type"] != "http.disconnect":
             pass
         job.cancel()
+        job.events.put_nowait(Cancelled())
 
     watcher = asyncio.create_task(watch())
     try:

@@ -46,6 +46,12 @@ class Done:
 
 
 @dataclass
+class Cancelled:
+    """The job ended without running, or its client went away: every job's events end with Done, Failed or this, so
+    no handler waits for an end that never comes."""
+
+
+@dataclass
 class Failed:
     message: str
     status: int = 500  # 400: the request's own fault (a constraint that failed while generating)
@@ -163,6 +169,7 @@ class EngineWorker:
                 break
             if job is not None:
                 job.cancel()
+                job.put(Cancelled())
         if self.running is not None:
             self.running.cancel()
         self.pending.put(None)
@@ -175,8 +182,9 @@ class EngineWorker:
             job.ticket.release()  # running now: its place in the queue is free
             started = time.perf_counter()
             self.metrics.queue_time.observe(started - job.submitted)
-            if job.cancelled:  # the client left while waiting
+            if job.cancelled:  # the client left while waiting: its handler still awaits an end
                 self.metrics.finished.labels("cancelled").inc()
+                job.put(Cancelled())
                 continue
             self.running = job
             self.metrics.running.set(1)

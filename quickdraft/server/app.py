@@ -126,14 +126,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = p.parse_body(await prepare.read_body(request), p.CompletionRequest)
+        req = await prepare.parse(request, p.CompletionRequest)
         prepare.check_model(state, req)
         prompt = await prepare.completion_prompt(state, req)
         return await respond(state, request, req, prompt, chat=False, max_tokens=req.requested_max_tokens())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = p.parse_body(await prepare.read_body(request), p.ChatRequest)
+        req = await prepare.parse(request, p.ChatRequest)
         prepare.check_model(state, req)
         tools = prepare.tool_plan(state, req)
         prompt = await prepare.chat_prompt(state, req, tools)

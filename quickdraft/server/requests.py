@@ -43,6 +43,12 @@ async def read_body(request: Request) -> bytes:
     return bytes(body)
 
 
+async def parse(request: Request, model):
+    """The body read and validated (protocol.parse_body) on another thread: parsing 8 MiB of JSON takes a second,
+    which the event loop (every other client, /health) must not wait for."""
+    return await asyncio.to_thread(p.parse_body, await read_body(request), model)
+
+
 def check_model(state, req) -> None:
     """The model a request names: the served one by any of its names; another name is answered by the served model
     too (clients hard-code names), and the response's `model` says which, unless the server was started with

@@ -61,7 +61,7 @@ def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
     request, and the next constraint compiles in a new child. A compile past the timeout is killed the same way,
     and so is one whose client goes away (the task is cancelled)."""
     async def scenario():
-        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=1.0, bounds=False)
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=1.0, bounds=False, lanes=1)
         try:
             assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
             with pytest.raises(QuickdraftError, match="crashed the grammar compiler .*signal"):
@@ -69,13 +69,13 @@ def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
             assert await sandbox.compile(Grammar("regex", "c+"))
             with pytest.raises(QuickdraftError, match="did not compile within 1 s"):
                 await sandbox.compile(Grammar("grammar", gbnf_chain(3000)))  # its GBNF reader is quadratic
-            slow = asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(3000))))
+            slow = asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(3001))))  # not the one kept
             await asyncio.sleep(0.3)
             restarts = sandbox.restarts  # a child is compiling for it
             slow.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await slow
-            assert sandbox.proc is None  # killed mid-compile
+            assert sandbox.lanes[0].proc is None  # killed mid-compile
             assert await sandbox.compile(Grammar("regex", "d+")) and sandbox.restarts == restarts + 1
             sandbox.timeout_s = 10.0  # this one takes 0.8-1.1 s to fail on a 2-core machine: not a timeout test
             with pytest.raises(QuickdraftError, match="invalid regular expression: lexer error") as e:
@@ -99,7 +99,7 @@ def test_a_valid_constraint_does_not_wait_behind_grammar_bombs(vocabulary):
     bombs still compile (each has a lane for a short first try; what needs longer finishes on a lane of its own),
     and a bomb sent again is refused from the cache at once."""
     async def scenario():
-        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=2.0, bounds=False)
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=2.0, bounds=False, first_try_s=0.5)
         try:
             await sandbox.start()
             bombs = [asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(5000 + i))))

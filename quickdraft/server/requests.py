@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from quickdraft.config import SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.server import protocol as p
+from quickdraft.server.sandbox import CompilerBusy
 
 MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 60.0  # for the whole body, once its head has arrived (server/connections.py)
@@ -181,11 +182,15 @@ async def constraint(state, req, tools: ToolPlan | None = None):
     grammar = tools.grammar() if tools is not None else req.requested_grammar()
     if grammar is None:
         return None
+    field = "tools" if tools is not None else p.constraint_field(grammar.kind)
     try:
         compiled = await state.sandbox.compile(grammar) if state.sandbox is not None else None
         return await asyncio.to_thread(state.engine.grammars.constraint, grammar, compiled)
     except QuickdraftError as e:
-        raise p.APIError(400, str(e), "tools" if tools is not None else p.constraint_field(grammar.kind)) from None
+        raise p.APIError(400, str(e), field) from None
+    except CompilerBusy as e:
+        raise p.APIError(503, f"the server is busy: {e}; retry later", field, type="server_busy",
+                         headers={"Retry-After": "2"}) from None
 
 
 async def unless_disconnected(request: Request, work):

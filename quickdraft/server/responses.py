@@ -32,19 +32,17 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
                          "max_tokens", code="context_length_exceeded")
     params, speculation = prepare.sampling(req, max_tokens), prepare.speculation(state, req)
     stops = req.stop_strings()
+    # compiled before it takes a place in the engine's queue: compiles wait for the compiler's lanes
+    # (server/sandbox.py), and plain requests never wait for them
+    constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
     try:
-        ticket = state.worker.admit()  # the constraint's compile waits in the queue too
+        ticket = state.worker.admit()
     except QueueFull as full:
         raise p.APIError(503, "the server is busy: every queue slot is taken; retry later",
                          type="server_busy", headers={"Retry-After": str(full.retry_after_s)}) from None
-    try:
-        constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
-        job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket,
-                  trace=req.speculation_trace)
-        state.worker.submit(job)
-    except BaseException:
-        ticket.release()
-        raise
+    job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket,
+              trace=req.speculation_trace)
+    state.worker.submit(job)
     reply = _Reply(state, req, chat, len(prompt), tools)
     if req.stream:
         return StreamingResponse(_stream(request, job, reply), media_type="text/event-stream",

@@ -11,8 +11,19 @@ is killed, and a new one is started for the next request. Its memory is capped (
 fails there too.
 
 Why a process and not a thread: a thread shares the server's stack space and GIL, and nothing can stop a thread
-running native code. Why one long-lived child: building llguidance's view of a large vocabulary takes about as
+running native code. Why long-lived children: building llguidance's view of a large vocabulary takes about as
 long as a compile can, so each child builds it once.
+
+Lanes. One child for everyone let three compiles that run to the time limit hold a valid one for 30 s. Here LANES
+children take the compiles in turn, each for a first try of at most FIRST_TRY_S (a real constraint needs
+milliseconds; a loaded machine, a second); a compile that needs longer is killed there (its lane restarts) and
+tried again, for the rest of TIMEOUT_S, on a lane of its own. So a valid constraint waits at most about one first
+try behind any number of bombs, and the bombs wait for each other: shortest first, as far as anyone can tell
+before compiling. vLLM and SGLang compile on a thread pool beside the scheduler, with no time limit; llama-server
+compiles on the thread that serves. Compiles wait for a lane, not in the engine's queue (server/responses.py):
+plain requests never wait for them. Outcomes are kept (CACHE_SIZE, by the constraint's text): agents send the same
+tool schemas with every turn, and a bomb sent again is refused at once. More than MAX_WAITING compiles waiting
+are refused (CompilerBusy: a 503).
 """
 
 from __future__ import annotations
@@ -23,101 +34,187 @@ import os
 import signal
 import sys
 import tempfile
+from collections import OrderedDict
 
 from quickdraft import grammar as grammars
 from quickdraft.errors import QuickdraftError
 from quickdraft.grammar import Grammar
 
 TIMEOUT_S = 10.0  # a constraint compiles in milliseconds; this is for the ones that never would
-MEMORY_BYTES = 4 << 30  # the child's address space
+FIRST_TRY_S = 2.0  # on a shared lane (see the module's note); what needs longer goes on to the slow lane
+LANES = 2
+MAX_WAITING = 32  # compiles waiting for a lane
+CACHE_SIZE = 256
+MEMORY_BYTES = 4 << 30  # each child's address space
 READY_TIMEOUT_S = 120.0  # building the vocabulary's view, once per child
 
 
+class CompilerBusy(Exception):
+    """Too many compiles are waiting for a lane: the request may retry later (a 503, not the client's fault)."""
+
+
+class _TooSlow(Exception):
+    """A compile ran past its time on a lane (the child was killed)."""
+
+
 class GrammarSandbox:
-    """Compiles request constraints in a child process (see the module's note); `compile` is a coroutine."""
+    """Compiles request constraints in child processes (see the module's note); `compile` is a coroutine."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], timeout_s: float = TIMEOUT_S,
-                 bounds: bool = True):
+                 bounds: bool = True, lanes: int = LANES, first_try_s: float = FIRST_TRY_S):
         """bounds False lets constraints beyond grammar.check_bounds reach the child (tests of the isolation)."""
         self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
-        self.timeout_s, self.bounds = timeout_s, bounds
-        self.proc: asyncio.subprocess.Process | None = None
-        self.lock: asyncio.Lock | None = None  # made on the event loop that uses it
-        self.restarts = 0
+        self.timeout_s, self.bounds, self.first_try_s = timeout_s, bounds, first_try_s
+        self.lanes = [_Lane(self) for _ in range(lanes)]
+        self.slow = _Lane(self)  # for what needs longer than a first try
+        self.idle: asyncio.Queue | None = None  # lanes free now; made on the event loop that uses it
+        self.slow_lock: asyncio.Lock | None = None
+        self.waiting = 0
+        self.restarts = 0  # children started
+        self.outcomes: OrderedDict[tuple[str, str], tuple[bool, str]] = OrderedDict()
 
     async def compile(self, grammar: Grammar) -> str:
-        """The constraint as llguidance text, checked by the child: QuickdraftError (the client's fault) if it is
-        out of bounds, invalid, crashes the compiler or takes longer than the timeout."""
+        """The constraint as llguidance text, checked by a child: QuickdraftError (the client's fault) if it is
+        out of bounds, invalid, crashes the compiler or takes longer than the timeout; CompilerBusy when too many
+        compiles wait."""
         if self.bounds:
-            grammars.check_bounds(grammar)  # cheap, and spares the child the obvious cases
-        if self.lock is None:
-            self.lock = asyncio.Lock()
-        async with self.lock:
-            proc = await self._ready()
-            try:
-                return await self._ask(proc, grammar)
-            except asyncio.CancelledError:  # the client went away: the child may still be compiling for it
-                await self._kill()
-                raise
+            grammars.check_bounds(grammar)  # cheap, and spares the children the obvious cases
+        key = (grammar.kind, grammar.text)
+        if key in self.outcomes:
+            self.outcomes.move_to_end(key)
+            return _result(*self.outcomes[key])
+        if self.waiting >= MAX_WAITING:
+            raise CompilerBusy(f"{self.waiting} constraints are waiting for the grammar compiler")
+        self.waiting += 1
+        try:
+            outcome = await self._compile(grammar)
+        finally:
+            self.waiting -= 1
+        self.outcomes[key] = outcome
+        while len(self.outcomes) > CACHE_SIZE:
+            self.outcomes.popitem(last=False)
+        return _result(*outcome)
 
-    async def _ask(self, proc, grammar: Grammar) -> str:
+    async def _compile(self, grammar: Grammar) -> tuple[bool, str]:
+        """(True, text) or (False, the message), trying a shared lane first, then the slow lane."""
+        self._on_loop()
+        first = min(self.first_try_s, self.timeout_s)
+        lane = await self.idle.get()
+        try:
+            return await lane.outcome(grammar, first)
+        except _TooSlow:
+            if first >= self.timeout_s:
+                return False, _late(grammar, self.timeout_s)
+        finally:
+            self.idle.put_nowait(lane)
+        async with self.slow_lock:
+            try:
+                return await self.slow.outcome(grammar, self.timeout_s - first)
+            except _TooSlow:
+                return False, _late(grammar, self.timeout_s)
+
+    def _on_loop(self) -> None:
+        if self.idle is None:
+            self.idle, self.slow_lock = asyncio.Queue(), asyncio.Lock()
+            for lane in self.lanes:
+                self.idle.put_nowait(lane)
+
+    async def start(self) -> None:
+        """Start the shared lanes' children now (the first constrained requests would otherwise wait for them)."""
+        self._on_loop()
+        await asyncio.gather(*(lane.ready() for lane in self.lanes))
+
+    async def close(self) -> None:
+        for lane in [*self.lanes, self.slow]:
+            await lane.kill()
+
+
+def _result(ok: bool, text: str) -> str:
+    if not ok:
+        raise QuickdraftError(text)
+    return text
+
+
+def _late(grammar: Grammar, seconds: float) -> str:
+    return f"the {grammar.describe()} did not compile within {seconds:g} s: simplify it"
+
+
+class _Lane:
+    """One child process, compiling one constraint at a time."""
+
+    def __init__(self, sandbox: GrammarSandbox):
+        self.sandbox = sandbox
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starting: asyncio.Lock | None = None
+
+    async def outcome(self, grammar: Grammar, timeout_s: float) -> tuple[bool, str]:
+        """(True, text) or (False, why not); _TooSlow past timeout_s (the child is killed); QuickdraftError if the
+        child does not start (not an outcome of the constraint: never kept)."""
+        proc = await self.ready()
+        try:
+            return await self._ask(proc, grammar, timeout_s)
+        except asyncio.CancelledError:  # the client went away: the child may still be compiling for it
+            await self.kill()
+            raise
+
+    async def _ask(self, proc, grammar: Grammar, timeout_s: float) -> tuple[bool, str]:
         proc.stdin.write(json.dumps({"kind": grammar.kind, "text": grammar.text}).encode() + b"\n")
         await proc.stdin.drain()
         try:
-            line = await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
         except asyncio.TimeoutError:
-            await self._kill()
-            raise QuickdraftError(f"the {grammar.describe()} did not compile within {self.timeout_s:g} s: "
-                                  "simplify it") from None
+            await self.kill()
+            raise _TooSlow() from None
         if not line:  # the child died compiling it
             self.proc = None
             code = await proc.wait()
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            raise QuickdraftError(f"the {grammar.describe()} crashed the grammar compiler (llguidance, {how}): "
-                                  "simplify it (fewer rules, less nesting)")
+            return False, (f"the {grammar.describe()} crashed the grammar compiler (llguidance, {how}): simplify it "
+                           "(fewer rules, less nesting)")
         reply = json.loads(line)
-        if "error" in reply:
-            raise QuickdraftError(reply["error"])
-        return reply["ok"]
+        return ("ok" in reply), reply.get("ok", reply.get("error"))
 
-    async def _ready(self):
-        if self.proc is not None and self.proc.returncode is None:
-            return self.proc
+    async def ready(self):
+        if self.starting is None:
+            self.starting = asyncio.Lock()
+        async with self.starting:  # one child per lane, however many wait for it
+            if self.proc is None or self.proc.returncode is not None:
+                self.proc = await self._start()
+        return self.proc
+
+    async def _start(self):
+        sandbox = self.sandbox
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as f:
-            f.write(self.tokenizer_json)
+            f.write(sandbox.tokenizer_json)
+        proc = None
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "quickdraft.server.sandbox", f.name, str(self.vocab_size),
-                json.dumps(self.eos_ids), str(MEMORY_BYTES), str(int(self.bounds)), stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, limit=64 << 20)
-            line = await asyncio.wait_for(self.proc.stdout.readline(), READY_TIMEOUT_S)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "quickdraft.server.sandbox", f.name, str(sandbox.vocab_size),
+                json.dumps(sandbox.eos_ids), str(MEMORY_BYTES), str(int(sandbox.bounds)),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+                limit=64 << 20)
+            line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError) as e:
-            await self._kill()
+            await _end(proc)
             raise QuickdraftError(f"structured output is not available: the grammar compiler did not start ({e})")
         finally:
             os.unlink(f.name)
         reply = json.loads(line or b'{"error": "the grammar compiler exited at start"}')
         if "error" in reply:
-            await self._kill()
+            await _end(proc)
             raise QuickdraftError(reply["error"])
-        self.restarts += 1
-        return self.proc
+        sandbox.restarts += 1
+        return proc
 
-    async def _kill(self) -> None:
+    async def kill(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _end(proc)
 
-    async def start(self) -> None:
-        """Start the child now (the first constrained request would otherwise wait for it)."""
-        if self.lock is None:
-            self.lock = asyncio.Lock()
-        async with self.lock:
-            await self._ready()
 
-    async def close(self) -> None:
-        await self._kill()
+async def _end(proc) -> None:
+    if proc is not None and proc.returncode is None:
+        proc.kill()
+        await proc.wait()
 
 
 def _child(tokenizer_path: str, vocab_size: int, eos_ids: list[int], memory: int, bounds: bool) -> None:

@@ -59,7 +59,7 @@ class Failed:
 
 
 class Ticket:
-    """A request's place in the queue, held from its admission (before its constraint compiles) until the engine
+    """A request's place in the queue, held from its admission (once its constraint has compiled) until the engine
     takes it up, or until it is given up: a request whose client has gone frees its place at once."""
 
     def __init__(self, worker: "EngineWorker"):
@@ -113,7 +113,7 @@ class EngineWorker:
         self.metrics = metrics
         self.max_queue = max_queue
         self.pending: queue.Queue[Job | None] = queue.Queue()  # bounded by admission: see admit
-        self.held = 0  # places taken: requests compiling their constraint or waiting for the engine
+        self.held = 0  # places taken: requests waiting for the engine
         self._places = threading.Lock()
         self.running: Job | None = None
         self.mean_request_s = 5.0  # moving average, for Retry-After

@@ -114,7 +114,50 @@ def _lark_regex(pattern: str) -> str:
 
 def _json(schema: dict) -> str:
     """An inline JSON schema for Lark, with the whitespace of every other JSON constraint."""
-    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
+    return "%json " + json.dumps({**_scoped(schema), "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
+
+
+class _Parameters(dict):
+    """A tool's parameters placed inside a larger schema (the call's object): their "$ref"s point into themselves."""
+
+
+def _scoped(schema: dict) -> dict:
+    """The schema with each tool's parameters that hold a "$ref" moved into its $defs and their references rewritten
+    to point there: "#/$defs/Step" and "#" (Pydantic's and agent frameworks' schemas) resolve against the parameters,
+    as OpenAI resolves them, not against the object quickdraft wraps them in."""
+    defs = {}
+
+    def visit(node):
+        if isinstance(node, _Parameters):
+            if not _refers(node):
+                return dict(node)
+            key = f"tool_parameters_{len(defs)}"
+            defs[key] = _rebased(node, f"#/$defs/{key}")
+            return {"$ref": f"#/$defs/{key}"}
+        if isinstance(node, dict):
+            return {k: visit(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [visit(v) for v in node]
+        return node
+
+    out = visit(schema)
+    return {**out, "$defs": {**out.get("$defs", {}), **defs}} if defs else out
+
+
+def _refers(node) -> bool:
+    if isinstance(node, dict):
+        return isinstance(node.get("$ref"), str) or any(_refers(v) for v in node.values())
+    return isinstance(node, list) and any(_refers(v) for v in node)
+
+
+def _rebased(node, base: str):
+    """node with each local reference ("#..." in a "$ref") made relative to base instead of the document's root."""
+    if isinstance(node, dict):
+        return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebased(v, base)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebased(v, base) for v in node]
+    return node
 
 
 def _object(properties: dict, required: list[str]) -> dict:
@@ -149,7 +192,7 @@ class Hermes(ToolFormat):
     triggers = ("<tool_call>",)
 
     def grammar(self, tools, choice, parallel):
-        schemas = [_object({"name": {"const": t.name}, "arguments": t.parameters}, ["name", "arguments"])
+        schemas = [_object({"name": {"const": t.name}, "arguments": _Parameters(t.parameters)}, ["name", "arguments"])
                    for t in _chosen(tools, choice)]
         open_, close = self._mark("<tool_call>"), self._mark("</tool_call>")
         body = _json({"anyOf": schemas})
@@ -191,7 +234,7 @@ class Llama3(ToolFormat):
     triggers = ("{",)
 
     def grammar(self, tools, choice, parallel):
-        schemas = [_object({"name": {"const": t.name}, "parameters": t.parameters}, ["name", "parameters"])
+        schemas = [_object({"name": {"const": t.name}, "parameters": _Parameters(t.parameters)}, ["name", "parameters"])
                    for t in _chosen(tools, choice)]
         lines = ["%llguidance {}", f"call: {_json({'anyOf': schemas})}"]
         if choice == "none":
@@ -227,7 +270,7 @@ class Mistral(ToolFormat):
         chosen, mark = _chosen(tools, choice), self._mark("[TOOL_CALLS]")
         lines = ["%llguidance {}"]
         if self.style == "list":
-            items = [_object({"name": {"const": t.name}, "arguments": t.parameters,
+            items = [_object({"name": {"const": t.name}, "arguments": _Parameters(t.parameters),
                               "id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}}, ["name", "arguments", "id"])
                      for t in chosen]
             lst = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
@@ -306,7 +349,7 @@ class Generic(ToolFormat):
         return out
 
     def grammar(self, tools, choice, parallel):
-        items = [_object({"name": {"const": t.name}, "arguments": t.parameters}, ["name", "arguments"])
+        items = [_object({"name": {"const": t.name}, "arguments": _Parameters(t.parameters)}, ["name", "arguments"])
                  for t in _chosen(tools, choice)]
         calls = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
         if not parallel:

@@ -253,9 +253,10 @@ def test_references_in_parameters_resolve_against_the_parameters(vocab, name):
         key = "parameters" if fmt.name == "llama3" else "arguments"
         if fmt.name == "hermes":
             return f'<tool_call>\n{json.dumps({"name": tool.name, key: arguments})}\n</tool_call>'
-        if fmt.style == "list":
+        style = getattr(fmt, "style", None)
+        if style == "list":
             return "[TOOL_CALLS]" + json.dumps([{"name": tool.name, key: arguments, "id": "abcDEF123"}])
-        if fmt.style == "call_id":
+        if style == "call_id":
             return f"[TOOL_CALLS]{tool.name}[CALL_ID]abcDEF123[ARGS]{json.dumps(arguments)}"
         return json.dumps({"name": tool.name, key: arguments})
 

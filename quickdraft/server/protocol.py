@@ -403,14 +403,16 @@ class ChatRequest(_Sampling):
 
     def tool_list(self) -> list:
         """The tools (quickdraft.tools.Tool), checked."""
-        from quickdraft.tools import Tool
+        from quickdraft.errors import QuickdraftError
+        from quickdraft.tools import Tool, check_tools
 
         tools = [Tool(t.function.name, t.function.description,
                       t.function.parameters if t.function.parameters is not None else
                       {"type": "object", "properties": {}}) for t in self.tools or []]
-        names = [t.name for t in tools]
-        if len(set(names)) != len(names):
-            raise APIError(400, "two tools have the same name: give each function its own", "tools")
+        try:
+            check_tools(tools)  # how many (each is a branch of the calls' grammar), and distinct names
+        except QuickdraftError as e:
+            raise APIError(400, f"{e}: send fewer" if "at most" in str(e) else str(e), "tools") from None
         return tools
 
     def tool_choice_name(self) -> str | None:

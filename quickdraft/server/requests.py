@@ -71,7 +71,7 @@ def _max_chars(state) -> int:
 def _check_chars(state, chars: int, field: str) -> None:
     limit = _max_chars(state)
     if chars > limit:
-        raise p.APIError(400, f"the {field} has {chars} characters: more than the context of {state.engine.context} "
+        raise p.APIError(400, f"{field} holds {chars} characters: more than the context of {state.engine.context} "
                               f"tokens can hold (at most {limit}); shorten it", field, code="context_length_exceeded")
 
 
@@ -93,10 +93,7 @@ async def completion_prompt(state, req: p.CompletionRequest) -> list[int]:
 
 async def chat_prompt(state, req: p.ChatRequest, tools: "ToolPlan | None") -> list[int]:
     messages = req.template_messages()
-    chars = sum(len(m["content"]) + sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"]))
-                                        for c in m.get("tool_calls", [])) for m in messages)
-    _check_chars(state, chars + sum(len(json.dumps(t.parameters)) for t in tools.tools) if tools else chars,
-                 "messages")
+    _check_template_chars(state, messages, tools, req.chat_template_kwargs)
     tokenizer = state.engine.target.tokenizer
     extra = dict(req.chat_template_kwargs or {})
     if tools is not None:
@@ -104,6 +101,20 @@ async def chat_prompt(state, req: p.ChatRequest, tools: "ToolPlan | None") -> li
         if tools.format.native:
             extra["tools"] = [t.spec() for t in tools.tools]
     return await asyncio.to_thread(_render, tokenizer, messages, extra)
+
+
+def _check_template_chars(state, messages: list[dict], tools: "ToolPlan | None", variables: dict | None) -> None:
+    """Everything a chat template may render, bounded before it renders: messages, the tools (descriptions too) and
+    llama-server's chat_template_kwargs, each alone and all together (7 MB in a description had held the event loop
+    for seconds and added 1 GB)."""
+    chars = {"messages": sum(len(m["content"]) + sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"]))
+                                                     for c in m.get("tool_calls", [])) for m in messages),
+             "tools": sum(len(t.name) + len(t.description) + len(json.dumps(t.parameters)) for t in tools.tools)
+             if tools else 0,
+             "chat_template_kwargs": len(json.dumps(variables)) if variables else 0}
+    for field, n in chars.items():
+        _check_chars(state, n, field)
+    _check_chars(state, sum(chars.values()), "messages")
 
 
 def _render(tokenizer, messages: list[dict], extra: dict) -> list[int]:

@@ -180,7 +180,8 @@ def _guards(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def check_caller(request: Request, call_next):
         """The Host header, then the API key (every route but /health)."""
-        refused = check_host(state, request.headers.get("host", "")) or check_key(state, request)
+        refused = check_host(state, request.headers.get("host", "")) or check_key(state, request) \
+            or check_content_type(request)
         if refused is not None:
             state.metrics.rejected.labels(str(refused.status)).inc()
             return JSONResponse(refused.body(), status_code=refused.status)
@@ -214,6 +215,21 @@ def host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:host.index("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+def check_content_type(request: Request) -> p.APIError | None:
+    """A POST to the API must declare a JSON body. A page on any site may send a browser's "simple" request (text/plain,
+    form data, or a Blob with no type) without a preflight: without a key, that would start completions nobody asked
+    for; a JSON body needs a preflight, which CORS answers (_guards)."""
+    if request.method != "POST" or not request.url.path.startswith("/v1/"):
+        return None
+    given = request.headers.get("content-type", "")
+    kind = given.split(";")[0].strip().lower()
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return None
+    return p.APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (got "
+                           f"{given[:100]!r}): add the header (curl: -H 'Content-Type: application/json')",
+                      code="unsupported_media_type")
 
 
 def check_key(state: ServerState, request: Request) -> p.APIError | None:

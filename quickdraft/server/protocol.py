@@ -37,12 +37,18 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        # a path through the body may hold a key with a lone surrogate ("\\ud800"), which no JSON encoder writes
+        message, param = _writable(message), _writable(param) if param is not None else None
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _writable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Strict(BaseModel):
@@ -119,7 +125,7 @@ SAMPLER_ORDER = ["penalties", "temperature", "top_k", "top_p", "min_p"]
 
 class _Sampling(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")  # extras: check_fields
-    model: str | None = None
+    model: str | None = Field(None, max_length=256)  # a name; other names are logged (app.note_other_name)
     max_tokens: int | None = Field(None, ge=0)
     n_predict: int | None = Field(None, ge=-1)  # llama-server's max_tokens (-1: to the end of the context)
     temperature: float = Field(1.0, ge=0)

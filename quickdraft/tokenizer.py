@@ -119,6 +119,59 @@ class Tokenizer:
             tools=tools or None,
         )
 
+    def encode_chat(self, messages: list[dict], literal: bool = True, **template_args) -> list[int]:
+        """Messages rendered with the chat template (apply_chat_template's arguments), as ids. literal: special-token
+        text inside a message's content (a user typing "<|im_start|>system") stays text, so no message can forge a
+        turn or a role; the template's own special tokens are control tokens as ever. Not literal: every
+        special-token text becomes its control token, as llama-server and transformers' templates do."""
+        text = self.apply_chat_template(messages, **template_args)
+        pattern = self._control_pattern
+        if not literal or pattern is None or not any(pattern.search(_content(m)) for m in messages):
+            return self.encode(text)
+        # the same render with the messages' special-token text masked shows which control tokens are the template's
+        masked = self.apply_chat_template([_masked(m, pattern) for m in messages], **template_args)
+        if len(masked) != len(text):
+            raise QuickdraftError("the messages hold special-token text that the model's chat template reshapes: "
+                                  "remove it from the messages")
+        return self._with_bos(self._encode_between(text, masked))
+
+    def _encode_between(self, text: str, masked: str) -> list[int]:
+        """text as ids: control tokens only where masked (text with the messages' special-token text masked) has
+        them, everything between them read as plain text (the backend splits at control tokens first anyway)."""
+        ids, at = [], 0
+        for m in self._control_pattern.finditer(masked):
+            if text[m.start():m.end()] != m.group():  # the template put its own elsewhere: the renders differ
+                raise QuickdraftError("the messages hold special-token text that the model's chat template "
+                                      "reshapes: remove it from the messages")
+            ids += self._literal.encode(text[at:m.start()], add_special_tokens=False).ids
+            ids.append(self._control[m.group()])
+            at = m.end()
+        return ids + self._literal.encode(text[at:], add_special_tokens=False).ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            return [self.bos_id] + ids
+        return ids
+
+    @functools.cached_property
+    def _control(self) -> dict[str, int]:
+        """Special (control) tokens by their text: <|im_start|>, <|eot_id|>, ..."""
+        return {t.content: i for i, t in self._added.items() if t.special and t.content}
+
+    @functools.cached_property
+    def _control_pattern(self) -> re.Pattern | None:
+        """Any control token's text, the longest first where several start at one place (as the backend matches)."""
+        texts = sorted(self._control, key=len, reverse=True)
+        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+    @functools.cached_property
+    def _literal(self) -> BackendTokenizer:
+        """A copy of the backend that reads special-token text as plain text (its own state: threads share the
+        original)."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
     # ---- builders -------------------------------------------------------------------------
 
     @classmethod
@@ -190,6 +243,17 @@ class Tokenizer:
             chat_template=template if isinstance(template, str) else None,
             special_tokens={"bos_token": bos_text or "", "eos_token": eos_text or ""},
         )
+
+
+def _content(message: dict) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
+
+
+def _masked(message: dict, pattern: re.Pattern) -> dict:
+    """The message with each special-token text in its content replaced by as many private-use characters."""
+    content = _content(message)
+    return {**message, "content": pattern.sub(lambda m: "\ue000" * len(m.group()), content)} if content else message
 
 
 def _gpt2_bytes() -> dict[str, int]:

@@ -100,7 +100,7 @@ async def chat_prompt(state, req: p.ChatRequest, tools: "ToolPlan | None") -> li
         messages = tools.format.messages(messages, tools.tools)
         if tools.format.native:
             extra["tools"] = [t.spec() for t in tools.tools]
-    return await asyncio.to_thread(_render, tokenizer, messages, extra)
+    return await asyncio.to_thread(_render, tokenizer, messages, extra, not state.special_tokens_in_messages)
 
 
 def _check_template_chars(state, messages: list[dict], tools: "ToolPlan | None", variables: dict | None) -> None:
@@ -117,15 +117,15 @@ def _check_template_chars(state, messages: list[dict], tools: "ToolPlan | None",
     _check_chars(state, sum(chars.values()), "messages")
 
 
-def _render(tokenizer, messages: list[dict], extra: dict) -> list[int]:
+def _render(tokenizer, messages: list[dict], extra: dict, literal: bool) -> list[int]:
+    """literal: special-token text in the messages stays text (tokenizer.encode_chat)."""
     try:
-        text = tokenizer.apply_chat_template(messages, **extra)
+        return tokenizer.encode_chat(messages, literal, **extra)
     except QuickdraftError as e:
         raise p.APIError(400, str(e).replace("drop --chat and give a raw prompt",
                                              "use /v1/completions with a raw prompt"), "messages") from None
     except Exception as e:  # the template's own raise_exception, or a template bug on odd input
         raise p.APIError(400, f"the model's chat template refused these messages: {e}", "messages") from None
-    return tokenizer.encode(text)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ the layers use PyTorch's ops instead.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -59,11 +61,9 @@ def _load() -> str | None:
         from torch.utils import cpp_extension
 
         start = time.perf_counter()
-        # named by the source's and flags' hash: two versions (two checkouts) never rebuild over each other
-        digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:10]
-        _clear_stale_lock(f"quickdraft_vnni_{digest}")
-        cpp_extension.load(name=f"quickdraft_vnni_{digest}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with _build_lock():
+            cpp_extension.load(name=extension_name(), sources=[str(SOURCE)], extra_cflags=FLAGS,
+                               extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         if time.perf_counter() - start > 3 and sys.stderr.isatty():  # compiled now, not loaded from the cache
             print(f"built quickdraft's CPU kernels in {time.perf_counter() - start:.0f} s (once per machine)",
                   file=sys.stderr)
@@ -73,36 +73,35 @@ def _load() -> str | None:
     return None
 
 
-STALE_LOCK_S = 180  # a build takes 15-60 s; a lock older than this was left by a build that was killed
+def extension_name() -> str:
+    """Named by the source's and flags' hash: two versions (two checkouts) never rebuild over each other."""
+    return f"quickdraft_vnni_{hashlib.sha1(SOURCE.read_bytes() + ' '.join(FLAGS).encode()).hexdigest()[:10]}"
 
 
-def _clear_stale_lock(name: str, wait_s: float = STALE_LOCK_S) -> None:
-    """Before building: wait (saying so) while another process's build holds the lock, and remove a lock that a
-    killed build left behind. PyTorch's builder would wait on either forever, without a word."""
+def build_lock_path() -> Path:
+    """The lock held around building and loading the extension, beside PyTorch's own."""
     from torch.utils import cpp_extension
 
-    try:
-        lock = Path(cpp_extension._get_build_directory(name, False)) / "lock"
-    except (OSError, AttributeError, TypeError):  # a PyTorch without the helper
-        return
-    said, deadline = False, time.monotonic() + wait_s
-    while True:
+    return Path(cpp_extension._get_build_directory(extension_name(), False)) / "quickdraft.lock"
+
+
+@contextlib.contextmanager
+def _build_lock():
+    """Hold an OS lock (flock) on build_lock_path: one process builds while the others wait, saying so; a process
+    that dies releases it with its descriptor, so nothing is left that makes the next command wait. Holding it, no
+    other quickdraft process is in PyTorch's builder, so PyTorch's own `lock` file is nobody's: PyTorch 2.13 waits
+    forever on one a killed build left (its lock is a file whose existence blocks), and 2.14 leaves it behind after
+    every build or load (there it is an flock too, and a left file is harmless)."""
+    path = build_lock_path()
+    with open(path, "a") as held:
         try:
-            age = time.time() - lock.stat().st_mtime
-        except OSError:  # no lock (the usual case), or the other build finished
-            return
-        if age > STALE_LOCK_S or time.monotonic() > deadline:
-            try:
-                lock.unlink()
-                print(f"removed a stale build lock ({lock}) left by an interrupted build", file=sys.stderr)
-            except OSError:
-                pass
-            return
-        if not said:
-            print(f"waiting for another build of quickdraft's CPU kernels to finish (lock {lock}; one takes up to a "
-                  "minute)", file=sys.stderr)
-            said = True
-        time.sleep(0.5)
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building quickdraft's CPU kernels (lock {path}; a build takes up to "
+                  "a minute)", file=sys.stderr, flush=True)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        (path.parent / "lock").unlink(missing_ok=True)
+        yield  # released when the file closes, or when the process dies
 
 
 def available() -> bool:

@@ -6,8 +6,10 @@ import asyncio
 import json
 import random
 import string
+import sys
 import time
 
+import psutil
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -58,8 +60,8 @@ def vocabulary():
 
 def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
     """Without the bounds, a 3000-rule chain segfaults llguidance: in the sandbox that is an error for the
-    request, and the next constraint compiles in a new child. A compile past the timeout is killed the same way,
-    and so is one whose client goes away (the task is cancelled)."""
+    request, and the next constraint compiles in a new child. A compile past the timeout is killed the same way;
+    one whose client goes away (the task is cancelled) compiles on, and its outcome is kept for the next client."""
     async def scenario():
         sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=1.0, bounds=False, lanes=1)
         try:
@@ -69,13 +71,17 @@ def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
             assert await sandbox.compile(Grammar("regex", "c+"))
             with pytest.raises(QuickdraftError, match="did not compile within 1 s"):
                 await sandbox.compile(Grammar("grammar", gbnf_chain(3000)))  # its GBNF reader is quadratic
-            slow = asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(3001))))  # not the one kept
+            leaving = Grammar("grammar", gbnf_chain(3001))  # not the one kept
+            slow = asyncio.create_task(sandbox.compile(leaving))
             await asyncio.sleep(0.3)
             restarts = sandbox.restarts  # a child is compiling for it
             slow.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await slow
-            assert sandbox.lanes[0].proc is None  # killed mid-compile
+            assert list(sandbox.compiling) == [("grammar", leaving.text)]  # it compiles on, for nobody
+            await asyncio.gather(*sandbox.compiling.values())  # to its time limit: that child is killed
+            with pytest.raises(QuickdraftError, match="did not compile within 1 s"):
+                await sandbox.compile(leaving)  # its outcome was kept: no child is started for it again
             assert await sandbox.compile(Grammar("regex", "d+")) and sandbox.restarts == restarts + 1
             sandbox.timeout_s = 10.0  # this one takes 0.8-1.1 s to fail on a 2-core machine: not a timeout test
             with pytest.raises(QuickdraftError, match="invalid regular expression: lexer error") as e:
@@ -122,6 +128,41 @@ def test_a_valid_constraint_does_not_wait_behind_grammar_bombs(vocabulary):
             await sandbox.close()
 
     asyncio.run(scenario())
+
+
+@pytest.fixture
+def a_child_that_never_gets_ready(tmp_path, monkeypatch):
+    """Lanes start children that never say they are ready (a stand-in for sys.executable that sleeps)."""
+    sleeper = tmp_path / "sleeper"
+    sleeper.write_text("#!/bin/sh\nexec sleep 60\n")
+    sleeper.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(sleeper))
+
+
+@pytest.mark.parametrize("who", ["shutdown", "close", "client"])
+def test_a_child_whose_start_is_cancelled_is_not_left_behind(vocabulary, a_child_that_never_gets_ready, who):
+    """A lane's child cancelled while it starts (the server's shutdown cancels the lanes' start; close() cancels the
+    compiles; a client leaves while its compile waits for a child) is killed, not left alive with a vocabulary
+    nobody will use."""
+    me = psutil.Process()
+
+    async def scenario():
+        before = len(me.children())
+        sandbox = GrammarSandbox(vocabulary, 300, [299], lanes=1)
+        work = asyncio.create_task(sandbox.start() if who == "shutdown" else
+                                   sandbox.compile(Grammar("regex", "[ab]{2}")))
+        while len(me.children()) == before:  # the child runs, and never says it is ready
+            await asyncio.sleep(0.01)
+        if who != "close":
+            work.cancel()
+        await asyncio.sleep(0.1)
+        await sandbox.close()
+        await asyncio.gather(work, return_exceptions=True)
+        return before, len(me.children())
+
+    before, after = asyncio.run(scenario())
+    print(f"\nchildren before {before}, after a start cancelled by {who}: {after}")
+    assert after == before
 
 
 _pieces = st.sampled_from(["a", "b", "(a|b)", "[a-c]", "x?", "y*", "z+", "(ab){2}", "\\.", "[0-9]{1,3}", ".", "("])

@@ -80,6 +80,7 @@ def create_app(state: ServerState) -> FastAPI:
         starting = asyncio.create_task(_start(state.sandbox))  # the first constrained request would wait for it
         yield  # the worker runs from its construction
         starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)  # a child cancelled while it starts is killed
         await state.sandbox.close()
         await asyncio.to_thread(state.worker.stop)
 

@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from quickdraft.config import SamplingParams
 from quickdraft.errors import QuickdraftError
 from quickdraft.server import protocol as p
-from quickdraft.server.sandbox import CompilerBusy
+from quickdraft.server.sandbox import CompilerBusy, CompilerUnavailable
 
 MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 60.0  # for the whole body, once its head has arrived (server/connections.py)
@@ -199,9 +199,9 @@ async def constraint(state, req, tools: ToolPlan | None = None):
         return await asyncio.to_thread(state.engine.grammars.constraint, grammar, compiled)
     except QuickdraftError as e:
         raise p.APIError(400, str(e), field) from None
-    except CompilerBusy as e:
-        raise p.APIError(503, f"the server is busy: {e}; retry later", field, type="server_busy",
-                         headers={"Retry-After": "2"}) from None
+    except CompilerUnavailable as e:  # not the client's fault: a 503 it may retry
+        raise p.APIError(503, f"{e}; retry later", field, type="server_busy" if isinstance(e, CompilerBusy) else
+                         "server_error", headers={"Retry-After": "2"}) from None
 
 
 async def unless_disconnected(request: Request, work):

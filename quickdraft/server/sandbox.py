@@ -6,9 +6,11 @@ segfault: nothing to catch), and its GBNF reader is pure Python, quadratic in th
 not enough. One child process (`python -m quickdraft.server.sandbox`, no PyTorch: llguidance and the tokenizer
 only) compiles each constraint and walks its matcher through its first tokens (grammar.trial), one request at a
 time. The server then builds its own matcher from the compiled text the child sends back, which takes
-milliseconds. A child that crashes, runs past the timeout, or is still compiling for a client that has gone away
-is killed, and a new one is started for the next request. Its memory is capped (RLIMIT_AS), so a runaway compile
-fails there too.
+milliseconds. A child that crashes or runs past the timeout is killed, and a new one is started for the next
+request. Its memory is capped (RLIMIT_AS), so a runaway compile fails there too. A compile whose client has gone
+away runs on in the sandbox's own task, within its limit, and its outcome is kept for the next client (a child
+killed for it would cost a restart and keep nothing); a child is killed only when the sandbox closes, whatever it
+is doing then, starting included.
 
 Why a process and not a thread: a thread shares the server's stack space and GIL, and nothing can stop a thread
 running native code. Why long-lived children: building llguidance's view of a large vocabulary takes about as
@@ -29,6 +31,7 @@ are refused (CompilerBusy: a 503).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -49,8 +52,13 @@ MEMORY_BYTES = 4 << 30  # each child's address space
 READY_TIMEOUT_S = 120.0  # building the vocabulary's view, once per child
 
 
-class CompilerBusy(Exception):
-    """Too many compiles are waiting for a lane: the request may retry later (a 503, not the client's fault)."""
+class CompilerUnavailable(Exception):
+    """The compiler cannot take a constraint now (its child did not start): the request may retry later (a 503,
+    not the client's fault)."""
+
+
+class CompilerBusy(CompilerUnavailable):
+    """Too many compiles are waiting for a lane."""
 
 
 class _TooSlow(Exception):
@@ -69,31 +77,42 @@ class GrammarSandbox:
         self.slow = _Lane(self)  # for what needs longer than a first try
         self.idle: asyncio.Queue | None = None  # lanes free now; made on the event loop that uses it
         self.slow_lock: asyncio.Lock | None = None
-        self.waiting = 0
+        self.compiling: dict[tuple[str, str], asyncio.Task] = {}  # by constraint: compiles under way or waiting
         self.restarts = 0  # children started
         self.outcomes: OrderedDict[tuple[str, str], tuple[bool, str]] = OrderedDict()
 
     async def compile(self, grammar: Grammar) -> str:
         """The constraint as llguidance text, checked by a child: QuickdraftError (the client's fault) if it is
-        out of bounds, invalid, crashes the compiler or takes longer than the timeout; CompilerBusy when too many
-        compiles wait."""
+        out of bounds, invalid, crashes the compiler or takes longer than the timeout; CompilerUnavailable (not the
+        client's fault: a 503) when too many compiles wait or the compiler does not start."""
         if self.bounds:
             grammars.check_bounds(grammar)  # cheap, and spares the children the obvious cases
         key = (grammar.kind, grammar.text)
         if key in self.outcomes:
             self.outcomes.move_to_end(key)
             return _result(*self.outcomes[key])
-        if self.waiting >= MAX_WAITING:
-            raise CompilerBusy(f"{self.waiting} constraints are waiting for the grammar compiler")
-        self.waiting += 1
-        try:
-            outcome = await self._compile(grammar)
-        finally:
-            self.waiting -= 1
-        self.outcomes[key] = outcome
+        task = self.compiling.get(key) or self._begin(key, grammar)
+        # a client that goes away leaves the compile to finish within its limit, its outcome kept for the next
+        # one; killing the child instead would cost a restart and keep nothing
+        return _result(*await asyncio.shield(task))
+
+    def _begin(self, key: tuple[str, str], grammar: Grammar) -> asyncio.Task:
+        """Compile in a task of the sandbox's own (one per constraint, however many requests ask for it)."""
+        if len(self.compiling) >= MAX_WAITING:
+            raise CompilerBusy(f"the server is busy: {len(self.compiling)} constraints are waiting for the grammar "
+                               "compiler")
+        task = asyncio.ensure_future(self._compile(grammar))
+        self.compiling[key] = task
+        task.add_done_callback(functools.partial(self._finished, key))
+        return task
+
+    def _finished(self, key: tuple[str, str], task: asyncio.Task) -> None:
+        del self.compiling[key]
+        if task.cancelled() or task.exception() is not None:  # closed, or the compiler did not start: not kept
+            return
+        self.outcomes[key] = task.result()
         while len(self.outcomes) > CACHE_SIZE:
             self.outcomes.popitem(last=False)
-        return _result(*outcome)
 
     async def _compile(self, grammar: Grammar) -> tuple[bool, str]:
         """(True, text) or (False, the message), trying a shared lane first, then the slow lane."""
@@ -125,6 +144,11 @@ class GrammarSandbox:
         await asyncio.gather(*(lane.ready() for lane in self.lanes))
 
     async def close(self) -> None:
+        """Cancel every compile (a child starting or compiling for one is killed), then end the children."""
+        compiling = list(self.compiling.values())
+        for task in compiling:
+            task.cancel()
+        await asyncio.gather(*compiling, return_exceptions=True)
         for lane in [*self.lanes, self.slow]:
             await lane.kill()
 
@@ -148,12 +172,13 @@ class _Lane:
         self.starting: asyncio.Lock | None = None
 
     async def outcome(self, grammar: Grammar, timeout_s: float) -> tuple[bool, str]:
-        """(True, text) or (False, why not); _TooSlow past timeout_s (the child is killed); QuickdraftError if the
-        child does not start (not an outcome of the constraint: never kept)."""
+        """(True, text) or (False, why not); _TooSlow past timeout_s (the child is killed). CompilerUnavailable if
+        the child does not start, QuickdraftError if llguidance does not take the vocabulary: neither is an outcome
+        of the constraint, and neither is kept."""
         proc = await self.ready()
         try:
             return await self._ask(proc, grammar, timeout_s)
-        except asyncio.CancelledError:  # the client went away: the child may still be compiling for it
+        except asyncio.CancelledError:  # the sandbox is closing: the child may still be compiling
             await self.kill()
             raise
 
@@ -194,13 +219,19 @@ class _Lane:
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
                 limit=64 << 20)
             line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as e:
+        except BaseException as e:  # cancelled too (shutdown): a child no lane owns would live on, never told to end
             await _end(proc)
-            raise QuickdraftError(f"structured output is not available: the grammar compiler did not start ({e})")
+            if isinstance(e, (OSError, asyncio.TimeoutError)):
+                raise CompilerUnavailable(f"structured output is not available now: the grammar compiler did not "
+                                          f"start ({e})") from None
+            raise
         finally:
             os.unlink(f.name)
-        reply = json.loads(line or b'{"error": "the grammar compiler exited at start"}')
-        if "error" in reply:
+        if not line:
+            await _end(proc)
+            raise CompilerUnavailable("structured output is not available now: the grammar compiler exited at start")
+        reply = json.loads(line)
+        if "error" in reply:  # this vocabulary is not one llguidance takes: no retry helps
             await _end(proc)
             raise QuickdraftError(reply["error"])
         sandbox.restarts += 1
@@ -212,9 +243,10 @@ class _Lane:
 
 
 async def _end(proc) -> None:
+    """Kill a child and reap it; a cancellation meanwhile does not stop the reaping."""
     if proc is not None and proc.returncode is None:
         proc.kill()
-        await proc.wait()
+        await asyncio.shield(proc.wait())
 
 
 def _child(tokenizer_path: str, vocab_size: int, eos_ids: list[int], memory: int, bounds: bool) -> None:

@@ -4,7 +4,9 @@ sandbox, stop strings in linear time, streamed text with a real U+FFFD, crafted 
 
 import asyncio
 import json
+import os
 import random
+import signal
 import string
 import sys
 import time
@@ -16,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 from quickdraft import grammar as grammars
 from quickdraft.errors import QuickdraftError
 from quickdraft.grammar import Grammar
+from quickdraft.server import sandbox as sandbox_module
 from quickdraft.server.sandbox import GrammarSandbox
 from quickdraft.server.stops import StopMatcher
 from tests.helpers import (assert_one_line_error, gbnf_chain, lark_chain, ref_chain, run, tiny_hf_model,
@@ -163,6 +166,35 @@ def test_a_child_whose_start_is_cancelled_is_not_left_behind(vocabulary, a_child
     before, after = asyncio.run(scenario())
     print(f"\nchildren before {before}, after a start cancelled by {who}: {after}")
     assert after == before
+
+
+def test_a_time_out_is_kept_for_a_while_only_and_refusals_never_evict_what_compiled(vocabulary):
+    """A time-out (or a crash) may be the machine's load, not the constraint: it is refused again from the cache only
+    for RETRY_S, then compiled anew. Constraints refused, however many, never push out those that compiled."""
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=0.3, first_try_s=0.3, lanes=1)
+        try:
+            await sandbox.start()
+            assert await sandbox.compile(Grammar("regex", "a+"))
+            os.kill(sandbox.lanes[0].proc.pid, signal.SIGSTOP)  # a compile that cannot finish in time
+            with pytest.raises(QuickdraftError, match="did not compile within 0.3 s"):
+                await sandbox.compile(Grammar("regex", "[ab]{2}"))
+            restarts = sandbox.restarts
+            with pytest.raises(QuickdraftError, match="did not compile within 0.3 s"):
+                await sandbox.compile(Grammar("regex", "[ab]{2}"))  # from the cache: no child was asked
+            assert sandbox.restarts == restarts
+            now = time.monotonic()
+            sandbox.clock = lambda: now + sandbox_module.RETRY_S
+            sandbox.timeout_s = sandbox.first_try_s = 30.0
+            assert await sandbox.compile(Grammar("regex", "[ab]{2}"))  # compiled anew
+            for i in range(sandbox_module.CACHE_SIZE + 1):
+                with pytest.raises(QuickdraftError):
+                    await sandbox.compile(Grammar("regex", f"({i}"))
+            assert ("regex", "a+") in sandbox.kept and len(sandbox.refused) == sandbox_module.CACHE_SIZE
+        finally:
+            await sandbox.close()
+
+    asyncio.run(scenario())
 
 
 _pieces = st.sampled_from(["a", "b", "(a|b)", "[a-c]", "x?", "y*", "z+", "(ab){2}", "\\.", "[0-9]{1,3}", ".", "("])

@@ -33,11 +33,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import os
 import signal
 import sys
 import tempfile
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from quickdraft import grammar as grammars
 from quickdraft.errors import QuickdraftError
@@ -47,7 +50,8 @@ TIMEOUT_S = 10.0  # a constraint compiles in milliseconds; this is for the ones 
 FIRST_TRY_S = 2.0  # on a shared lane (see the module's note); what needs longer goes on to the slow lane
 LANES = 2
 MAX_WAITING = 32  # compiles waiting for a lane
-CACHE_SIZE = 256
+CACHE_SIZE = 256  # outcomes kept of each kind: constraints that compiled, and constraints refused
+RETRY_S = 60.0  # a time-out or a crash is kept this long only: load, not the constraint, may have caused it
 MEMORY_BYTES = 4 << 30  # each child's address space
 READY_TIMEOUT_S = 120.0  # building the vocabulary's view, once per child
 
@@ -65,6 +69,15 @@ class _TooSlow(Exception):
     """A compile ran past its time on a lane (the child was killed)."""
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What compiling a constraint gave: its llguidance text (ok), or why it was refused."""
+
+    ok: bool
+    text: str
+    lasting: bool = True  # False: a time-out or a crash, which a loaded machine can cause (kept RETRY_S only)
+
+
 class GrammarSandbox:
     """Compiles request constraints in child processes (see the module's note); `compile` is a coroutine."""
 
@@ -79,7 +92,11 @@ class GrammarSandbox:
         self.slow_lock: asyncio.Lock | None = None
         self.compiling: dict[tuple[str, str], asyncio.Task] = {}  # by constraint: compiles under way or waiting
         self.restarts = 0  # children started
-        self.outcomes: OrderedDict[tuple[str, str], tuple[bool, str]] = OrderedDict()
+        # outcomes by constraint, apart so that refusals (what a flood of bombs leaves) never evict what compiled:
+        # compiled ones least recently used first; refused ones oldest first, with when they expire (inf: never)
+        self.kept: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self.refused: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+        self.clock = time.monotonic
 
     async def compile(self, grammar: Grammar) -> str:
         """The constraint as llguidance text, checked by a child: QuickdraftError (the client's fault) if it is
@@ -88,13 +105,36 @@ class GrammarSandbox:
         if self.bounds:
             grammars.check_bounds(grammar)  # cheap, and spares the children the obvious cases
         key = (grammar.kind, grammar.text)
-        if key in self.outcomes:
-            self.outcomes.move_to_end(key)
-            return _result(*self.outcomes[key])
-        task = self.compiling.get(key) or self._begin(key, grammar)
-        # a client that goes away leaves the compile to finish within its limit, its outcome kept for the next
-        # one; killing the child instead would cost a restart and keep nothing
-        return _result(*await asyncio.shield(task))
+        outcome = self._known(key)
+        if outcome is None:
+            task = self.compiling.get(key) or self._begin(key, grammar)
+            # a client that goes away leaves the compile to finish within its limit, its outcome kept for the next
+            # one; killing the child instead would cost a restart and keep nothing
+            outcome = await asyncio.shield(task)
+        if not outcome.ok:
+            raise QuickdraftError(outcome.text)
+        return outcome.text
+
+    def _known(self, key: tuple[str, str]) -> _Outcome | None:
+        """The outcome kept for a constraint, if any. A refusal does not move up: bombs sent again and again do
+        not keep their place."""
+        if key in self.kept:
+            self.kept.move_to_end(key)
+            return _Outcome(True, self.kept[key])
+        why, until = self.refused.get(key, (None, 0.0))
+        if why is None or self.clock() >= until:
+            self.refused.pop(key, None)
+            return None
+        return _Outcome(False, why)
+
+    def _keep(self, key: tuple[str, str], outcome: _Outcome) -> None:
+        if outcome.ok:
+            self.kept[key] = outcome.text
+        else:
+            self.refused[key] = outcome.text, math.inf if outcome.lasting else self.clock() + RETRY_S
+        for kept in (self.kept, self.refused):
+            while len(kept) > CACHE_SIZE:
+                kept.popitem(last=False)
 
     def _begin(self, key: tuple[str, str], grammar: Grammar) -> asyncio.Task:
         """Compile in a task of the sandbox's own (one per constraint, however many requests ask for it)."""
@@ -110,12 +150,10 @@ class GrammarSandbox:
         del self.compiling[key]
         if task.cancelled() or task.exception() is not None:  # closed, or the compiler did not start: not kept
             return
-        self.outcomes[key] = task.result()
-        while len(self.outcomes) > CACHE_SIZE:
-            self.outcomes.popitem(last=False)
+        self._keep(key, task.result())
 
-    async def _compile(self, grammar: Grammar) -> tuple[bool, str]:
-        """(True, text) or (False, the message), trying a shared lane first, then the slow lane."""
+    async def _compile(self, grammar: Grammar) -> _Outcome:
+        """Try a shared lane first, then the slow lane."""
         self._on_loop()
         first = min(self.first_try_s, self.timeout_s)
         lane = await self.idle.get()
@@ -123,14 +161,14 @@ class GrammarSandbox:
             return await lane.outcome(grammar, first)
         except _TooSlow:
             if first >= self.timeout_s:
-                return False, _late(grammar, self.timeout_s)
+                return _late(grammar, self.timeout_s)
         finally:
             self.idle.put_nowait(lane)
         async with self.slow_lock:
             try:
                 return await self.slow.outcome(grammar, self.timeout_s - first)
             except _TooSlow:
-                return False, _late(grammar, self.timeout_s)
+                return _late(grammar, self.timeout_s)
 
     def _on_loop(self) -> None:
         if self.idle is None:
@@ -153,14 +191,8 @@ class GrammarSandbox:
             await lane.kill()
 
 
-def _result(ok: bool, text: str) -> str:
-    if not ok:
-        raise QuickdraftError(text)
-    return text
-
-
-def _late(grammar: Grammar, seconds: float) -> str:
-    return f"the {grammar.describe()} did not compile within {seconds:g} s: simplify it"
+def _late(grammar: Grammar, seconds: float) -> _Outcome:
+    return _Outcome(False, f"the {grammar.describe()} did not compile within {seconds:g} s: simplify it", lasting=False)
 
 
 class _Lane:
@@ -171,8 +203,8 @@ class _Lane:
         self.proc: asyncio.subprocess.Process | None = None
         self.starting: asyncio.Lock | None = None
 
-    async def outcome(self, grammar: Grammar, timeout_s: float) -> tuple[bool, str]:
-        """(True, text) or (False, why not); _TooSlow past timeout_s (the child is killed). CompilerUnavailable if
+    async def outcome(self, grammar: Grammar, timeout_s: float) -> _Outcome:
+        """The constraint's outcome; _TooSlow past timeout_s (the child is killed). CompilerUnavailable if
         the child does not start, QuickdraftError if llguidance does not take the vocabulary: neither is an outcome
         of the constraint, and neither is kept."""
         proc = await self.ready()
@@ -182,7 +214,7 @@ class _Lane:
             await self.kill()
             raise
 
-    async def _ask(self, proc, grammar: Grammar, timeout_s: float) -> tuple[bool, str]:
+    async def _ask(self, proc, grammar: Grammar, timeout_s: float) -> _Outcome:
         proc.stdin.write(json.dumps({"kind": grammar.kind, "text": grammar.text}).encode() + b"\n")
         await proc.stdin.drain()
         try:
@@ -194,10 +226,10 @@ class _Lane:
             self.proc = None
             code = await proc.wait()
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            return False, (f"the {grammar.describe()} crashed the grammar compiler (llguidance, {how}): simplify it "
-                           "(fewer rules, less nesting)")
+            return _Outcome(False, f"the {grammar.describe()} crashed the grammar compiler (llguidance, {how}): "
+                                   "simplify it (fewer rules, less nesting)", lasting=False)
         reply = json.loads(line)
-        return ("ok" in reply), reply.get("ok", reply.get("error"))
+        return _Outcome("ok" in reply, reply.get("ok", reply.get("error")))
 
     async def ready(self):
         if self.starting is None:

@@ -104,29 +104,24 @@ def test_gbnf_rules_count_whatever_line_break_separates_them():
 
 
 def test_a_valid_constraint_does_not_wait_behind_grammar_bombs(vocabulary):
-    """Three compiles that would each run to the time limit, then a valid one: the valid one is answered while the
-    bombs still compile (each has a lane for a short first try; what needs longer finishes on a lane of its own),
-    and a bomb sent again is refused from the cache at once."""
+    """Both shared lanes busy with bombs' first tries and two more bombs waiting, then a valid constraint: it gets
+    the next lane before the waiting bombs (shortest first), and is answered while every bomb still compiles and
+    before the waiting ones had their first tries."""
     async def scenario():
-        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=2.0, bounds=False, first_try_s=0.5)
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=60.0, bounds=False, first_try_s=1.0)
         try:
             await sandbox.start()
-            bombs = [asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(5000 + i))))
-                     for i in range(3)]
-            await asyncio.sleep(0.2)
+            for lane in sandbox.lanes:  # the bombs' first tries run to their end, however fast the machine
+                os.kill(lane.proc.pid, signal.SIGSTOP)
+            bombs = [asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(5000 + i)))) for i in range(4)]
+            while len(sandbox.turns.waiting) < 2:
+                await asyncio.sleep(0.01)
             start = time.perf_counter()
             assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
             valid_s = time.perf_counter() - start
-            still = sum(not b.done() for b in bombs)
-            outcomes = await asyncio.gather(*bombs, return_exceptions=True)
-            bombs_s = time.perf_counter() - start
-            start = time.perf_counter()
-            with pytest.raises(QuickdraftError):
-                await sandbox.compile(Grammar("grammar", gbnf_chain(5000)))
-            again_s = time.perf_counter() - start
-            print(f"\nvalid regex behind 3 bombs: {valid_s:.2f} s ({still} bombs still compiling then; all done at "
-                  f"{bombs_s:.2f} s: {[type(o).__name__ for o in outcomes]}); a bomb again: {again_s:.3f} s")
-            assert still >= 1, "the valid constraint waited for every bomb"
+            print(f"\nvalid regex behind 2 first tries and 2 waiting bombs: {valid_s:.2f} s (a first try: 1 s)")
+            assert not any(b.done() for b in bombs), "the valid constraint waited for a bomb"
+            assert sandbox.on_slow == 2, "the valid constraint waited for the waiting bombs' first tries"
         finally:
             await sandbox.close()
 
@@ -191,6 +186,56 @@ def test_a_time_out_is_kept_for_a_while_only_and_refusals_never_evict_what_compi
                 with pytest.raises(QuickdraftError):
                     await sandbox.compile(Grammar("regex", f"({i}"))
             assert ("regex", "a+") in sandbox.kept and len(sandbox.refused) == sandbox_module.CACHE_SIZE
+        finally:
+            await sandbox.close()
+
+    asyncio.run(scenario())
+
+
+def test_lanes_go_to_the_shortest_constraint_waiting_and_a_full_queue_refuses_the_longest():
+    """Compiles waiting for a first try get the shared lane shortest first, never behind longer bombs; with the
+    waiting places all taken, a shorter constraint displaces the longest, and a longer one is refused."""
+    from quickdraft.server.sandbox import CompilerBusy, _Turns
+
+    async def scenario():
+        turns = _Turns(["lane"], limit=2)
+        assert turns.ask(100).result() == "lane"  # free: at once
+        bomb, valid = turns.ask(60_000), turns.ask(20)
+        shorter = turns.ask(30)  # full: the bomb gives its place up
+        with pytest.raises(CompilerBusy):
+            await bomb
+        with pytest.raises(CompilerBusy):
+            turns.ask(40_000)  # full, and none waiting is longer
+        turns.give("lane")
+        assert valid.result() == "lane" and not shorter.done()
+        turns.give("lane")
+        assert shorter.result() == "lane"
+        turns.give("lane")
+        assert turns.free == ["lane"]
+
+    asyncio.run(scenario())
+
+
+def test_the_slow_lane_has_its_own_budget_and_first_tries_go_on(vocabulary):
+    """What needs more than a first try waits for the slow lane within its own budget; one more is refused (a
+    503, not kept) instead of holding a place, and a valid constraint still gets its first try."""
+    from quickdraft.server.sandbox import CompilerBusy
+
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=60.0, first_try_s=0.2, bounds=False, lanes=1,
+                                 max_slow=1)
+        try:
+            await sandbox.start()
+            await sandbox.slow.ready()
+            os.kill(sandbox.slow.proc.pid, signal.SIGSTOP)  # the slow lane's compile cannot end
+            on_slow = asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(3000))))
+            while not sandbox.on_slow:  # its first try ran out: it waits on the slow lane now
+                await asyncio.sleep(0.05)
+            with pytest.raises(CompilerBusy, match="need more than 0.2 s"):
+                await sandbox.compile(Grammar("grammar", gbnf_chain(3001)))  # needs the slow lane too: refused
+            assert ("grammar", gbnf_chain(3001)) not in sandbox.refused
+            assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
+            assert not on_slow.done()
         finally:
             await sandbox.close()
 

@@ -3,9 +3,9 @@
 llguidance is a native library: a grammar that overflows its stack kills the process that compiles it (a
 segfault: nothing to catch), and its GBNF reader is pure Python, quadratic in the rules, holding the GIL. Bounds
 (grammar.check_bounds) refuse what is far beyond any real constraint; this sandbox is what stands when a bound is
-not enough. One child process (`python -m quickdraft.server.sandbox`, no PyTorch: llguidance and the tokenizer
-only) compiles each constraint and walks its matcher through its first tokens (grammar.trial), one request at a
-time. The server then builds its own matcher from the compiled text the child sends back, which takes
+not enough. A child process (`python -m quickdraft.server.sandbox`, no PyTorch: llguidance and the tokenizer
+only) compiles each constraint and walks its matcher through its first tokens (grammar.trial), one constraint at
+a time. The server then builds its own matcher from the compiled text the child sends back, which takes
 milliseconds. A child that crashes or runs past the timeout is killed, and a new one is started for the next
 request. Its memory is capped (RLIMIT_AS), so a runaway compile fails there too. A compile whose client has gone
 away runs on in the sandbox's own task, within its limit, and its outcome is kept for the next client (a child
@@ -17,21 +17,27 @@ running native code. Why long-lived children: building llguidance's view of a la
 long as a compile can, so each child builds it once.
 
 Lanes. One child for everyone let three compiles that run to the time limit hold a valid one for 30 s. Here LANES
-children take the compiles in turn, each for a first try of at most FIRST_TRY_S (a real constraint needs
-milliseconds; a loaded machine, a second); a compile that needs longer is killed there (its lane restarts) and
-tried again, for the rest of TIMEOUT_S, on a lane of its own. So a valid constraint waits at most about one first
-try behind any number of bombs, and the bombs wait for each other: shortest first, as far as anyone can tell
-before compiling. vLLM and SGLang compile on a thread pool beside the scheduler, with no time limit; llama-server
+children take first tries of at most FIRST_TRY_S (a real constraint needs milliseconds; a loaded machine, a
+second). A compile that needs longer is killed there (its lane restarts) and tried again, for the rest of
+TIMEOUT_S, on the slow lane, one compile at a time. Compiles waiting for a first try get the shared lanes shortest
+constraint first (its length is all anyone knows before compiling, and a bomb is long): a constraint waits for
+the first tries under way (about FIRST_TRY_S and a restart at most) and for constraints no longer than itself,
+never behind longer bombs however many. At most MAX_WAITING wait: one more displaces the longest waiting (a 503
+for it), or is refused itself when none is longer. The slow lane has its own budget, MAX_SLOW compiles on it or
+waiting for it; a compile that needs it beyond that is refused (a 503, not kept), so bombs never take the first
+tries' places. vLLM and SGLang compile on a thread pool beside the scheduler, with no time limit; llama-server
 compiles on the thread that serves. Compiles wait for a lane, not in the engine's queue (server/responses.py):
-plain requests never wait for them. Outcomes are kept (CACHE_SIZE, by the constraint's text): agents send the same
-tool schemas with every turn, and a bomb sent again is refused at once. More than MAX_WAITING compiles waiting
-are refused (CompilerBusy: a 503).
+plain requests never wait for them. Outcomes are kept (CACHE_SIZE, by the constraint's text): agents send the
+same tool schemas with every turn, and a bomb sent again is refused at once (a time-out or a crash for RETRY_S
+only: load may have caused it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import json
 import math
 import os
@@ -49,7 +55,8 @@ from quickdraft.grammar import Grammar
 TIMEOUT_S = 10.0  # a constraint compiles in milliseconds; this is for the ones that never would
 FIRST_TRY_S = 2.0  # on a shared lane (see the module's note); what needs longer goes on to the slow lane
 LANES = 2
-MAX_WAITING = 32  # compiles waiting for a lane
+MAX_WAITING = 32  # compiles waiting for a first try on a shared lane
+MAX_SLOW = 4  # compiles on the slow lane or waiting for it
 CACHE_SIZE = 256  # outcomes kept of each kind: constraints that compiled, and constraints refused
 RETRY_S = 60.0  # a time-out or a crash is kept this long only: load, not the constraint, may have caused it
 MEMORY_BYTES = 4 << 30  # each child's address space
@@ -82,14 +89,14 @@ class GrammarSandbox:
     """Compiles request constraints in child processes (see the module's note); `compile` is a coroutine."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int], timeout_s: float = TIMEOUT_S,
-                 bounds: bool = True, lanes: int = LANES, first_try_s: float = FIRST_TRY_S):
+                 bounds: bool = True, lanes: int = LANES, first_try_s: float = FIRST_TRY_S, max_slow: int = MAX_SLOW):
         """bounds False lets constraints beyond grammar.check_bounds reach the child (tests of the isolation)."""
         self.tokenizer_json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, sorted(eos_ids)
         self.timeout_s, self.bounds, self.first_try_s = timeout_s, bounds, first_try_s
         self.lanes = [_Lane(self) for _ in range(lanes)]
+        self.turns = _Turns(self.lanes, MAX_WAITING)
         self.slow = _Lane(self)  # for what needs longer than a first try
-        self.idle: asyncio.Queue | None = None  # lanes free now; made on the event loop that uses it
-        self.slow_lock: asyncio.Lock | None = None
+        self.slow_lock, self.max_slow, self.on_slow = asyncio.Lock(), max_slow, 0
         self.compiling: dict[tuple[str, str], asyncio.Task] = {}  # by constraint: compiles under way or waiting
         self.restarts = 0  # children started
         # outcomes by constraint, apart so that refusals (what a flood of bombs leaves) never evict what compiled:
@@ -138,10 +145,8 @@ class GrammarSandbox:
 
     def _begin(self, key: tuple[str, str], grammar: Grammar) -> asyncio.Task:
         """Compile in a task of the sandbox's own (one per constraint, however many requests ask for it)."""
-        if len(self.compiling) >= MAX_WAITING:
-            raise CompilerBusy(f"the server is busy: {len(self.compiling)} constraints are waiting for the grammar "
-                               "compiler")
-        task = asyncio.ensure_future(self._compile(grammar))
+        turn = self.turns.ask(len(grammar.text))  # CompilerBusy when too many wait
+        task = asyncio.ensure_future(self._compile(grammar, turn))
         self.compiling[key] = task
         task.add_done_callback(functools.partial(self._finished, key))
         return task
@@ -152,33 +157,35 @@ class GrammarSandbox:
             return
         self._keep(key, task.result())
 
-    async def _compile(self, grammar: Grammar) -> _Outcome:
-        """Try a shared lane first, then the slow lane."""
-        self._on_loop()
+    async def _compile(self, grammar: Grammar, turn: asyncio.Future) -> _Outcome:
+        """A first try on a shared lane (turn: one to come), then the rest of the time on the slow lane."""
         first = min(self.first_try_s, self.timeout_s)
-        lane = await self.idle.get()
+        lane = await self.turns.take(turn)
         try:
             return await lane.outcome(grammar, first)
         except _TooSlow:
             if first >= self.timeout_s:
                 return _late(grammar, self.timeout_s)
         finally:
-            self.idle.put_nowait(lane)
-        async with self.slow_lock:
-            try:
-                return await self.slow.outcome(grammar, self.timeout_s - first)
-            except _TooSlow:
-                return _late(grammar, self.timeout_s)
+            self.turns.give(lane)
+        return await self._slow(grammar, self.timeout_s - first)
 
-    def _on_loop(self) -> None:
-        if self.idle is None:
-            self.idle, self.slow_lock = asyncio.Queue(), asyncio.Lock()
-            for lane in self.lanes:
-                self.idle.put_nowait(lane)
+    async def _slow(self, grammar: Grammar, timeout_s: float) -> _Outcome:
+        """The slow lane, one compile at a time, within its own budget (CompilerBusy beyond it)."""
+        if self.on_slow >= self.max_slow:
+            raise CompilerBusy(f"the server is busy: {self.on_slow} constraints that need more than "
+                               f"{self.first_try_s:g} s are waiting for the grammar compiler")
+        self.on_slow += 1
+        try:
+            async with self.slow_lock:
+                return await self.slow.outcome(grammar, timeout_s)
+        except _TooSlow:
+            return _late(grammar, self.timeout_s)
+        finally:
+            self.on_slow -= 1
 
     async def start(self) -> None:
         """Start the shared lanes' children now (the first constrained requests would otherwise wait for them)."""
-        self._on_loop()
         await asyncio.gather(*(lane.ready() for lane in self.lanes))
 
     async def close(self) -> None:
@@ -189,6 +196,53 @@ class GrammarSandbox:
         await asyncio.gather(*compiling, return_exceptions=True)
         for lane in [*self.lanes, self.slow]:
             await lane.kill()
+
+
+class _Turns:
+    """The shared lanes, handed to waiting compiles shortest constraint first, with at most `limit` waiting (see
+    the module's note)."""
+
+    def __init__(self, lanes: list, limit: int):
+        self.free, self.limit = list(lanes), limit
+        self.waiting: list[tuple[int, int, asyncio.Future]] = []  # a heap: (size, arrival, the lane to come)
+        self.arrivals = itertools.count()
+
+    def ask(self, size: int) -> asyncio.Future:
+        """A lane to come (a future); CompilerBusy if `limit` constraints no longer than this one wait."""
+        turn = asyncio.get_running_loop().create_future()
+        if self.free:
+            turn.set_result(self.free.pop())
+            return turn
+        self.waiting = [w for w in self.waiting if not w[2].done()]  # cancelled ones (the sandbox closed)
+        if len(self.waiting) >= self.limit:
+            self._displace(size)
+        heapq.heapify(self.waiting)
+        heapq.heappush(self.waiting, (size, next(self.arrivals), turn))
+        return turn
+
+    def _displace(self, size: int) -> None:
+        longest = max(self.waiting)
+        busy = f"the server is busy: {len(self.waiting)} constraints are waiting for the grammar compiler"
+        if longest[0] <= size:
+            raise CompilerBusy(busy)
+        self.waiting.remove(longest)
+        longest[2].set_exception(CompilerBusy(f"{busy}, and shorter ones came"))
+
+    async def take(self, turn: asyncio.Future):
+        try:
+            return await turn
+        except asyncio.CancelledError:  # the sandbox is closing: a lane handed over meanwhile is handed on
+            if turn.done() and not turn.cancelled():
+                self.give(turn.result())
+            raise
+
+    def give(self, lane) -> None:
+        while self.waiting:
+            _, _, turn = heapq.heappop(self.waiting)
+            if not turn.done():
+                turn.set_result(lane)
+                return
+        self.free.append(lane)
 
 
 def _late(grammar: Grammar, seconds: float) -> _Outcome:

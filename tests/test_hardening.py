@@ -242,6 +242,40 @@ def test_the_slow_lane_has_its_own_budget_and_first_tries_go_on(vocabulary):
     asyncio.run(scenario())
 
 
+def test_a_full_queue_refuses_a_constrained_request_before_compiling_it():
+    """With every place in the queue taken, a constrained request is a 503 at once: its constraint is not compiled
+    first, for nothing."""
+    from types import SimpleNamespace
+
+    from quickdraft.server import protocol as p
+    from quickdraft.server.metrics import Metrics
+    from quickdraft.server.responses import respond
+    from quickdraft.server.worker import EngineWorker
+
+    compiled = []
+
+    class Sandbox:
+        async def compile(self, grammar):
+            compiled.append(grammar)
+            return "compiled"
+
+    class Request:  # a client that stays
+        async def receive(self):
+            await asyncio.Event().wait()
+
+    engine = SimpleNamespace(context=64, speculation=None, drafter=None,
+                             grammars=SimpleNamespace(constraint=lambda grammar, text: None))
+    worker = EngineWorker(lambda: SimpleNamespace(engine=engine), 0, Metrics())  # every place taken: none
+    state = SimpleNamespace(engine=engine, worker=worker, sandbox=Sandbox())
+    req = p.parse_body(b'{"prompt": "x", "max_tokens": 2, "regex": "[ab]{2}"}', p.CompletionRequest)
+    try:
+        with pytest.raises(p.APIError) as refused:
+            asyncio.run(respond(state, Request(), req, [1, 2], chat=False, max_tokens=2))
+    finally:
+        worker.stop()
+    assert refused.value.status == 503 and compiled == []
+
+
 _pieces = st.sampled_from(["a", "b", "(a|b)", "[a-c]", "x?", "y*", "z+", "(ab){2}", "\\.", "[0-9]{1,3}", ".", "("])
 
 

@@ -32,10 +32,11 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
                          "max_tokens", code="context_length_exceeded")
     params, speculation = prepare.sampling(req, max_tokens), prepare.speculation(state, req)
     stops = req.stop_strings()
-    # compiled before it takes a place in the engine's queue: compiles wait for the compiler's lanes
-    # (server/sandbox.py), and plain requests never wait for them
-    constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
     try:
+        state.worker.check_room()  # a full queue is a 503 at once, not after compiling a constraint for nothing
+        # compiled before it takes a place in the engine's queue: compiles wait for the compiler's lanes
+        # (server/sandbox.py), and plain requests never wait for them
+        constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
         ticket = state.worker.admit()
     except QueueFull as full:
         raise p.APIError(503, "the server is busy: every queue slot is taken; retry later",

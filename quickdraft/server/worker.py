@@ -138,13 +138,18 @@ class EngineWorker:
             raise failed[0]
 
     def admit(self) -> Ticket:
-        """A place in the queue (QueueFull when all max_queue are taken), for a request about to be prepared."""
+        """A place in the queue (QueueFull when all max_queue are taken), for a request ready to run."""
         with self._places:
-            if self.held >= self.max_queue:
-                raise QueueFull(max(1, round((self.held + 1) * self.mean_request_s)))
+            self.check_room()
             self.held += 1
         self.metrics.waiting.set(self.held)
         return Ticket(self)
+
+    def check_room(self) -> None:
+        """QueueFull when every place is taken: a cheap answer before work (a constraint's compile) that admit
+        would then refuse."""
+        if self.held >= self.max_queue:
+            raise QueueFull(max(1, round((self.held + 1) * self.mean_request_s)))
 
     def _release(self, ticket: Ticket) -> None:
         with self._places:

@@ -139,20 +139,29 @@ def test_abandoned_queued_requests_leave_no_handler_behind(server):
 
 # ---- 2. validation that multiplies ----------------------------------------------------------------------------
 
-def test_nested_lists_within_their_caps_cannot_multiply_the_work(server):
-    """512 messages x 1365 empty content parts: each list within its cap of 4096, 700k items in all (2.1 MB)."""
-    body = json.dumps({"messages": [{"role": "user", "content": [{}] * 1365}] * 512}, separators=(",", ":")).encode()
+MULTIPLYING = {  # each list within its cap, the items they multiply to far beyond the bound on values
+    "messages": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{}] * 1365}] * 512}),  # 700k
+    "prompt": ("/v1/completions", {"prompt": [[{}] * 131072] * 21}),  # 2.75M, in 8 MiB
+}
+
+
+@pytest.mark.parametrize("field", MULTIPLYING)
+def test_nested_lists_within_their_caps_cannot_multiply_the_work(server, field):
+    """512 messages x 1365 empty content parts (2.1 MB), and a prompt of 21 lists of 131072 empty objects (8 MiB):
+    each list within its cap, millions of items in all."""
+    route, payload = MULTIPLYING[field]
+    body = json.dumps(payload, separators=(",", ":")).encode()
     before = rss(server)
     with HealthWatch(server) as watch:
         start = time.perf_counter()
-        r = post(server, body, "/v1/chat/completions")
+        r = post(server, body, route)
         took = time.perf_counter() - start
     after = rss(server)
-    print(f"\n{len(body) / 1e6:.1f} MB body of 512 x 1365 parts: HTTP {r.status_code} in {took:.2f} s, /health worst "
-          f"{watch.worst:.2f} s, RSS {before >> 20} -> {after >> 20} MiB; {r.json()['error']['message'][:120]}")
+    print(f"\n{len(body) / 1e6:.1f} MB body multiplying under {field}: HTTP {r.status_code} in {took:.2f} s, /health "
+          f"worst {watch.worst:.2f} s, RSS {before >> 20} -> {after >> 20} MiB; {r.json()['error']['message'][:120]}")
     assert r.status_code == 400
     error = r.json()["error"]
-    assert "values" in error["message"] and error["param"] == "messages", error
+    assert "values" in error["message"] and error["param"] == field, error
     assert after < before + (200 << 20)
     still_serving(server)
 

@@ -1,5 +1,7 @@
 """The server's pure parts: stop strings over streamed pieces, and request validation messages."""
 
+import json
+
 import pytest
 
 from quickdraft.grammar import Grammar
@@ -50,6 +52,9 @@ def test_no_stop_strings_passes_everything():
     (b'{"prompt": "x", "stop": [1]}', "a string or a list of strings", "stop"),
     (b'{"prompt": "x", "speculative": {"k": 3}}', "unknown field 'speculative.k'", "speculative.k"),
     (b'{"prompt": "x", "seed": 1.5}', "valid integer", "seed"),
+    # a prompt's token ids have a bound of their own; anything else in a prompt counts as values anywhere do
+    (json.dumps({"prompt": [[1] * 70_000, [2] * 70_000]}).encode(), "more than 131072 token ids", "prompt"),
+    (json.dumps({"prompt": [[{}] * 70_000]}).encode(), "more than 65536 values", "prompt"),
 ])
 def test_bad_completion_bodies_say_what_to_fix(body, fragment, param):
     with pytest.raises(p.APIError) as e:

@@ -26,9 +26,10 @@ MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it: server
 MAX_ITEMS = 4096  # items of any list or object in a body: messages, content parts, stop strings, tools, ...
 MAX_PROMPT_ITEMS = 1 << 17  # token ids of a prompt given as ids (a context is never larger)
 MAX_DEPTH = 64  # objects and lists within each other
-# items of all lists and objects of a body together (a prompt's token ids aside): lists each within MAX_ITEMS
-# multiply (4096 messages x 4096 content parts), and validating, or describing why not, costs per item (~5 us to
-# validate, ~20 us to describe an invalid one); at this bound a body is refused or validated in well under a second
+# items of all lists and objects of a body together: lists each within MAX_ITEMS multiply (4096 messages x 4096
+# content parts), and validating, or describing why not, costs per item (~5 us to validate, ~20 us to describe an
+# invalid one); at this bound a body is refused or validated in well under a second. A prompt's token ids are
+# bounded apart (MAX_PROMPT_ITEMS in all its lists); anything else in a prompt counts here
 MAX_VALUES = 1 << 16
 
 
@@ -490,24 +491,20 @@ def _check_values(body: dict) -> None:
     refuse text that is not Unicode: JSON allows an unpaired UTF-16 surrogate ("\\ud800"), which no tokenizer
     or encoder takes."""
     stack = [(body, "", 1)]
-    counted: dict[str, int] = {}  # values under each top-level field
+    tally = _Tally()
     while stack:
         value, where, depth = stack.pop()
         if isinstance(value, str):
             _check_text(value, where)
             continue
-        if not isinstance(value, (dict, list)):
-            continue
         top = where.split(".")[0]
-        if depth > MAX_DEPTH:
-            raise APIError(400, f"field {where!r} nests lists or objects too deeply: at most {MAX_DEPTH} levels",
-                           top or None)
-        limit = MAX_PROMPT_ITEMS if top == "prompt" else MAX_ITEMS
-        if len(value) > limit:
-            raise APIError(400, f"field {where or 'body'!r} has {len(value)} items: at most {limit} are accepted",
-                           where or None)
-        if not (top == "prompt" and depth <= 3):  # a prompt's token ids have their own bound
-            _count(counted, top or "body", len(value))
+        _check_container(value, where, top, depth)
+        if top == "prompt":  # its token ids have their own bound; anything else in it counts as anywhere
+            nested = sum(isinstance(item, (str, dict, list)) for item in value)
+            tally.add("prompt", nested)
+            tally.add_ids(len(value) - nested)
+        else:
+            tally.add(top or "body", len(value))
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, str):
@@ -516,12 +513,36 @@ def _check_values(body: dict) -> None:
                 stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
 
 
-def _count(counted: dict[str, int], field: str, n: int) -> None:
-    counted[field] = counted.get(field, 0) + n
-    if sum(counted.values()) > MAX_VALUES:
-        most = max(counted, key=counted.get)
-        raise APIError(400, f"the request body holds more than {MAX_VALUES} values (items of its lists and objects; "
-                            f"most of them under {most!r}): send fewer", None if most == "body" else most)
+def _check_container(value: dict | list, where: str, top: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise APIError(400, f"field {where!r} nests lists or objects too deeply: at most {MAX_DEPTH} levels",
+                       top or None)
+    limit = MAX_PROMPT_ITEMS if top == "prompt" else MAX_ITEMS
+    if len(value) > limit:
+        raise APIError(400, f"field {where or 'body'!r} has {len(value)} items: at most {limit} are accepted",
+                       where or None)
+
+
+class _Tally:
+    """What _check_values has walked: items of lists and objects under each top-level field (a prompt's token ids
+    apart), each bounded over the whole body."""
+
+    def __init__(self):
+        self.values: dict[str, int] = {}
+        self.ids = 0
+
+    def add(self, field: str, n: int) -> None:
+        self.values[field] = self.values.get(field, 0) + n
+        if sum(self.values.values()) > MAX_VALUES:
+            most = max(self.values, key=self.values.get)
+            raise APIError(400, f"the request body holds more than {MAX_VALUES} values (items of its lists and "
+                                f"objects; most of them under {most!r}): send fewer", None if most == "body" else most)
+
+    def add_ids(self, n: int) -> None:
+        self.ids += n
+        if self.ids > MAX_PROMPT_ITEMS:
+            raise APIError(400, f"the prompt holds more than {MAX_PROMPT_ITEMS} token ids in all its lists (a context "
+                                "is never that long): send fewer", "prompt")
 
 
 def _check_text(text: str, where: str) -> None:

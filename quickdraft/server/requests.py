@@ -120,7 +120,7 @@ def _check_template_chars(state, messages: list[dict], tools: "ToolPlan | None",
 def _render(tokenizer, messages: list[dict], extra: dict, literal: bool) -> list[int]:
     """literal: special-token text in the messages stays text (tokenizer.encode_chat)."""
     try:
-        return tokenizer.encode_chat(messages, literal, **extra)
+        return tokenizer.encode_chat(messages, extra, literal_special_text=literal)
     except QuickdraftError as e:
         raise p.APIError(400, str(e).replace("drop --chat and give a raw prompt",
                                              "use /v1/completions with a raw prompt"), "messages") from None

@@ -290,17 +290,32 @@ def test_a_lone_surrogate_as_a_key_is_a_400(server):
     assert "Traceback" not in server.stderr()
 
 
+BROWSER = {"cross-site page": {"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"},
+           "sandboxed frame": {"Origin": "null"}, "older browser": {"Sec-Fetch-Site": "cross-site"}}
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
-def test_a_body_that_is_not_declared_json_is_refused(server, content_type):
-    """A page on another site can POST text/plain (or form data, or a Blob with no type) without a preflight: such
-    a request must not start a completion."""
+@pytest.mark.parametrize("browser", BROWSER)
+def test_a_browser_body_that_is_not_declared_json_is_refused(server, content_type, browser):
+    """A page on another site can make the browser POST text/plain (or form data, or a Blob with no type) without a
+    preflight: such a request must not start a completion. Browsers mark it (Origin, Sec-Fetch-Site)."""
+    headers = {**AUTH, **BROWSER[browser], **({"Content-Type": content_type} if content_type else {})}
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
+                   headers=headers, timeout=30)
+    print(f"\n{browser}, Content-Type {content_type}: HTTP {r.status_code} {r.text[:150]}")
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], r.text
+    ok = post(server, {"prompt": "x", "max_tokens": 1},
+              headers={**BROWSER[browser], "Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", None])
+def test_clients_that_are_not_browsers_need_no_content_type(server, content_type):
+    """curl -d (form-urlencoded) and fetch or scripts without headers: no page's tool, answered as JSON."""
     headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
     r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
                    headers=headers, timeout=30)
-    print(f"\nContent-Type {content_type}: HTTP {r.status_code} {r.text[:150]}")
-    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], r.text
-    ok = post(server, {"prompt": "x", "max_tokens": 1}, headers={"Content-Type": "application/json; charset=utf-8"})
-    assert ok.status_code == 200, ok.text
+    assert r.status_code == 200, r.text
 
 
 def test_more_tools_than_the_bound_are_refused(server):

@@ -25,11 +25,12 @@ PROMPTS = [f"soak prompt {i}: {'abc' * i}" for i in range(6)]
 VARIANTS = {  # speculation on (n-gram), off, and on under a constraint
     "ngram": {}, "plain": {"speculative": {"draft_max": 0}}, "regex": {"regex": "[a-z ]{4,16}"},
 }
-INVALID = [  # (body bytes, content type)
-    (b'{"prompt": ', "application/json"), (b'{"prompt": "x", "nosuch": 1}', "application/json"),
-    (b'{"prompt": "x", "\\ud800": 1}', "application/json"), (b'{"prompt": "x"}', "text/plain"),
-    (json.dumps({"messages": [{"role": "user", "content": [{}] * 600}] * 200}).encode(), "application/json"),
-    (json.dumps({"prompt": "x", "grammar": "root ::= nothere"}).encode(), "application/json"),
+JSON = {"Content-Type": "application/json"}
+INVALID = [  # (body bytes, headers)
+    (b'{"prompt": ', JSON), (b'{"prompt": "x", "nosuch": 1}', JSON), (b'{"prompt": "x", "\\ud800": 1}', JSON),
+    (b'{"prompt": "x"}', {"Content-Type": "text/plain", "Origin": "https://elsewhere.example"}),  # a foreign page
+    (json.dumps({"messages": [{"role": "user", "content": [{}] * 600}] * 200}).encode(), JSON),
+    (json.dumps({"prompt": "x", "grammar": "root ::= nothere"}).encode(), JSON),
 ]
 
 
@@ -101,9 +102,8 @@ def client_loop(url: str, references: dict, deadline: float, seed: int, tally: T
                         tally.add("answers", None if text == references[prompt, variant] else
                                   f"mixed: {prompt!r} {variant} got {text!r}, not {references[prompt, variant]!r}")
                 elif kind == "invalid":
-                    data, content_type = rng.choice(INVALID)
-                    r = client.post(url + "/v1/completions", content=data,
-                                    headers={**AUTH, "Content-Type": content_type})
+                    data, headers = rng.choice(INVALID)
+                    r = client.post(url + "/v1/completions", content=data, headers={**AUTH, **headers})
                     tally.add("refused", None if 400 <= r.status_code < 500 else f"invalid body: HTTP {r.status_code}")
                 elif kind == "slow":  # a head a few bytes at a time, then gone
                     s = raw(url, b"GET /health HTTP/1.1\r\n")

@@ -222,18 +222,22 @@ def host_name(host: str) -> str:
 
 
 def check_content_type(request: Request) -> p.APIError | None:
-    """A POST to the API must declare a JSON body. A page on any site may send a browser's "simple" request (text/plain,
-    form data, or a Blob with no type) without a preflight: without a key, that would start completions nobody asked
-    for; a JSON body needs a preflight, which CORS answers (_guards)."""
+    """A browser's POST to the API must declare a JSON body. A page on any site may make the browser send a "simple"
+    request (text/plain, form data, or a Blob with no type) without a preflight: without a key, that would start
+    completions nobody asked for; a JSON body needs a preflight, which CORS answers (_guards). Browsers mark every
+    such request (Origin on any cross-origin POST, Sec-Fetch-Site on all of them since 2023), so only those are held
+    to it: other clients (curl -d, scripts) are no page's tool, and their bodies are read as JSON whatever they
+    declare."""
     if request.method != "POST" or not request.url.path.startswith("/v1/"):
+        return None
+    if "origin" not in request.headers and "sec-fetch-site" not in request.headers:
         return None
     given = request.headers.get("content-type", "")
     kind = given.split(";")[0].strip().lower()
     if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
         return None
-    return p.APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json' (got "
-                           f"{given[:100]!r}): add the header (curl: -H 'Content-Type: application/json')",
-                      code="unsupported_media_type")
+    return p.APIError(415, f"a request from a browser must send its JSON body with 'Content-Type: application/json' "
+                           f"(got {given[:100]!r}): add the header", code="unsupported_media_type")
 
 
 def check_key(state: ServerState, request: Request) -> p.APIError | None:

@@ -109,6 +109,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         state.metrics.tasks.set(len(asyncio.all_tasks()))
+        state.metrics.compiles.set(len(state.sandbox.compiling) if state.sandbox is not None else 0)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card(name: str) -> dict:

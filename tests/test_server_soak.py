@@ -5,7 +5,6 @@ is back within a bound, every valid answer is its own prompt's, and /health answ
 
 import json
 import random
-import socket
 import statistics
 import threading
 import time
@@ -15,7 +14,7 @@ import psutil
 import pytest
 
 from tests.helpers import tiny_hf_model, write_gguf_from_hf
-from tests.server_process import ServerProcess
+from tests.server_process import HealthWatch, ServerProcess, event_loop_tasks, raw_socket, request_bytes
 
 KEY = "soak-key"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -61,19 +60,6 @@ def answer(client: httpx.Client, url: str, prompt: str, variant: str, stream: bo
     return 200, "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
 
 
-def raw(url: str, data: bytes) -> socket.socket:
-    host, port = url.split("//")[1].split(":")
-    s = socket.create_connection((host, int(port)))
-    s.sendall(data)
-    return s
-
-
-def request_bytes(payload: dict) -> bytes:
-    data = json.dumps(payload).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
-
-
 class Tally:
     def __init__(self):
         self.lock, self.counts, self.problems = threading.Lock(), {}, []
@@ -104,16 +90,20 @@ def client_loop(url: str, references: dict, deadline: float, seed: int, tally: T
                 elif kind == "invalid":
                     data, headers = rng.choice(INVALID)
                     r = client.post(url + "/v1/completions", content=data, headers={**AUTH, **headers})
-                    tally.add("refused", None if 400 <= r.status_code < 500 else f"invalid body: HTTP {r.status_code}")
+                    if r.status_code == 503 and b'"grammar"' in data:  # a full queue is said before compiling
+                        tally.add("busy")
+                    else:
+                        tally.add("refused", None if 400 <= r.status_code < 500 else
+                                  f"invalid body: HTTP {r.status_code}")
                 elif kind == "slow":  # a head a few bytes at a time, then gone
-                    s = raw(url, b"GET /health HTTP/1.1\r\n")
+                    s = raw_socket(url, b"GET /health HTTP/1.1\r\n")
                     for _ in range(3):
                         time.sleep(0.2)
                         s.sendall(b"X")
                     s.close()
                     tally.add("slow")
                 else:  # abandoned (whatever state it reached) or a stream cancelled after its first bytes
-                    s = raw(url, request_bytes(body(prompt, variant, stream=kind == "cancelled")))
+                    s = raw_socket(url, request_bytes(body(prompt, variant, stream=kind == "cancelled"), KEY))
                     if kind == "cancelled":
                         s.recv(100)
                     else:
@@ -122,20 +112,6 @@ def client_loop(url: str, references: dict, deadline: float, seed: int, tally: T
                     tally.add(kind)
             except (httpx.HTTPError, OSError) as e:
                 tally.add("lost", f"{kind}: {type(e).__name__}: {e}")
-
-
-def watch_health(url: str, stop: threading.Event, latencies: list) -> None:
-    with httpx.Client(timeout=60) as client:
-        while not stop.is_set():
-            start = time.perf_counter()
-            client.get(url + "/health")
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.05)
-
-
-def tasks(url: str) -> int:
-    text = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
-    return int(float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("quickdraft_event_loop_tasks"))))
 
 
 def settle(url: str) -> None:
@@ -151,21 +127,19 @@ def test_a_soak_of_misbehaving_clients_leaves_nothing_behind(server):
     with httpx.Client(timeout=120) as client:  # each prompt's own answer, one request at a time
         references = {(p, v): answer(client, url, p, v, False)[1] for p in PROMPTS for v in VARIANTS}
     settle(url)
-    before = {"tasks": tasks(url), "fds": proc.num_fds(), "rss": proc.memory_info().rss}
-    tally, latencies, stop = Tally(), [], threading.Event()
-    health = threading.Thread(target=watch_health, args=(url, stop, latencies))
-    health.start()
-    deadline = time.monotonic() + SOAK_S
-    clients = [threading.Thread(target=client_loop, args=(url, references, deadline, i, tally))
-               for i in range(CLIENTS)]
-    for t in clients:
-        t.start()
-    for t in clients:
-        t.join()
-    stop.set()
-    health.join()
+    before = {"tasks": event_loop_tasks(url, AUTH), "fds": proc.num_fds(), "rss": proc.memory_info().rss}
+    tally = Tally()
+    with HealthWatch(url, every_s=0.05) as health:
+        deadline = time.monotonic() + SOAK_S
+        clients = [threading.Thread(target=client_loop, args=(url, references, deadline, i, tally))
+                   for i in range(CLIENTS)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join()
+    latencies = health.latencies
     settle(url)
-    after = {"tasks": tasks(url), "fds": proc.num_fds(), "rss": proc.memory_info().rss}
+    after = {"tasks": event_loop_tasks(url, AUTH), "fds": proc.num_fds(), "rss": proc.memory_info().rss}
     p99 = statistics.quantiles(latencies, n=100)[98]
     counts = tally.counts
     mixed = sum(p.startswith("mixed") for p in tally.problems)

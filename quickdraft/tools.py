@@ -520,8 +520,9 @@ def _partial_trigger(text: str, triggers) -> int:
 
 
 def check_tools(tools: list[Tool]) -> None:
+    """How many tools (each is a branch of the calls' grammar), and distinct names; QuickdraftError says what to do."""
     if len(tools) > MAX_TOOLS:
-        raise QuickdraftError(f"at most {MAX_TOOLS} tools are accepted, got {len(tools)}")
+        raise QuickdraftError(f"at most {MAX_TOOLS} tools are accepted, got {len(tools)}: send fewer")
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise QuickdraftError("two tools have the same name: give each function its own")

@@ -4,6 +4,7 @@ them, unbounded fields, odd keys and content types, too many tools, special-toke
 names. Each test prints what it measured; none asserts a speed."""
 
 import json
+import re
 import socket
 import threading
 import time
@@ -263,6 +264,18 @@ def test_tool_descriptions_and_template_variables_count_toward_the_bound(server,
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert "characters" in r.json()["error"]["message"]
     still_serving(server)
+
+
+def test_the_bound_on_all_a_template_renders_names_the_largest_part(server):
+    """Messages and chat_template_kwargs each within the bound, over it together: the error names the larger."""
+    def chat(content, kwargs=None):
+        return post(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 1,
+                             **({"chat_template_kwargs": kwargs} if kwargs else {})}, "/v1/chat/completions")
+
+    limit = int(re.search(r"at most (\d+)", chat("x" * 5_000_000).json()["error"]["message"])[1])
+    r = chat("x" * (limit * 2 // 5), {"note": "y" * (limit * 3 // 5)})
+    print(f"\n{limit * 2 // 5} characters of messages and {limit * 3 // 5} of kwargs: HTTP {r.status_code} {r.text[:200]}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
 # ---- 7. the small ones ----------------------------------------------------------------------------------------

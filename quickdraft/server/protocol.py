@@ -417,9 +417,9 @@ class ChatRequest(_Sampling):
                       t.function.parameters if t.function.parameters is not None else
                       {"type": "object", "properties": {}}) for t in self.tools or []]
         try:
-            check_tools(tools)  # how many (each is a branch of the calls' grammar), and distinct names
+            check_tools(tools)
         except QuickdraftError as e:
-            raise APIError(400, f"{e}: send fewer" if "at most" in str(e) else str(e), "tools") from None
+            raise APIError(400, str(e), "tools") from None
         return tools
 
     def tool_choice_name(self) -> str | None:

@@ -45,8 +45,9 @@ async def read_body(request: Request) -> bytes:
 
 
 async def parse(request: Request, model):
-    """The body read and validated (protocol.parse_body) on another thread: parsing 8 MiB of JSON takes a second,
-    which the event loop (every other client, /health) must not wait for."""
+    """The body read and validated (protocol.parse_body) on another thread. json.loads and validation hold the GIL
+    for most of it, so a large body still slows the event loop (every other client, /health), but in the switch
+    intervals Python gives threads it is not stopped for the whole second that 8 MiB of JSON takes."""
     return await asyncio.to_thread(p.parse_body, await read_body(request), model)
 
 
@@ -68,11 +69,13 @@ def _max_chars(state) -> int:
     return state.engine.context * state.engine.target.tokenizer.max_token_chars
 
 
-def _check_chars(state, chars: int, field: str) -> None:
+def _check_chars(state, chars: int, field: str, what: str | None = None) -> None:
+    """what: the text counted, where it is more than `field` (then the largest part of it, which the error names)."""
     limit = _max_chars(state)
     if chars > limit:
-        raise p.APIError(400, f"{field} holds {chars} characters: more than the context of {state.engine.context} "
-                              f"tokens can hold (at most {limit}); shorten it", field, code="context_length_exceeded")
+        raise p.APIError(400, f"{what or field} holds {chars} characters: more than the context of "
+                              f"{state.engine.context} tokens can hold (at most {limit}); shorten it", field,
+                         code="context_length_exceeded")
 
 
 async def completion_prompt(state, req: p.CompletionRequest) -> list[int]:
@@ -114,7 +117,9 @@ def _check_template_chars(state, messages: list[dict], tools: "ToolPlan | None",
              "chat_template_kwargs": len(json.dumps(variables)) if variables else 0}
     for field, n in chars.items():
         _check_chars(state, n, field)
-    _check_chars(state, sum(chars.values()), "messages")
+    largest = max(chars, key=chars.get)
+    _check_chars(state, sum(chars.values()), largest, f"what the chat template renders (messages, tools and "
+                                                      f"chat_template_kwargs; most of it in {largest})")
 
 
 def _render(tokenizer, messages: list[dict], extra: dict, literal: bool) -> list[int]:

@@ -236,6 +236,10 @@ STEP_TOOL = tools.Tool("plan", "", {
 TREE_TOOL = tools.Tool("tree", "", {  # "#" is the parameters' own root: a recursive schema
     "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
     "required": ["kids"], "additionalProperties": False})
+DATA_TOOL = tools.Tool("data", "", {  # a property named like a keyword refers; a "$ref" in a const is a value
+    "$defs": {"N": {"type": "integer"}}, "type": "object",
+    "properties": {"default": {"$ref": "#/$defs/N"}, "kind": {"const": {"$ref": "#"}}},
+    "required": ["default", "kind"], "additionalProperties": False})
 
 
 @pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct.jinja", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
@@ -261,9 +265,11 @@ def test_references_in_parameters_resolve_against_the_parameters(vocab, name):
         return json.dumps({"name": tool.name, key: arguments})
 
     for choice in ("required", "auto"):
-        grammar = fmt.grammar([STEP_TOOL, TREE_TOOL], choice, False)
+        grammar = fmt.grammar([STEP_TOOL, TREE_TOOL, DATA_TOOL], choice, False)
         assert accepts(ll_tok, tokenizer, grammar, call(STEP_TOOL, {"steps": [{"n": 1}, {"n": 2}]})), choice
         assert not accepts(ll_tok, tokenizer, grammar, call(STEP_TOOL, {"steps": [{"m": 1}]})), choice
         assert accepts(ll_tok, tokenizer, grammar, call(TREE_TOOL, {"kids": [{"kids": []}]})), choice
         wrapper_shaped = {"kids": [{"name": "tree", "arguments": {"kids": []}}]}  # what "#" meant before
         assert not accepts(ll_tok, tokenizer, grammar, call(TREE_TOOL, wrapper_shaped)), choice
+        assert accepts(ll_tok, tokenizer, grammar, call(DATA_TOOL, {"default": 3, "kind": {"$ref": "#"}})), choice
+        assert not accepts(ll_tok, tokenizer, grammar, call(DATA_TOOL, {"default": "x", "kind": {"$ref": "#"}}))

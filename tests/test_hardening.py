@@ -248,6 +248,7 @@ def test_a_full_queue_refuses_a_constrained_request_before_compiling_it():
     from types import SimpleNamespace
 
     from quickdraft.server import protocol as p
+    from quickdraft.server.bodies import parse_body
     from quickdraft.server.metrics import Metrics
     from quickdraft.server.responses import respond
     from quickdraft.server.worker import EngineWorker
@@ -267,7 +268,7 @@ def test_a_full_queue_refuses_a_constrained_request_before_compiling_it():
                              grammars=SimpleNamespace(constraint=lambda grammar, text: None))
     worker = EngineWorker(lambda: SimpleNamespace(engine=engine), 0, Metrics())  # every place taken: none
     state = SimpleNamespace(engine=engine, worker=worker, sandbox=Sandbox())
-    req = p.parse_body(b'{"prompt": "x", "max_tokens": 2, "regex": "[ab]{2}"}', p.CompletionRequest)
+    req = parse_body(b'{"prompt": "x", "max_tokens": 2, "regex": "[ab]{2}"}', p.CompletionRequest)
     try:
         with pytest.raises(p.APIError) as refused:
             asyncio.run(respond(state, Request(), req, [1, 2], chat=False, max_tokens=2))
@@ -402,11 +403,12 @@ def test_a_pull_removes_what_a_killed_pull_left(tmp_path, monkeypatch):
 
 
 def test_random_names_never_reach_the_json_walk_as_non_strings():
+    from quickdraft.server import bodies
     from quickdraft.server import protocol as p
 
     body = {"prompt": "x", "".join(random.Random(0).choices(string.ascii_letters, k=9)): {"a": ["\ud800"]}}
     with pytest.raises(p.APIError, match="unpaired UTF-16 surrogate") as e:
-        p._check_values(body)
+        bodies._check_values(body)
     assert e.value.param.endswith(".a.0")
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from quickdraft.grammar import Grammar
 from quickdraft.server import protocol as p
+from quickdraft.server.bodies import parse_body
 from quickdraft.server.stops import StopMatcher
 
 
@@ -58,7 +59,7 @@ def test_no_stop_strings_passes_everything():
 ])
 def test_bad_completion_bodies_say_what_to_fix(body, fragment, param):
     with pytest.raises(p.APIError) as e:
-        p.parse_body(body, p.CompletionRequest)
+        parse_body(body, p.CompletionRequest)
     assert e.value.status == 400 and fragment in e.value.message and e.value.param == param
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
@@ -72,7 +73,7 @@ def test_bad_completion_bodies_say_what_to_fix(body, fragment, param):
 ])
 def test_bad_chat_bodies_say_what_to_fix(body, fragment):
     with pytest.raises(p.APIError) as e:
-        p.parse_body(body, p.ChatRequest)
+        parse_body(body, p.ChatRequest)
     assert e.value.status == 400 and fragment in e.value.message
 
 
@@ -146,7 +147,7 @@ def test_structured_output_fields_become_one_constraint(extra, want):
 
 
 def test_valid_chat_request_maps_developer_to_system_and_joins_text_parts():
-    req = p.parse_body(b'{"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", '
+    req = parse_body(b'{"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", '
                        b'"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], '
                        b'"stop": "x", "speculative": {"draft_max": 0}}', p.ChatRequest)
     assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]

@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from quickdraft.config import SamplingParams
 from quickdraft.errors import QuickdraftError
+from quickdraft.server import bodies
 from quickdraft.server import protocol as p
 from quickdraft.server.sandbox import CompilerBusy, CompilerUnavailable
 
@@ -45,10 +46,10 @@ async def read_body(request: Request) -> bytes:
 
 
 async def parse(request: Request, model):
-    """The body read and validated (protocol.parse_body) on another thread. json.loads and validation hold the GIL
+    """The body read and validated (bodies.parse_body) on another thread. json.loads and validation hold the GIL
     for most of it, so a large body still slows the event loop (every other client, /health), but in the switch
     intervals Python gives threads it is not stopped for the whole second that 8 MiB of JSON takes."""
-    return await asyncio.to_thread(p.parse_body, await read_body(request), model)
+    return await asyncio.to_thread(bodies.parse_body, await read_body(request), model)
 
 
 def check_model(state, req) -> None:

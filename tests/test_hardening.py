@@ -10,6 +10,7 @@ import signal
 import string
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import given, settings, strategies as st
 from quickdraft import grammar as grammars
 from quickdraft.errors import QuickdraftError
 from quickdraft.grammar import Grammar
+from quickdraft.server import protocol as p
 from quickdraft.server import sandbox as sandbox_module
 from quickdraft.server.sandbox import GrammarSandbox
 from quickdraft.server.stops import StopMatcher
@@ -137,6 +139,33 @@ def a_child_that_never_gets_ready(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(sleeper))
 
 
+def test_a_compiler_that_does_not_start_is_the_servers_fault(vocabulary, tmp_path, monkeypatch):
+    """A child that exits at start (no memory, say) is a 503 the client may retry, not a 400 blaming its
+    constraint, on a shared lane or the slow one; and nothing is kept, so the next request tries again."""
+    from quickdraft.server.requests import constraint
+    from quickdraft.server.sandbox import CompilerUnavailable
+
+    quitter = tmp_path / "quitter"
+    quitter.write_text("#!/bin/sh\nexit 3\n")
+    quitter.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(quitter))
+
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], lanes=1)
+        with pytest.raises(CompilerUnavailable, match="exited at start"):
+            await sandbox.compile(Grammar("regex", "[ab]{2}"))
+        assert not sandbox.kept and not sandbox.refused
+        state = SimpleNamespace(sandbox=sandbox)
+        req = SimpleNamespace(requested_grammar=lambda: Grammar("regex", "[ab]{2}"))
+        with pytest.raises(p.APIError) as refused:
+            await constraint(state, req)
+        await sandbox.close()
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 503 and refused.headers["Retry-After"]
+
+
 @pytest.mark.parametrize("who", ["shutdown", "close", "client"])
 def test_a_child_whose_start_is_cancelled_is_not_left_behind(vocabulary, a_child_that_never_gets_ready, who):
     """A lane's child cancelled while it starts (the server's shutdown cancels the lanes' start; close() cancels the
@@ -247,7 +276,6 @@ def test_a_full_queue_refuses_a_constrained_request_before_compiling_it():
     first, for nothing."""
     from types import SimpleNamespace
 
-    from quickdraft.server import protocol as p
     from quickdraft.server.bodies import parse_body
     from quickdraft.server.metrics import Metrics
     from quickdraft.server.responses import respond
@@ -404,7 +432,6 @@ def test_a_pull_removes_what_a_killed_pull_left(tmp_path, monkeypatch):
 
 def test_random_names_never_reach_the_json_walk_as_non_strings():
     from quickdraft.server import bodies
-    from quickdraft.server import protocol as p
 
     body = {"prompt": "x", "".join(random.Random(0).choices(string.ascii_letters, k=9)): {"a": ["\ud800"]}}
     with pytest.raises(p.APIError, match="unpaired UTF-16 surrogate") as e:

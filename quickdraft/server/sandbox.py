@@ -269,8 +269,11 @@ class _Lane:
             raise
 
     async def _ask(self, proc, grammar: Grammar, timeout_s: float) -> _Outcome:
-        proc.stdin.write(json.dumps({"kind": grammar.kind, "text": grammar.text}).encode() + b"\n")
-        await proc.stdin.drain()
+        try:
+            proc.stdin.write(json.dumps({"kind": grammar.kind, "text": grammar.text}).encode() + b"\n")
+            await proc.stdin.drain()
+        except OSError:  # the child died before it read this (killed while idle): its end is read below
+            pass
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), timeout_s)
         except asyncio.TimeoutError:

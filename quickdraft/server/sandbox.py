@@ -9,8 +9,8 @@ a time. The server then builds its own matcher from the compiled text the child 
 milliseconds. A child that crashes or runs past the timeout is killed, and a new one is started for the next
 request. Its memory is capped (RLIMIT_AS), so a runaway compile fails there too. A compile whose client has gone
 away runs on in the sandbox's own task, within its limit, and its outcome is kept for the next client (a child
-killed for it would cost a restart and keep nothing); a child is killed only when the sandbox closes, whatever it
-is doing then, starting included.
+killed for it would cost a restart and keep nothing). When the sandbox closes, every child is killed, whatever it
+is doing, starting included.
 
 Why a process and not a thread: a thread shares the server's stack space and GIL, and nothing can stop a thread
 running native code. Why long-lived children: building llguidance's view of a large vocabulary takes about as

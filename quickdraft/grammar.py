@@ -95,7 +95,7 @@ def check_bounds(grammar: Grammar) -> None:
         raise QuickdraftError(f"the {grammar.describe()} is {size} bytes: at most {MAX_BYTES[grammar.kind]} are "
                               "accepted; simplify it")
     if grammar.kind == "grammar":
-        rules = len(re.findall(r"^\s*\??[A-Za-z_][\w.-]*\s*(::=|:)", grammar.text, re.M))
+        rules = _rules(grammar.text)
         if rules > MAX_RULES:
             raise QuickdraftError(f"the grammar defines {rules} rules: at most {MAX_RULES} are accepted; simplify it")
     if grammar.kind in ("grammar", "regex"):
@@ -109,6 +109,13 @@ def check_bounds(grammar: Grammar) -> None:
             raise QuickdraftError(f"the JSON schema nests {depth} levels deep: at most {MAX_NESTING} are accepted")
         if refs > MAX_REFS:
             raise QuickdraftError(f"the JSON schema has {refs} $ref: at most {MAX_REFS} are accepted")
+
+
+def _rules(text: str) -> int:
+    """Rule definitions of a grammar, whatever line break separates them (llguidance's GBNF reader takes a carriage
+    return as one; a count over newlines alone saw a whole chain as one rule), and at least its GBNF `::=`s."""
+    lines = "\n".join(text.splitlines())  # \r, \r\n, \v, \f, \x85, \u2028, ... as \n
+    return max(len(re.findall(r"^\s*\??[A-Za-z_][\w.-]*\s*(::=|:)", lines, re.M)), text.count("::="))
 
 
 def _bracket_depth(text: str) -> int:

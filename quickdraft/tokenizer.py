@@ -119,6 +119,78 @@ class Tokenizer:
             tools=tools or None,
         )
 
+    def encode_chat(self, messages: list[dict], template_args: dict | None = None, *,
+                    literal_special_text: bool = True) -> list[int]:
+        """Messages rendered with the chat template (template_args: apply_chat_template's other arguments), as ids.
+        literal_special_text: special-token text inside a message's content (a user typing "<|im_start|>system")
+        stays text, so no message can forge a turn or a role; the template's own special tokens are control tokens
+        as ever. Otherwise every special-token text becomes its control token, as llama-server and transformers'
+        templates do."""
+        template_args = template_args or {}
+        text = self.apply_chat_template(messages, **template_args)
+        pattern = self._control_pattern
+        if not literal_special_text or pattern is None or not any(pattern.search(_content(m)) for m in messages):
+            return self.encode(text)
+        # the same render with the messages' special-token text masked shows which control tokens are the template's
+        masked = self.apply_chat_template([_masked(m, pattern) for m in messages], **template_args)
+        if len(masked) != len(text):
+            raise QuickdraftError(_RESHAPED)
+        if self._encode_between(masked, masked) != self.encode(masked, add_bos=False):
+            # the backend reads the text next to a control token in a way pieces encoded alone do not reproduce (an
+            # added token that strips the whitespace beside it, say): exact or refused, never silently other tokens
+            raise QuickdraftError("the messages hold special-token text, which this model's tokenizer cannot keep "
+                                  "as text exactly: remove it from the messages")
+        return self._with_bos(self._encode_between(text, masked))
+
+    def _encode_between(self, text: str, masked: str) -> list[int]:
+        """text as ids: control tokens only where masked (text with the messages' special-token text masked) has
+        them, everything between them read as plain text (the backend splits at control tokens first anyway, and
+        encode_chat checks that the pieces add up to what it reads whole)."""
+        ids, at = [], 0
+        for m in self._control_pattern.finditer(masked):
+            if text[m.start():m.end()] != m.group():  # the template put its own elsewhere: the renders differ
+                raise QuickdraftError(_RESHAPED)
+            ids += self._plain(text[at:m.start()], at)
+            ids.append(self._control[m.group()])
+            at = m.end()
+        return ids + self._plain(text[at:], at)
+
+    def _plain(self, piece: str, start: int) -> list[int]:
+        """A piece of text that starts at `start` of the whole, as ids, special-token text as its characters."""
+        backend = self._literal if start == 0 else self._literal_within
+        return backend.encode(piece, add_special_tokens=False).ids if piece else []
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            return [self.bos_id] + ids
+        return ids
+
+    @functools.cached_property
+    def _control(self) -> dict[str, int]:
+        """Special (control) tokens by their text: <|im_start|>, <|eot_id|>, ..."""
+        return {t.content: i for i, t in self._added.items() if t.special and t.content}
+
+    @functools.cached_property
+    def _control_pattern(self) -> re.Pattern | None:
+        """Any control token's text, the longest first where several start at one place (as the backend matches)."""
+        texts = sorted(self._control, key=len, reverse=True)
+        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+    @functools.cached_property
+    def _literal(self) -> BackendTokenizer:
+        """A copy of the backend that reads special-token text as plain text (its own state: threads share the
+        original)."""
+        return _literal_copy(json.loads(self.backend.to_str()))
+
+    @functools.cached_property
+    def _literal_within(self) -> BackendTokenizer:
+        """_literal for text that does not start the whole: SentencePiece files that prepend "▁" at the start of
+        the text only (Metaspace's prepend_scheme "first": Llama 2's and Mistral's Hugging Face files) read the text
+        after a control token without it ("a<s>b": ▁a <s> b), and so must a piece encoded alone."""
+        spec = json.loads(self.backend.to_str())
+        spec["pre_tokenizer"] = _prepending_never(spec.get("pre_tokenizer"))
+        return _literal_copy(spec)
+
     # ---- builders -------------------------------------------------------------------------
 
     @classmethod
@@ -190,6 +262,39 @@ class Tokenizer:
             chat_template=template if isinstance(template, str) else None,
             special_tokens={"bos_token": bos_text or "", "eos_token": eos_text or ""},
         )
+
+
+_RESHAPED = "the messages hold special-token text that the model's chat template reshapes: remove it from the messages"
+
+
+def _literal_copy(spec: dict) -> BackendTokenizer:
+    backend = BackendTokenizer.from_str(json.dumps(spec))
+    backend.encode_special_tokens = True
+    return backend
+
+
+def _prepending_never(node):
+    """A pre-tokenizer spec with each Metaspace that prepends "▁" at the start of the text (prepend_scheme
+    "first") made to prepend nothing."""
+    if isinstance(node, list):
+        return [_prepending_never(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _prepending_never(v) for k, v in node.items()}
+    if out.get("type") == "Metaspace" and out.get("prepend_scheme") == "first":
+        out["prepend_scheme"] = "never"
+    return out
+
+
+def _content(message: dict) -> str:
+    content = message.get("content")
+    return content if isinstance(content, str) else ""
+
+
+def _masked(message: dict, pattern: re.Pattern) -> dict:
+    """The message with each special-token text in its content replaced by as many private-use characters."""
+    content = _content(message)
+    return {**message, "content": pattern.sub(lambda m: "\ue000" * len(m.group()), content)} if content else message
 
 
 def _gpt2_bytes() -> dict[str, int]:

@@ -112,9 +112,56 @@ def _lark_regex(pattern: str) -> str:
     return pattern.replace("/", "\\/")
 
 
-def _json(schema: dict) -> str:
-    """An inline JSON schema for Lark, with the whitespace of every other JSON constraint."""
+def _json(schema: dict, defs: dict | None = None) -> str:
+    """An inline JSON schema for Lark, with the whitespace of every other JSON constraint; defs: definitions that
+    its references point to (_Scope)."""
+    if defs:
+        schema = {**schema, "$defs": {**schema.get("$defs", {}), **defs}}
     return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}})
+
+
+class _Scope:
+    """Tools' parameters placed inside a larger schema (the call's object). Their references ("#/$defs/Step", "#":
+    Pydantic's and agent frameworks' schemas) point into the parameters, as OpenAI resolves them, not into the
+    object quickdraft wraps them in: parameters that refer are moved into the larger schema's $defs (`defs`, for
+    _json), their references rebased."""
+
+    def __init__(self):
+        self.defs: dict[str, dict] = {}
+
+    def place(self, parameters: dict) -> dict:
+        """What to put where the parameters go: themselves, or a reference to their definition."""
+        key = f"tool_parameters_{len(self.defs)}"
+        rebased = _rebased(parameters, f"#/$defs/{key}")
+        if rebased == parameters:  # no local reference
+            return parameters
+        self.defs[key] = rebased
+        return {"$ref": f"#/$defs/{key}"}
+
+
+_INSTANCES = frozenset({"const", "enum", "default", "examples", "example"})  # keywords whose values are data
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema, base: str):
+    """A schema with each local reference ("#..." in a "$ref") made relative to base instead of the document's root.
+    Data is left as it is (a "$ref" inside a const or an enum is a value), while maps of schemas are entered
+    whatever their names (a property may be called "default")."""
+    if isinstance(schema, list):  # allOf, anyOf, prefixItems, ...
+        return [_rebased(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _INSTANCES:
+            out[k] = v
+        elif k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _rebased(s, base) for name, s in v.items()}
+        else:
+            out[k] = _rebased(v, base)
+    return out
 
 
 def _object(properties: dict, required: list[str]) -> dict:
@@ -149,10 +196,11 @@ class Hermes(ToolFormat):
     triggers = ("<tool_call>",)
 
     def grammar(self, tools, choice, parallel):
-        schemas = [_object({"name": {"const": t.name}, "arguments": t.parameters}, ["name", "arguments"])
+        scope = _Scope()
+        schemas = [_object({"name": {"const": t.name}, "arguments": scope.place(t.parameters)}, ["name", "arguments"])
                    for t in _chosen(tools, choice)]
         open_, close = self._mark("<tool_call>"), self._mark("</tool_call>")
-        body = _json({"anyOf": schemas})
+        body = _json({"anyOf": schemas}, scope.defs)
         auto = choice in ("auto", None)
         start = _start(choice) + (" | loose WS" if auto else "")
         lines = ["%llguidance {}", start, _calls_rule("call", parallel, '"\\n"'),
@@ -191,9 +239,10 @@ class Llama3(ToolFormat):
     triggers = ("{",)
 
     def grammar(self, tools, choice, parallel):
-        schemas = [_object({"name": {"const": t.name}, "parameters": t.parameters}, ["name", "parameters"])
+        scope = _Scope()
+        schemas = [_object({"name": {"const": t.name}, "parameters": scope.place(t.parameters)}, ["name", "parameters"])
                    for t in _chosen(tools, choice)]
-        lines = ["%llguidance {}", f"call: {_json({'anyOf': schemas})}"]
+        lines = ["%llguidance {}", f"call: {_json({'anyOf': schemas}, scope.defs)}"]
         if choice == "none":
             lines.append("start: TEXT")
         elif choice in ("auto", None):
@@ -227,13 +276,14 @@ class Mistral(ToolFormat):
         chosen, mark = _chosen(tools, choice), self._mark("[TOOL_CALLS]")
         lines = ["%llguidance {}"]
         if self.style == "list":
-            items = [_object({"name": {"const": t.name}, "arguments": t.parameters,
+            scope = _Scope()
+            items = [_object({"name": {"const": t.name}, "arguments": scope.place(t.parameters),
                               "id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}}, ["name", "arguments", "id"])
                      for t in chosen]
             lst = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
             if not parallel:
                 lst["maxItems"] = 1
-            lines.append(f"calls: {mark} {_json(lst)}")
+            lines.append(f"calls: {mark} {_json(lst, scope.defs)}")
         else:
             args = self._mark("[ARGS]")
             call_id = f' {self._mark("[CALL_ID]")} /[A-Za-z0-9]{{9}}/' if self.style == "call_id" else ""
@@ -306,7 +356,8 @@ class Generic(ToolFormat):
         return out
 
     def grammar(self, tools, choice, parallel):
-        items = [_object({"name": {"const": t.name}, "arguments": t.parameters}, ["name", "arguments"])
+        scope = _Scope()
+        items = [_object({"name": {"const": t.name}, "arguments": scope.place(t.parameters)}, ["name", "arguments"])
                  for t in _chosen(tools, choice)]
         calls = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
         if not parallel:
@@ -315,7 +366,7 @@ class Generic(ToolFormat):
         answer = _object({"response": {"type": "string"}}, ["response"])
         schema = answer if choice == "none" else {"anyOf": [with_calls, answer]} if choice in ("auto", None) \
             else with_calls
-        return Grammar("grammar", f"%llguidance {{}}\nstart: {_json(schema)}")
+        return Grammar("grammar", f"%llguidance {{}}\nstart: {_json(schema, scope.defs)}")
 
     def parse(self, text):
         try:
@@ -477,8 +528,9 @@ def _partial_trigger(text: str, triggers) -> int:
 
 
 def check_tools(tools: list[Tool]) -> None:
+    """How many tools (each is a branch of the calls' grammar), and distinct names; QuickdraftError says what to do."""
     if len(tools) > MAX_TOOLS:
-        raise QuickdraftError(f"at most {MAX_TOOLS} tools are accepted, got {len(tools)}")
+        raise QuickdraftError(f"at most {MAX_TOOLS} tools are accepted, got {len(tools)}: send fewer")
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise QuickdraftError("two tools have the same name: give each function its own")

@@ -1,14 +1,18 @@
-"""`quickdraft serve` as a real child process on a free loopback port, for tests and the load test."""
+"""`quickdraft serve` as a real child process on a free loopback port, for tests and the load test, and what the
+server tests measure it with."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import httpx
 
@@ -65,3 +69,58 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# ---- what the server tests measure with ------------------------------------------------------------------------
+
+def event_loop_tasks(url: str, headers: dict) -> int:
+    """asyncio tasks alive on the server's event loop (its /metrics gauge)."""
+    return int(metric(url, headers, "quickdraft_event_loop_tasks"))
+
+
+def metric(url: str, headers: dict, name: str) -> float:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+
+def request_bytes(payload: dict, key: str, route: str = "/v1/completions") -> bytes:
+    """A whole POST of a JSON body, as bytes for a raw socket."""
+    data = json.dumps(payload).encode()
+    return (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {key}\r\nContent-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def raw_socket(url: str, data: bytes) -> socket.socket:
+    """A connection that sent data, so that leaving is closing it."""
+    host, port = url.split("//")[1].split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(data)
+    return s
+
+
+class HealthWatch:
+    """/health asked every every_s on a thread while a block runs: its latencies (s)."""
+
+    def __init__(self, url: str, every_s: float = 0.02):
+        self.url, self.every_s, self.latencies, self.stop = url, every_s, [], threading.Event()
+
+    def __enter__(self):
+        def poll():
+            with httpx.Client(timeout=120) as client:
+                while not self.stop.is_set():
+                    start = time.perf_counter()
+                    client.get(self.url + "/health")
+                    self.latencies.append(time.perf_counter() - start)
+                    time.sleep(self.every_s)
+
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies, default=0.0)

@@ -4,15 +4,23 @@ sandbox, stop strings in linear time, streamed text with a real U+FFFD, crafted 
 
 import asyncio
 import json
+import os
 import random
+import signal
 import string
+import sys
+import time
+from types import SimpleNamespace
 
+import psutil
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from quickdraft import grammar as grammars
 from quickdraft.errors import QuickdraftError
 from quickdraft.grammar import Grammar
+from quickdraft.server import protocol as p
+from quickdraft.server import sandbox as sandbox_module
 from quickdraft.server.sandbox import GrammarSandbox
 from quickdraft.server.stops import StopMatcher
 from tests.helpers import (assert_one_line_error, gbnf_chain, lark_chain, ref_chain, run, tiny_hf_model,
@@ -57,10 +65,10 @@ def vocabulary():
 
 def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
     """Without the bounds, a 3000-rule chain segfaults llguidance: in the sandbox that is an error for the
-    request, and the next constraint compiles in a new child. A compile past the timeout is killed the same way,
-    and so is one whose client goes away (the task is cancelled)."""
+    request, and the next constraint compiles in a new child. A compile past the timeout is killed the same way;
+    one whose client goes away (the task is cancelled) compiles on, and its outcome is kept for the next client."""
     async def scenario():
-        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=1.0, bounds=False)
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=1.0, bounds=False, lanes=1)
         try:
             assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
             with pytest.raises(QuickdraftError, match="crashed the grammar compiler .*signal"):
@@ -68,13 +76,17 @@ def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
             assert await sandbox.compile(Grammar("regex", "c+"))
             with pytest.raises(QuickdraftError, match="did not compile within 1 s"):
                 await sandbox.compile(Grammar("grammar", gbnf_chain(3000)))  # its GBNF reader is quadratic
-            slow = asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(3000))))
+            leaving = Grammar("grammar", gbnf_chain(3001))  # not the one kept
+            slow = asyncio.create_task(sandbox.compile(leaving))
             await asyncio.sleep(0.3)
             restarts = sandbox.restarts  # a child is compiling for it
             slow.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await slow
-            assert sandbox.proc is None  # killed mid-compile
+            assert list(sandbox.compiling) == [("grammar", leaving.text)]  # it compiles on, for nobody
+            await asyncio.gather(*sandbox.compiling.values())  # to its time limit: that child is killed
+            with pytest.raises(QuickdraftError, match="did not compile within 1 s"):
+                await sandbox.compile(leaving)  # its outcome was kept: no child is started for it again
             assert await sandbox.compile(Grammar("regex", "d+")) and sandbox.restarts == restarts + 1
             sandbox.timeout_s = 10.0  # this one takes 0.8-1.1 s to fail on a 2-core machine: not a timeout test
             with pytest.raises(QuickdraftError, match="invalid regular expression: lexer error") as e:
@@ -84,6 +96,213 @@ def test_the_sandbox_survives_what_kills_a_compiler(vocabulary):
             await sandbox.close()
 
     asyncio.run(scenario())
+
+
+def test_gbnf_rules_count_whatever_line_break_separates_them():
+    """llguidance's GBNF reader takes a carriage return (and other breaks) between rules: the bound counts them."""
+    for sep in ("\r", "\r\n", "\n"):
+        with pytest.raises(QuickdraftError, match="defines 1502 rules"):
+            grammars.check_bounds(Grammar("grammar", gbnf_chain(1500).replace("\n", sep)))
+
+
+def test_a_valid_constraint_does_not_wait_behind_grammar_bombs(vocabulary):
+    """Both shared lanes busy with bombs' first tries and two more bombs waiting, then a valid constraint: it gets
+    the next lane before the waiting bombs (shortest first), and is answered while every bomb still compiles and
+    before the waiting ones had their first tries."""
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=60.0, bounds=False, first_try_s=1.0)
+        try:
+            await sandbox.start()
+            for lane in sandbox.lanes:  # the bombs' first tries run to their end, however fast the machine
+                os.kill(lane.proc.pid, signal.SIGSTOP)
+            bombs = [asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(5000 + i)))) for i in range(4)]
+            while len(sandbox.turns.waiting) < 2:
+                await asyncio.sleep(0.01)
+            start = time.perf_counter()
+            assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
+            valid_s = time.perf_counter() - start
+            print(f"\nvalid regex behind 2 first tries and 2 waiting bombs: {valid_s:.2f} s (a first try: 1 s)")
+            assert not any(b.done() for b in bombs), "the valid constraint waited for a bomb"
+            assert sandbox.on_slow == 2, "the valid constraint waited for the waiting bombs' first tries"
+        finally:
+            await sandbox.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture
+def a_child_that_never_gets_ready(tmp_path, monkeypatch):
+    """Lanes start children that never say they are ready (a stand-in for sys.executable that sleeps)."""
+    sleeper = tmp_path / "sleeper"
+    sleeper.write_text("#!/bin/sh\nexec sleep 60\n")
+    sleeper.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(sleeper))
+
+
+def test_a_compiler_that_does_not_start_is_the_servers_fault(vocabulary, tmp_path, monkeypatch):
+    """A child that exits at start (no memory, say) is a 503 the client may retry, not a 400 blaming its
+    constraint, on a shared lane or the slow one; and nothing is kept, so the next request tries again."""
+    from quickdraft.server.requests import constraint
+    from quickdraft.server.sandbox import CompilerUnavailable
+
+    quitter = tmp_path / "quitter"
+    quitter.write_text("#!/bin/sh\nexit 3\n")
+    quitter.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(quitter))
+
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], lanes=1)
+        with pytest.raises(CompilerUnavailable, match="exited at start"):
+            await sandbox.compile(Grammar("regex", "[ab]{2}"))
+        assert not sandbox.kept and not sandbox.refused
+        state = SimpleNamespace(sandbox=sandbox)
+        req = SimpleNamespace(requested_grammar=lambda: Grammar("regex", "[ab]{2}"))
+        with pytest.raises(p.APIError) as refused:
+            await constraint(state, req)
+        await sandbox.close()
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.status == 503 and refused.headers["Retry-After"]
+
+
+@pytest.mark.parametrize("who", ["shutdown", "close", "client"])
+def test_a_child_whose_start_is_cancelled_is_not_left_behind(vocabulary, a_child_that_never_gets_ready, who):
+    """A lane's child cancelled while it starts (the server's shutdown cancels the lanes' start; close() cancels the
+    compiles; a client leaves while its compile waits for a child) is killed, not left alive with a vocabulary
+    nobody will use."""
+    me = psutil.Process()
+
+    async def scenario():
+        before = len(me.children())
+        sandbox = GrammarSandbox(vocabulary, 300, [299], lanes=1)
+        work = asyncio.create_task(sandbox.start() if who == "shutdown" else
+                                   sandbox.compile(Grammar("regex", "[ab]{2}")))
+        while len(me.children()) == before:  # the child runs, and never says it is ready
+            await asyncio.sleep(0.01)
+        if who != "close":
+            work.cancel()
+        await asyncio.sleep(0.1)
+        await sandbox.close()
+        await asyncio.gather(work, return_exceptions=True)
+        return before, len(me.children())
+
+    before, after = asyncio.run(scenario())
+    print(f"\nchildren before {before}, after a start cancelled by {who}: {after}")
+    assert after == before
+
+
+def test_a_time_out_is_kept_for_a_while_only_and_refusals_never_evict_what_compiled(vocabulary):
+    """A time-out (or a crash) may be the machine's load, not the constraint: it is refused again from the cache only
+    for RETRY_S, then compiled anew. Constraints refused, however many, never push out those that compiled."""
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=0.3, first_try_s=0.3, lanes=1)
+        try:
+            await sandbox.start()
+            assert await sandbox.compile(Grammar("regex", "a+"))
+            os.kill(sandbox.lanes[0].proc.pid, signal.SIGSTOP)  # a compile that cannot finish in time
+            with pytest.raises(QuickdraftError, match="did not compile within 0.3 s"):
+                await sandbox.compile(Grammar("regex", "[ab]{2}"))
+            restarts = sandbox.restarts
+            with pytest.raises(QuickdraftError, match="did not compile within 0.3 s"):
+                await sandbox.compile(Grammar("regex", "[ab]{2}"))  # from the cache: no child was asked
+            assert sandbox.restarts == restarts
+            now = time.monotonic()
+            sandbox.clock = lambda: now + sandbox_module.RETRY_S
+            sandbox.timeout_s = sandbox.first_try_s = 30.0
+            assert await sandbox.compile(Grammar("regex", "[ab]{2}"))  # compiled anew
+            for i in range(sandbox_module.CACHE_SIZE + 1):
+                with pytest.raises(QuickdraftError):
+                    await sandbox.compile(Grammar("regex", f"({i}"))
+            assert ("regex", "a+") in sandbox.kept and len(sandbox.refused) == sandbox_module.CACHE_SIZE
+        finally:
+            await sandbox.close()
+
+    asyncio.run(scenario())
+
+
+def test_lanes_go_to_the_shortest_constraint_waiting_and_a_full_queue_refuses_the_longest():
+    """Compiles waiting for a first try get the shared lane shortest first, never behind longer bombs; with the
+    waiting places all taken, a shorter constraint displaces the longest, and a longer one is refused."""
+    from quickdraft.server.sandbox import CompilerBusy, _Turns
+
+    async def scenario():
+        turns = _Turns(["lane"], limit=2)
+        assert turns.ask(100).result() == "lane"  # free: at once
+        bomb, valid = turns.ask(60_000), turns.ask(20)
+        shorter = turns.ask(30)  # full: the bomb gives its place up
+        with pytest.raises(CompilerBusy):
+            await bomb
+        with pytest.raises(CompilerBusy):
+            turns.ask(40_000)  # full, and none waiting is longer
+        turns.give("lane")
+        assert valid.result() == "lane" and not shorter.done()
+        turns.give("lane")
+        assert shorter.result() == "lane"
+        turns.give("lane")
+        assert turns.free == ["lane"]
+
+    asyncio.run(scenario())
+
+
+def test_the_slow_lane_has_its_own_budget_and_first_tries_go_on(vocabulary):
+    """What needs more than a first try waits for the slow lane within its own budget; one more is refused (a
+    503, not kept) instead of holding a place, and a valid constraint still gets its first try."""
+    from quickdraft.server.sandbox import CompilerBusy
+
+    async def scenario():
+        sandbox = GrammarSandbox(vocabulary, 300, [299], timeout_s=60.0, first_try_s=0.2, bounds=False, lanes=1,
+                                 max_slow=1)
+        try:
+            await sandbox.start()
+            await sandbox.slow.ready()
+            os.kill(sandbox.slow.proc.pid, signal.SIGSTOP)  # the slow lane's compile cannot end
+            on_slow = asyncio.create_task(sandbox.compile(Grammar("grammar", gbnf_chain(3000))))
+            while not sandbox.on_slow:  # its first try ran out: it waits on the slow lane now
+                await asyncio.sleep(0.05)
+            with pytest.raises(CompilerBusy, match="need more than 0.2 s"):
+                await sandbox.compile(Grammar("grammar", gbnf_chain(3001)))  # needs the slow lane too: refused
+            assert ("grammar", gbnf_chain(3001)) not in sandbox.refused
+            assert "regex" in await sandbox.compile(Grammar("regex", "[ab]{2}"))
+            assert not on_slow.done()
+        finally:
+            await sandbox.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_refuses_a_constrained_request_before_compiling_it():
+    """With every place in the queue taken, a constrained request is a 503 at once: its constraint is not compiled
+    first, for nothing."""
+    from types import SimpleNamespace
+
+    from quickdraft.server.bodies import parse_body
+    from quickdraft.server.metrics import Metrics
+    from quickdraft.server.responses import respond
+    from quickdraft.server.worker import EngineWorker
+
+    compiled = []
+
+    class Sandbox:
+        async def compile(self, grammar):
+            compiled.append(grammar)
+            return "compiled"
+
+    class Request:  # a client that stays
+        async def receive(self):
+            await asyncio.Event().wait()
+
+    engine = SimpleNamespace(context=64, speculation=None, drafter=None,
+                             grammars=SimpleNamespace(constraint=lambda grammar, text: None))
+    worker = EngineWorker(lambda: SimpleNamespace(engine=engine), 0, Metrics())  # every place taken: none
+    state = SimpleNamespace(engine=engine, worker=worker, sandbox=Sandbox())
+    req = parse_body(b'{"prompt": "x", "max_tokens": 2, "regex": "[ab]{2}"}', p.CompletionRequest)
+    try:
+        with pytest.raises(p.APIError) as refused:
+            asyncio.run(respond(state, Request(), req, [1, 2], chat=False, max_tokens=2))
+    finally:
+        worker.stop()
+    assert refused.value.status == 503 and compiled == []
 
 
 _pieces = st.sampled_from(["a", "b", "(a|b)", "[a-c]", "x?", "y*", "z+", "(ab){2}", "\\.", "[0-9]{1,3}", ".", "("])
@@ -212,11 +431,11 @@ def test_a_pull_removes_what_a_killed_pull_left(tmp_path, monkeypatch):
 
 
 def test_random_names_never_reach_the_json_walk_as_non_strings():
-    from quickdraft.server import protocol as p
+    from quickdraft.server import bodies
 
     body = {"prompt": "x", "".join(random.Random(0).choices(string.ascii_letters, k=9)): {"a": ["\ud800"]}}
     with pytest.raises(p.APIError, match="unpaired UTF-16 surrogate") as e:
-        p._check_values(body)
+        bodies._check_values(body)
     assert e.value.param.endswith(".a.0")
 
 

@@ -1,9 +1,12 @@
 """The server's pure parts: stop strings over streamed pieces, and request validation messages."""
 
+import json
+
 import pytest
 
 from quickdraft.grammar import Grammar
 from quickdraft.server import protocol as p
+from quickdraft.server.bodies import parse_body
 from quickdraft.server.stops import StopMatcher
 
 
@@ -50,10 +53,13 @@ def test_no_stop_strings_passes_everything():
     (b'{"prompt": "x", "stop": [1]}', "a string or a list of strings", "stop"),
     (b'{"prompt": "x", "speculative": {"k": 3}}', "unknown field 'speculative.k'", "speculative.k"),
     (b'{"prompt": "x", "seed": 1.5}', "valid integer", "seed"),
+    # a prompt's token ids have a bound of their own; anything else in a prompt counts as values anywhere do
+    (json.dumps({"prompt": [[1] * 70_000, [2] * 70_000]}).encode(), "more than 131072 token ids", "prompt"),
+    (json.dumps({"prompt": [[{}] * 70_000]}).encode(), "more than 65536 values", "prompt"),
 ])
 def test_bad_completion_bodies_say_what_to_fix(body, fragment, param):
     with pytest.raises(p.APIError) as e:
-        p.parse_body(body, p.CompletionRequest)
+        parse_body(body, p.CompletionRequest)
     assert e.value.status == 400 and fragment in e.value.message and e.value.param == param
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
@@ -67,7 +73,7 @@ def test_bad_completion_bodies_say_what_to_fix(body, fragment, param):
 ])
 def test_bad_chat_bodies_say_what_to_fix(body, fragment):
     with pytest.raises(p.APIError) as e:
-        p.parse_body(body, p.ChatRequest)
+        parse_body(body, p.ChatRequest)
     assert e.value.status == 400 and fragment in e.value.message
 
 
@@ -141,7 +147,7 @@ def test_structured_output_fields_become_one_constraint(extra, want):
 
 
 def test_valid_chat_request_maps_developer_to_system_and_joins_text_parts():
-    req = p.parse_body(b'{"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", '
+    req = parse_body(b'{"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", '
                        b'"content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], '
                        b'"stop": "x", "speculative": {"draft_max": 0}}', p.ChatRequest)
     assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]

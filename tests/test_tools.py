@@ -225,3 +225,51 @@ def test_parallel_calls_and_their_results_reach_the_template_in_one_turn_each(vo
     results = text.split("<|im_start|>user\n")[-1].split("<|im_end|>")[0]
     assert results == ('<tool_response>\n{"temp": 18}\n</tool_response>\n'
                        '<tool_response>\n{"time": "21:40"}\n</tool_response>')
+
+
+# tool parameters as Pydantic's model_json_schema() writes them: definitions in $defs, referenced from within
+STEP_TOOL = tools.Tool("plan", "", {
+    "$defs": {"Step": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                       "additionalProperties": False}},
+    "type": "object", "properties": {"steps": {"type": "array", "items": {"$ref": "#/$defs/Step"}}},
+    "required": ["steps"], "additionalProperties": False})
+TREE_TOOL = tools.Tool("tree", "", {  # "#" is the parameters' own root: a recursive schema
+    "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["kids"], "additionalProperties": False})
+DATA_TOOL = tools.Tool("data", "", {  # a property named like a keyword refers; a "$ref" in a const is a value
+    "$defs": {"N": {"type": "integer"}}, "type": "object",
+    "properties": {"default": {"$ref": "#/$defs/N"}, "kind": {"const": {"$ref": "#"}}},
+    "required": ["default", "kind"], "additionalProperties": False})
+
+
+@pytest.mark.parametrize("name", ["Qwen-Qwen2.5-7B-Instruct.jinja", "mistralai-Mistral-Nemo-Instruct-2407.jinja",
+                                  "Mistral-Small-3.2-24B-Instruct-2506.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                                  "google-gemma-2-2b-it.jinja"])
+def test_references_in_parameters_resolve_against_the_parameters(vocab, name):
+    """As OpenAI resolves them: "#/$defs/Step" and "#" point into the tool's own parameters, not into the schema
+    quickdraft wraps them in."""
+    tokenizer, ll_tok = vocab
+    fmt = tools.detect(with_template(tokenizer, name))
+
+    def call(tool, arguments):
+        if not fmt.native:
+            return json.dumps({"tool_calls": [{"name": tool.name, "arguments": arguments}]})
+        key = "parameters" if fmt.name == "llama3" else "arguments"
+        if fmt.name == "hermes":
+            return f'<tool_call>\n{json.dumps({"name": tool.name, key: arguments})}\n</tool_call>'
+        style = getattr(fmt, "style", None)
+        if style == "list":
+            return "[TOOL_CALLS]" + json.dumps([{"name": tool.name, key: arguments, "id": "abcDEF123"}])
+        if style == "call_id":
+            return f"[TOOL_CALLS]{tool.name}[CALL_ID]abcDEF123[ARGS]{json.dumps(arguments)}"
+        return json.dumps({"name": tool.name, key: arguments})
+
+    for choice in ("required", "auto"):
+        grammar = fmt.grammar([STEP_TOOL, TREE_TOOL, DATA_TOOL], choice, False)
+        assert accepts(ll_tok, tokenizer, grammar, call(STEP_TOOL, {"steps": [{"n": 1}, {"n": 2}]})), choice
+        assert not accepts(ll_tok, tokenizer, grammar, call(STEP_TOOL, {"steps": [{"m": 1}]})), choice
+        assert accepts(ll_tok, tokenizer, grammar, call(TREE_TOOL, {"kids": [{"kids": []}]})), choice
+        wrapper_shaped = {"kids": [{"name": "tree", "arguments": {"kids": []}}]}  # what "#" meant before
+        assert not accepts(ll_tok, tokenizer, grammar, call(TREE_TOOL, wrapper_shaped)), choice
+        assert accepts(ll_tok, tokenizer, grammar, call(DATA_TOOL, {"default": 3, "kind": {"$ref": "#"}})), choice
+        assert not accepts(ll_tok, tokenizer, grammar, call(DATA_TOOL, {"default": "x", "kind": {"$ref": "#"}}))

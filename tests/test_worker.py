@@ -59,7 +59,7 @@ def test_building_raises_what_loading_raised():
 
 
 def test_places_in_the_queue_are_held_from_admission_and_freed_by_leaving(tmp_path):
-    """A request holds its place from admission (while its constraint compiles) until the engine takes it; a
+    """A request holds its place from admission (once its constraint has compiled) until the engine takes it; a
     request whose client left frees it at once, not when the running request ends."""
     import queue as queues
 

@@ -462,7 +462,8 @@ def cmd_serve(args) -> int:
     allowed = LOOPBACK_NAMES | {h.lower() for h in args.allowed_host} if loopback else None
     cors = tuple(o.strip().rstrip("/") for o in args.cors_origins.split(",") if o.strip()) if args.cors_origins else None
     state = ServerState(worker, model_id, frozenset({args.model, target.name, *args.alias}), api_key, allowed,
-                        strict_model_name=args.strict_model_name, cors_origins=cors)
+                        strict_model_name=args.strict_model_name, cors_origins=cors,
+                        special_tokens_in_messages=args.special_tokens_in_messages)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}) at {url}/v1",
           flush=True)

@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated browser origins (e.g. https://chat.example.org) whose pages may call the "
                          "API, '*' for any; pages served from this machine (http://localhost:PORT, 127.0.0.1, [::1]) "
                          "always may (default: only those). The API key is still required when one is set")
+    sv.add_argument("--special-tokens-in-messages", action="store_true",
+                    help="let special-token text in chat messages (e.g. <|im_start|>) become control tokens, as "
+                         "llama-server does (default: it stays text, so no message can forge a turn or a role)")
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
     _common(sv)

@@ -44,6 +44,9 @@ class ServerState:
     sandbox: GrammarSandbox | None = None  # where request constraints compile first (made at startup)
     strict_model_name: bool = False  # a request naming another model gets 404 (else the served model answers)
     cors_origins: tuple[str, ...] | None = None  # browser origins allowed besides loopback pages; ("*",): any
+    # special-token text in a message becomes control tokens (llama-server's way); else it stays text, and no message
+    # can forge a turn (tokenizer.encode_chat)
+    special_tokens_in_messages: bool = False
     tool_format: object | None = None  # the model's tool-call format (quickdraft.tools), found on first use
     other_names: set[str] = field(default_factory=set)  # names requests used that are not the model's
     created: int = field(default_factory=p.now)
@@ -77,6 +80,7 @@ def create_app(state: ServerState) -> FastAPI:
         starting = asyncio.create_task(_start(state.sandbox))  # the first constrained request would wait for it
         yield  # the worker runs from its construction
         starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)  # a child cancelled while it starts is killed
         await state.sandbox.close()
         await asyncio.to_thread(state.worker.stop)
 
@@ -104,6 +108,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        state.metrics.tasks.set(len(asyncio.all_tasks()))
+        state.metrics.compiles.set(len(state.sandbox.compiling) if state.sandbox is not None else 0)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card(name: str) -> dict:
@@ -125,14 +131,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = p.parse_body(await prepare.read_body(request), p.CompletionRequest)
+        req = await prepare.parse(request, p.CompletionRequest)
         prepare.check_model(state, req)
         prompt = await prepare.completion_prompt(state, req)
         return await respond(state, request, req, prompt, chat=False, max_tokens=req.requested_max_tokens())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = p.parse_body(await prepare.read_body(request), p.ChatRequest)
+        req = await prepare.parse(request, p.ChatRequest)
         prepare.check_model(state, req)
         tools = prepare.tool_plan(state, req)
         prompt = await prepare.chat_prompt(state, req, tools)
@@ -179,7 +185,8 @@ def _guards(app: FastAPI, state: ServerState) -> None:
     @app.middleware("http")
     async def check_caller(request: Request, call_next):
         """The Host header, then the API key (every route but /health)."""
-        refused = check_host(state, request.headers.get("host", "")) or check_key(state, request)
+        refused = check_host(state, request.headers.get("host", "")) or check_key(state, request) \
+            or check_content_type(request)
         if refused is not None:
             state.metrics.rejected.labels(str(refused.status)).inc()
             return JSONResponse(refused.body(), status_code=refused.status)
@@ -213,6 +220,25 @@ def host_name(host: str) -> str:
     if host.startswith("["):
         return host[1:host.index("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+def check_content_type(request: Request) -> p.APIError | None:
+    """A browser's POST to the API must declare a JSON body. A page on any site may make the browser send a "simple"
+    request (text/plain, form data, or a Blob with no type) without a preflight: without a key, that would start
+    completions nobody asked for; a JSON body needs a preflight, which CORS answers (_guards). Browsers mark every
+    such request (Origin on any cross-origin POST, Sec-Fetch-Site on all of them since 2023), so only those are held
+    to it: other clients (curl -d, scripts) are no page's tool, and their bodies are read as JSON whatever they
+    declare."""
+    if request.method != "POST" or not request.url.path.startswith("/v1/"):
+        return None
+    if "origin" not in request.headers and "sec-fetch-site" not in request.headers:
+        return None
+    given = request.headers.get("content-type", "")
+    kind = given.split(";")[0].strip().lower()
+    if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
+        return None
+    return p.APIError(415, f"a request from a browser must send its JSON body with 'Content-Type: application/json' "
+                           f"(got {given[:100]!r}): add the header", code="unsupported_media_type")
 
 
 def check_key(state: ServerState, request: Request) -> p.APIError | None:

@@ -32,6 +32,11 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(p + "request_queue_time_seconds", "Time waiting for the engine",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        # what a request leaves behind when something forgets it: a handler that waits forever (tests compare it
+        # before and after)
+        self.tasks = Gauge(p + "event_loop_tasks", "asyncio tasks alive on the server's event loop", registry=r)
+        self.compiles = Gauge(p + "grammar_compiles", "Constraints compiling or waiting for the grammar compiler",
+                              registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (prefill included)",
                               buckets=LATENCY_BUCKETS, registry=r)
 

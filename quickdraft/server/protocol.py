@@ -1,4 +1,5 @@
-"""The OpenAI wire format: request bodies (validated strictly) and the response objects built from events.
+"""The OpenAI wire format: request bodies (validated strictly; server/bodies.py reads them) and the response
+objects built from events.
 
 Request fields follow OpenAI's names (structured output by `response_format`, tools, logprobs); ours are `top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, a `speculative` object, and `grammar` / `regex` constraints; llama-server's
@@ -14,7 +15,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quickdraft.config import MAX_TOP_LOGPROBS
 from quickdraft.engine import Timings
@@ -23,9 +24,6 @@ from quickdraft.speculative.stats import SpeculationStats
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it: server/stops.py)
-MAX_ITEMS = 4096  # items of any list or object in a body: messages, content parts, stop strings, tools, ...
-MAX_PROMPT_ITEMS = 1 << 17  # token ids of a prompt given as ids (a context is never larger)
-MAX_DEPTH = 64  # objects and lists within each other
 
 
 class APIError(Exception):
@@ -33,12 +31,18 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        # a path through the body may hold a key with a lone surrogate ("\\ud800"), which no JSON encoder writes
+        message, param = _writable(message), _writable(param) if param is not None else None
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _writable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Strict(BaseModel):
@@ -113,9 +117,18 @@ LLAMA_SAMPLERS = {"penalties", "dry", "top_n_sigma", "top_k", "typ_p", "typical_
 SAMPLER_ORDER = ["penalties", "temperature", "top_k", "top_p", "min_p"]
 
 
+# What a field of several accepted shapes should be, said once instead of once per shape.
+SHAPES = {
+    "prompt": "a string, a list with one string, or a list of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+}
+
+
 class _Sampling(_Strict):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")  # extras: check_fields
-    model: str | None = None
+    model: str | None = Field(None, max_length=256)  # a name; other names are logged (app.note_other_name)
     max_tokens: int | None = Field(None, ge=0)
     n_predict: int | None = Field(None, ge=-1)  # llama-server's max_tokens (-1: to the end of the context)
     temperature: float = Field(1.0, ge=0)
@@ -286,7 +299,7 @@ class CompletionRequest(_Sampling):
         """The prompt's shape checked by hand, once: left to the union of its four shapes, a long list of the
         wrong items would get an error per item and shape (millions for a 4 MB body)."""
         if isinstance(data, dict) and "prompt" in data and not _prompt_ok(data["prompt"]):
-            raise APIError(400, f"invalid field 'prompt': it must be {_SHAPES['prompt']}", "prompt")
+            raise APIError(400, f"invalid field 'prompt': it must be {SHAPES['prompt']}", "prompt")
         return data
     suffix: str | None = None
     best_of: int | None = None
@@ -399,14 +412,16 @@ class ChatRequest(_Sampling):
 
     def tool_list(self) -> list:
         """The tools (quickdraft.tools.Tool), checked."""
-        from quickdraft.tools import Tool
+        from quickdraft.errors import QuickdraftError
+        from quickdraft.tools import Tool, check_tools
 
         tools = [Tool(t.function.name, t.function.description,
                       t.function.parameters if t.function.parameters is not None else
                       {"type": "object", "properties": {}}) for t in self.tools or []]
-        names = [t.name for t in tools]
-        if len(set(names)) != len(names):
-            raise APIError(400, "two tools have the same name: give each function its own", "tools")
+        try:
+            check_tools(tools)
+        except QuickdraftError as e:
+            raise APIError(400, str(e), "tools") from None
         return tools
 
     def tool_choice_name(self) -> str | None:
@@ -448,103 +463,6 @@ def _prompt_ok(prompt) -> bool:
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """Bytes of a request body -> a validated request, or an APIError saying what to fix."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}): send UTF-8 JSON") from None
-    if not text.strip():
-        raise APIError(400, "the request body is empty: send a JSON object")
-    try:
-        data = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError:
-        raise APIError(400, f"the request body nests lists or objects too deeply: at most {MAX_DEPTH} levels") from None
-    except (json.JSONDecodeError, ValueError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
-    _check_values(data)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise APIError(400, *_describe(e)) from None
-
-
-def _check_values(body: dict) -> None:
-    """Bound a body's shape before validating it (the cost of validation and of its errors grows with it), and
-    refuse text that is not Unicode: JSON allows an unpaired UTF-16 surrogate ("\\ud800"), which no tokenizer
-    or encoder takes."""
-    stack = [(body, "", 1)]
-    while stack:
-        value, where, depth = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, where)
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > MAX_DEPTH:
-            raise APIError(400, f"field {where!r} nests lists or objects too deeply: at most {MAX_DEPTH} levels",
-                           where.split(".")[0] or None)
-        limit = MAX_PROMPT_ITEMS if where.split(".")[0] == "prompt" else MAX_ITEMS
-        if len(value) > limit:
-            raise APIError(400, f"field {where or 'body'!r} has {len(value)} items: at most {limit} are accepted",
-                           where or None)
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            if isinstance(key, str):
-                _check_text(key, f"{where}.{key}" if where else key)
-            if isinstance(item, (str, dict, list)):
-                stack.append((item, f"{where}.{key}" if where else str(key), depth + 1))
-
-
-def _check_text(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"field {where!r} holds an unpaired UTF-16 surrogate ({text[e.start]!r} at character "
-                            f"{e.start}), which is not Unicode text: send valid UTF-8", where or None) from None
-
-
-# What a field of several accepted shapes should be, said once instead of once per shape.
-_SHAPES = {
-    "prompt": "a string, a list with one string, or a list of token ids",
-    "stop": "a string or a list of strings",
-    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
-    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-}
-
-
-def _describe(e: ValidationError) -> tuple[str, str]:
-    """The first problem of a validation error as (message, field path)."""
-    def path(loc) -> str:  # union members appear in loc as type names ("str", "list[int]"): drop them
-        return ".".join(str(x) for x in loc if isinstance(x, int) or not _is_type_name(x)) or "body"
-
-    first = e.errors()[0]
-    where = path(first["loc"])
-    field = where.rsplit(".", 1)[-1]
-    if first["type"] == "missing":
-        message = f"missing required field {where!r}"
-    elif field in _SHAPES and len(first["loc"]) > len(where.split(".")):
-        message = f"invalid field {where!r}: it must be {_SHAPES[field]}"
-    elif first["type"] == "extra_forbidden":
-        message = f"unknown field {where!r}"
-    else:
-        message = f"invalid field {where!r}: {first['msg']}"
-    others = {o for o in (path(err["loc"]) for err in e.errors()) if o != where and not o.startswith(where + ".")}
-    if others:
-        message += f" (also: {', '.join(sorted(others)[:3])}{', ...' if len(others) > 3 else ''})"
-    return message, where
-
-
-def _is_type_name(part: str) -> bool:
-    return "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "none")
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
 
 
 # ---- responses --------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ from starlette.requests import ClientDisconnect, Request
 
 from quickdraft.config import SamplingParams
 from quickdraft.errors import QuickdraftError
+from quickdraft.server import bodies
 from quickdraft.server import protocol as p
+from quickdraft.server.sandbox import CompilerBusy, CompilerUnavailable
 
 MAX_BODY_BYTES = 8 << 20
 BODY_TIMEOUT_S = 60.0  # for the whole body, once its head has arrived (server/connections.py)
@@ -43,6 +45,13 @@ async def read_body(request: Request) -> bytes:
     return bytes(body)
 
 
+async def parse(request: Request, model):
+    """The body read and validated (bodies.parse_body) on another thread. json.loads and validation hold the GIL
+    for most of it, so a large body still slows the event loop (every other client, /health), but in the switch
+    intervals Python gives threads it is not stopped for the whole second that 8 MiB of JSON takes."""
+    return await asyncio.to_thread(bodies.parse_body, await read_body(request), model)
+
+
 def check_model(state, req) -> None:
     """The model a request names: the served one by any of its names; another name is answered by the served model
     too (clients hard-code names), and the response's `model` says which, unless the server was started with
@@ -61,11 +70,13 @@ def _max_chars(state) -> int:
     return state.engine.context * state.engine.target.tokenizer.max_token_chars
 
 
-def _check_chars(state, chars: int, field: str) -> None:
+def _check_chars(state, chars: int, field: str, what: str | None = None) -> None:
+    """what: the text counted, where it is more than `field` (then the largest part of it, which the error names)."""
     limit = _max_chars(state)
     if chars > limit:
-        raise p.APIError(400, f"the {field} has {chars} characters: more than the context of {state.engine.context} "
-                              f"tokens can hold (at most {limit}); shorten it", field, code="context_length_exceeded")
+        raise p.APIError(400, f"{what or field} holds {chars} characters: more than the context of "
+                              f"{state.engine.context} tokens can hold (at most {limit}); shorten it", field,
+                         code="context_length_exceeded")
 
 
 async def completion_prompt(state, req: p.CompletionRequest) -> list[int]:
@@ -86,28 +97,41 @@ async def completion_prompt(state, req: p.CompletionRequest) -> list[int]:
 
 async def chat_prompt(state, req: p.ChatRequest, tools: "ToolPlan | None") -> list[int]:
     messages = req.template_messages()
-    chars = sum(len(m["content"]) + sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"]))
-                                        for c in m.get("tool_calls", [])) for m in messages)
-    _check_chars(state, chars + sum(len(json.dumps(t.parameters)) for t in tools.tools) if tools else chars,
-                 "messages")
+    _check_template_chars(state, messages, tools, req.chat_template_kwargs)
     tokenizer = state.engine.target.tokenizer
     extra = dict(req.chat_template_kwargs or {})
     if tools is not None:
         messages = tools.format.messages(messages, tools.tools)
         if tools.format.native:
             extra["tools"] = [t.spec() for t in tools.tools]
-    return await asyncio.to_thread(_render, tokenizer, messages, extra)
+    return await asyncio.to_thread(_render, tokenizer, messages, extra, not state.special_tokens_in_messages)
 
 
-def _render(tokenizer, messages: list[dict], extra: dict) -> list[int]:
+def _check_template_chars(state, messages: list[dict], tools: "ToolPlan | None", variables: dict | None) -> None:
+    """Everything a chat template may render, bounded before it renders: messages, the tools (descriptions too) and
+    llama-server's chat_template_kwargs, each alone and all together (7 MB in a description had held the event loop
+    for seconds and added 1 GB)."""
+    chars = {"messages": sum(len(m["content"]) + sum(len(c["function"]["name"]) + len(str(c["function"]["arguments"]))
+                                                     for c in m.get("tool_calls", [])) for m in messages),
+             "tools": sum(len(t.name) + len(t.description) + len(json.dumps(t.parameters)) for t in tools.tools)
+             if tools else 0,
+             "chat_template_kwargs": len(json.dumps(variables)) if variables else 0}
+    for field, n in chars.items():
+        _check_chars(state, n, field)
+    largest = max(chars, key=chars.get)
+    _check_chars(state, sum(chars.values()), largest, f"what the chat template renders (messages, tools and "
+                                                      f"chat_template_kwargs; most of it in {largest})")
+
+
+def _render(tokenizer, messages: list[dict], extra: dict, literal: bool) -> list[int]:
+    """literal: special-token text in the messages stays text (tokenizer.encode_chat)."""
     try:
-        text = tokenizer.apply_chat_template(messages, **extra)
+        return tokenizer.encode_chat(messages, extra, literal_special_text=literal)
     except QuickdraftError as e:
         raise p.APIError(400, str(e).replace("drop --chat and give a raw prompt",
                                              "use /v1/completions with a raw prompt"), "messages") from None
     except Exception as e:  # the template's own raise_exception, or a template bug on odd input
         raise p.APIError(400, f"the model's chat template refused these messages: {e}", "messages") from None
-    return tokenizer.encode(text)
 
 
 @dataclass(frozen=True)
@@ -175,11 +199,15 @@ async def constraint(state, req, tools: ToolPlan | None = None):
     grammar = tools.grammar() if tools is not None else req.requested_grammar()
     if grammar is None:
         return None
+    field = "tools" if tools is not None else p.constraint_field(grammar.kind)
     try:
         compiled = await state.sandbox.compile(grammar) if state.sandbox is not None else None
         return await asyncio.to_thread(state.engine.grammars.constraint, grammar, compiled)
     except QuickdraftError as e:
-        raise p.APIError(400, str(e), "tools" if tools is not None else p.constraint_field(grammar.kind)) from None
+        raise p.APIError(400, str(e), field) from None
+    except CompilerUnavailable as e:  # not the client's fault: a 503 it may retry
+        raise p.APIError(503, f"{e}; retry later", field, type="server_busy" if isinstance(e, CompilerBusy) else
+                         "server_error", headers={"Retry-After": "2"}) from None
 
 
 async def unless_disconnected(request: Request, work):

@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from quickdraft.server import protocol as p
 from quickdraft.server import requests as prepare
-from quickdraft.server.worker import Done, Failed, Job, Piece, QueueFull
+from quickdraft.server.worker import Cancelled, Done, Failed, Job, Piece, QueueFull
 from quickdraft.tools import ToolStream
 
 
@@ -33,28 +33,29 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
     params, speculation = prepare.sampling(req, max_tokens), prepare.speculation(state, req)
     stops = req.stop_strings()
     try:
-        ticket = state.worker.admit()  # the constraint's compile waits in the queue too
+        state.worker.check_room()  # a full queue is a 503 at once, not after compiling a constraint for nothing
+        # compiled before it takes a place in the engine's queue: compiles wait for the compiler's lanes
+        # (server/sandbox.py), and plain requests never wait for them
+        constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
+        ticket = state.worker.admit()
     except QueueFull as full:
         raise p.APIError(503, "the server is busy: every queue slot is taken; retry later",
                          type="server_busy", headers={"Retry-After": str(full.retry_after_s)}) from None
-    try:
-        constraint = await prepare.unless_disconnected(request, prepare.constraint(state, req, tools))
-        job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket,
-                  trace=req.speculation_trace)
-        state.worker.submit(job)
-    except BaseException:
-        ticket.release()
-        raise
+    job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket,
+              trace=req.speculation_trace)
+    state.worker.submit(job)
     reply = _Reply(state, req, chat, len(prompt), tools)
     if req.stream:
         return StreamingResponse(_stream(request, job, reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     pieces, scored, traced = [], [], []
     async with _watch_disconnect(request, job):
-        while not isinstance(item := await job.events.get(), (Done, Failed)):
+        while not isinstance(item := await job.events.get(), (Done, Failed, Cancelled)):
             pieces.append(item.text)
             scored += item.logprobs or []
             traced += item.trace or []
+    if isinstance(item, Cancelled):
+        raise prepare.ClientGone()
     if isinstance(item, Failed):
         raise _error(item)
     return reply.whole("".join(pieces), item, scored + (item.logprobs or []),
@@ -80,6 +81,8 @@ async def _stream(request: Request, job: Job, reply: "_Reply") -> AsyncIterator[
             elif isinstance(item, Failed):
                 yield _sse(_error(item).body())
                 break
+            elif isinstance(item, Cancelled):  # nobody is reading any more
+                return
             else:
                 finish = item.finish_reason
                 if calls is not None:
@@ -105,11 +108,13 @@ def _sse(obj: dict) -> str:
 
 @asynccontextmanager
 async def _watch_disconnect(request: Request, job: Job):
-    """Cancel the job as soon as the client goes away (or this coroutine is cancelled)."""
+    """Cancel the job as soon as the client goes away (or this coroutine is cancelled), and end the wait for its
+    events at once: a running job ends after its current token, a queued one only when the engine reaches it."""
     async def watch():
         while (await request.receive())["type"] != "http.disconnect":
             pass
         job.cancel()
+        job.events.put_nowait(Cancelled())
 
     watcher = asyncio.create_task(watch())
     try:

@@ -46,6 +46,12 @@ class Done:
 
 
 @dataclass
+class Cancelled:
+    """The job ended without running, or its client went away: every job's events end with Done, Failed or this, so
+    no handler waits for an end that never comes."""
+
+
+@dataclass
 class Failed:
     message: str
     status: int = 500  # 400: the request's own fault (a constraint that failed while generating)
@@ -53,7 +59,7 @@ class Failed:
 
 
 class Ticket:
-    """A request's place in the queue, held from its admission (before its constraint compiles) until the engine
+    """A request's place in the queue, held from its admission (once its constraint has compiled) until the engine
     takes it up, or until it is given up: a request whose client has gone frees its place at once."""
 
     def __init__(self, worker: "EngineWorker"):
@@ -107,7 +113,7 @@ class EngineWorker:
         self.metrics = metrics
         self.max_queue = max_queue
         self.pending: queue.Queue[Job | None] = queue.Queue()  # bounded by admission: see admit
-        self.held = 0  # places taken: requests compiling their constraint or waiting for the engine
+        self.held = 0  # places taken: requests waiting for the engine
         self._places = threading.Lock()
         self.running: Job | None = None
         self.mean_request_s = 5.0  # moving average, for Retry-After
@@ -132,13 +138,18 @@ class EngineWorker:
             raise failed[0]
 
     def admit(self) -> Ticket:
-        """A place in the queue (QueueFull when all max_queue are taken), for a request about to be prepared."""
+        """A place in the queue (QueueFull when all max_queue are taken), for a request ready to run."""
         with self._places:
-            if self.held >= self.max_queue:
-                raise QueueFull(max(1, round((self.held + 1) * self.mean_request_s)))
+            self.check_room()
             self.held += 1
         self.metrics.waiting.set(self.held)
         return Ticket(self)
+
+    def check_room(self) -> None:
+        """QueueFull when every place is taken: a cheap answer before work (a constraint's compile) that admit
+        would then refuse."""
+        if self.held >= self.max_queue:
+            raise QueueFull(max(1, round((self.held + 1) * self.mean_request_s)))
 
     def _release(self, ticket: Ticket) -> None:
         with self._places:
@@ -163,6 +174,7 @@ class EngineWorker:
                 break
             if job is not None:
                 job.cancel()
+                job.put(Cancelled())
         if self.running is not None:
             self.running.cancel()
         self.pending.put(None)
@@ -175,8 +187,9 @@ class EngineWorker:
             job.ticket.release()  # running now: its place in the queue is free
             started = time.perf_counter()
             self.metrics.queue_time.observe(started - job.submitted)
-            if job.cancelled:  # the client left while waiting
+            if job.cancelled:  # the client left while waiting: its handler still awaits an end
                 self.metrics.finished.labels("cancelled").inc()
+                job.put(Cancelled())
                 continue
             self.running = job
             self.metrics.running.set(1)

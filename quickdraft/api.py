@@ -53,12 +53,14 @@ class LLM:
     """A loaded target, the drafter its draft describes, and the engine that runs them (`load` makes one)."""
 
     def __init__(self, target: LoadedModel, engine: EngineConfig, draft: Draft = Draft(),
-                 speculation: SpeculationConfig = SpeculationConfig(), progress: bool | None = None):
+                 speculation: SpeculationConfig = SpeculationConfig(), progress: bool | None = None,
+                 cache_slots: int = 4, cache_ram: int | None = None):
         self.target = target
         self.engine_config = engine
         self.drafts = DraftBuilder(target, engine, target.model.max_context, progress)
         self.draft = self.drafts.resolve(draft)  # `auto` made concrete
         self.engine = self.engine_for(self.draft, speculation)
+        self.engine.slots.count = slot_count(cache_slots, cache_ram, self.engine.slots.nbytes())
 
     @property
     def tokenizer(self):
@@ -79,7 +81,7 @@ class LLM:
         return self.drafts.drafter(draft, speculation or self.engine.speculation)
 
     def engine_for(self, draft: Draft | str, speculation: SpeculationConfig = SpeculationConfig()) -> Engine:
-        """An engine over this target (its own KV cache and policy) drafting with `draft`."""
+        """An engine over this target (its own KV cache and policy, one slot) drafting with `draft`."""
         return Engine(self.target, self.target.model.max_context, self.drafter(draft, speculation), speculation)
 
     # ---- prompts ------------------------------------------------------------------------------------------
@@ -132,22 +134,35 @@ class LLM:
 def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device: str = "auto", dtype: str = "auto",
          weights: str = "auto", context: int | None = None, speculation: SpeculationConfig | None = None,
          draft_device: str | None = None, draft_weights: str = "auto", cuda_graphs: bool = True,
-         weight_cache: bool = True, progress: bool | None = None) -> LLM:
+         weight_cache: bool = True, progress: bool | None = None, cache_slots: int = 4,
+         cache_ram: int | str | None = None) -> LLM:
     """Load a target and its draft.
 
     model: an alias (pulled on first use), a .gguf file or a Hugging Face directory. draft: a Draft or its
     spelling (speculative/draft.py: "auto", "none", "ngram", a model, "ngram+MODEL"); draft_device and
     draft_weights place a draft model given by spelling. device, dtype, weights, context: as EngineConfig's.
-    speculation: how much to draft (SpeculationConfig: draft_max, adaptive k, ...)."""
+    speculation: how much to draft (SpeculationConfig: draft_max, adaptive k, ...). cache_slots: sequences kept
+    for prefix reuse (a prompt that begins with what one holds prefills only the rest: a chat's history), each a KV
+    cache of `context` positions for the target and its draft, made when first needed; cache_ram: at most this many
+    bytes for them ("2G" will do), fewer slots where they would take more."""
     engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context, cuda_graphs=cuda_graphs,
                           weight_cache=weight_cache)
     if isinstance(draft, str):
         draft = Draft.parse(draft, device=draft_device, weights=draft_weights)
+    if cache_slots < 1:
+        raise QuickdraftError("--cache-slots must be at least 1 (the sequence being generated)")
+    warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # noqa: E731
     if resolve_device(device).type == "cuda":  # what fits is known before any weight is read
-        plan = memory.for_load(model, draft, engine)
-        memory.check(plan, warn=lambda text: print(f"warning: {text}", file=sys.stderr))
+        plan, cache_slots = memory.fitting_slots(model, draft, engine, cache_slots, warn)
+        memory.check(plan, warn=warn)
         if (sys.stderr.isatty() if progress is None else progress) and plan.warning() is None:
             print(f"memory plan: {plan.used / 2**30:.1f} GiB of {plan.device}'s {plan.capacity / 2**30:.1f} GiB "
                   f"({100 * plan.share:.0f}%; `quickdraft doctor` itemises it)", file=sys.stderr)
+    ram = memory.parse_size(cache_ram) if isinstance(cache_ram, str) else cache_ram
     target = load_model(model, engine, progress)
-    return LLM(target, engine, draft, speculation or SpeculationConfig(), progress)
+    return LLM(target, engine, draft, speculation or SpeculationConfig(), progress, cache_slots, ram)
+
+
+def slot_count(slots: int, ram: int | None, slot_bytes: int) -> int:
+    """The kept sequences: `slots`, fewer where `ram` bytes hold fewer of slot_bytes each, at least one."""
+    return max(1, min(slots, ram // max(slot_bytes, 1))) if ram is not None else slots

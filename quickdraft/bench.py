@@ -108,8 +108,8 @@ def run(llm, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, 
                 list(engines[c].generate(prompt, SamplingParams(max_tokens=min(n, 16), stop_at_eos=False)))
         measured = {c: [] for c in configs}
         for _ in range(runs):
-            for c in configs:
-                events = list(engines[c].generate(prompt, params))
+            for c in configs:  # every run from an empty cache: its time to first token is a cold prefill's
+                events = list(engines[c].generate(prompt, params, reuse=False))
                 measured[c].append(([e.token for e in events if e.token is not None], events[-1]))
                 if progress:
                     progress(1)

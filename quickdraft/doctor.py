@@ -156,10 +156,12 @@ def kv_bytes(cache) -> int:
 
 
 def memory(target, drafts: list, engine, available: int) -> Finding:
-    """Weights of the target and the draft models, the KV caches of the engine and its drafter for the context, and
-    the activations of a round, against `available` bytes; warn above 90%, error above 100%."""
+    """Weights of the target and the draft models, the KV caches of the engine and its drafter for the context in
+    each kept sequence (cache slot), and the activations of a round, against `available` bytes; warn above 90%,
+    error above 100%."""
     weights = sum(sum(_bytes(m.model).values()) for m in [target, *drafts])
-    kv = kv_bytes(engine.cache) + (engine.drafter.cache_bytes() if engine.drafter is not None else 0)
+    slots = engine.slots.count
+    kv = slots * (kv_bytes(engine.cache) + (engine.drafter.cache_bytes() if engine.drafter is not None else 0))
     cfg = target.config
     k = engine.speculation.draft_max + 1
     # a prefill of the whole context (hidden states, the MLP's widest tensors) and a round's logits (float32)
@@ -167,8 +169,10 @@ def memory(target, drafts: list, engine, available: int) -> Finding:
     total = weights + kv + activations
     share = total / available
     figures = {"weights_bytes": weights, "kv_cache_bytes": kv, "activation_bytes": activations,
-               "total_bytes": total, "available_bytes": available, "share": share, "context": engine.context}
-    line = (f"weights {weights / 2**30:.2f} GiB + KV cache {kv / 2**30:.2f} GiB ({engine.context} tokens) + "
+               "total_bytes": total, "available_bytes": available, "share": share, "context": engine.context,
+               "cache_slots": slots}
+    line = (f"weights {weights / 2**30:.2f} GiB + KV cache {kv / 2**30:.2f} GiB ({engine.context} tokens x {slots} "
+            f"kept sequences) + "
             f"activations {activations / 2**30:.2f} GiB = {total / 2**30:.2f} GiB of {available / 2**30:.2f} GiB "
             f"({100 * share:.0f}%)")
     if share > 1:

@@ -295,3 +295,20 @@ def test_the_speculation_trace_names_each_tokens_source(server, stream):
     assert {t["source"] for t in plain["choices"][0]["trace"]} == {"target"}
     assert "trace" not in post(server, "/v1/chat/completions", {**body, "speculation_trace": False,
                                                                 "stream": False}).json()["choices"][0]
+
+
+# ---- prefix reuse ---------------------------------------------------------------------------------------------------
+
+def test_a_chats_next_turn_reuses_its_history_and_cache_prompt_false_prefills_it_all(server):
+    """As llama-server: the timings say how many prompt tokens a kept slot held (cache_n) and how many were
+    prefilled (prompt_n); cache_prompt false prefills the whole prompt; the answer is the same either way."""
+    messages = [{"role": "user", "content": "a chat " * 20}]
+    first = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0}).json()
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "and then?"}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+    warm, cold = (post(server, "/v1/chat/completions", {**body, "cache_prompt": c}).json() for c in (True, False))
+    assert warm["timings"]["cache_n"] >= first["usage"]["prompt_tokens"]
+    assert warm["timings"]["cache_n"] + warm["timings"]["prompt_n"] == warm["usage"]["prompt_tokens"]
+    assert cold["timings"]["cache_n"] == 0 and cold["timings"]["prompt_n"] == cold["usage"]["prompt_tokens"]
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]

@@ -53,7 +53,8 @@ def load(args, draft=None):
     return api.load(args.model, draft if draft is not None else draft_of(args), device=args.device,
                     dtype=getattr(args, "dtype", "auto"), weights=getattr(args, "weights", "auto"),
                     context=getattr(args, "ctx", None), speculation=speculation,
-                    cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True))
+                    cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True),
+                    cache_slots=getattr(args, "cache_slots", 1), cache_ram=getattr(args, "cache_ram", None))
 
 
 def engine_config(args):
@@ -383,7 +384,7 @@ def cmd_doctor(args) -> int:
     apply_profile(args)
     draft = draft_of(args)
     available = int(args.device_memory * 2**30) if args.device_memory else None
-    plan = memory.for_load(args.model, draft, engine_config(args), available)
+    plan = memory.for_load(args.model, draft, engine_config(args), available, slots=args.cache_slots)
     planned = doctor.memory_plan(plan)
     cuda_absent = plan.device_type == "cuda" and not torch.cuda.is_available()
     if planned.level == "error" or cuda_absent:  # nothing to load: the plan says it all

@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "llama-server does (default: it stays text, so no message can forge a turn or a role)")
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
+    sv.add_argument("--cache-slots", type=int, default=4, metavar="N",
+                    help="sequences kept for prefix reuse: a request that begins with what one holds (the same chat's "
+                         "history, an agent's system prompt and tools) prefills only the rest, with the same output. "
+                         "Each is a KV cache of --ctx positions for the target and its draft, made when first "
+                         "needed, the least recently used reused (default: %(default)s)")
+    sv.add_argument("--cache-ram", default=None, metavar="SIZE",
+                    help="at most this much memory for the kept sequences (e.g. 2G, 512M): fewer slots than "
+                         "--cache-slots where they would take more (default: no bound but --cache-slots)")
     _common(sv)
 
     v = sub.add_parser("verify", help="prove that speculation changes nothing for a target and a draft",
@@ -322,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                     help="check the budget against this much memory instead of the device's (plan for a smaller "
                          "card or machine)")
+    dr.add_argument("--cache-slots", type=int, default=4, metavar="N",
+                    help="plan for N kept sequences, as `serve --cache-slots N` keeps (default: %(default)s)")
     dr.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     _common(dr)
 

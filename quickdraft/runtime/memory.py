@@ -270,9 +270,11 @@ def parse_size(text: str) -> int:
         raise QuickdraftError(f"memory size {text!r}: write it like 24GB or 16000MB") from None
 
 
-def for_load(target: str, draft, engine, capacity: int | None = None, free: int | None = None) -> MemoryPlan:
+def for_load(target: str, draft, engine, capacity: int | None = None, free: int | None = None,
+             slots: int = 1) -> MemoryPlan:
     """The plan of loading target (a source) with draft (a Draft, `auto` resolved here) under engine (an
-    EngineConfig): each model in the format the loader will give it, caches for the context the load gives."""
+    EngineConfig): each model in the format the loader will give it, caches for the context the load gives, for
+    `slots` kept sequences (the engine's cache slots: runtime/slots.py)."""
     from quickdraft import quant
     from quickdraft.config import DEFAULT_MAX_CONTEXT
     from quickdraft.weights.loader import resolve_device, resolve_dtype
@@ -300,4 +302,19 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
         kv = 2 * cfg.kv_heads_of(cfg.n_layers - 1) * cfg.head_dim * context * 2
         out.items.insert(2, Item("draft KV cache", kv + context * cfg.dim * 2,
                                  f"{context} positions: the MTP layer's keys and values, the target's hidden states"))
+    if slots > 1:  # each kept sequence has caches of its own
+        out.items = [Item(i.what, i.nbytes * slots, f"{i.detail}, x {slots} kept sequences") if "KV cache" in i.what
+                     else i for i in out.items]
     return out
+
+
+def fitting_slots(target: str, draft, engine, slots: int, warn=None) -> tuple[MemoryPlan, int]:
+    """The plan with as many of `slots` kept sequences as fit (at least one: the plan then says if even that does
+    not), and that number; warn(text) when fewer than asked."""
+    for n in range(slots, 0, -1):
+        out = for_load(target, draft, engine, slots=n)
+        if out.fits or n == 1:
+            if n < slots and warn is not None:
+                warn(f"{slots} kept sequences do not fit on {out.device}: keeping {n} (--cache-slots)")
+            return out, n
+    raise AssertionError("unreachable")

@@ -149,7 +149,8 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     speculative: Speculative | None = None
     speculation_trace: bool = False  # ours: each token's source, step and k in the chunks (the chat page's colours)
-    cache_prompt: bool = False  # llama-server's prefix reuse hint: accepted; the whole prompt is always prefilled
+    cache_prompt: bool = True  # llama-server's: reuse what a kept slot holds of the prompt (false: prefill it all;
+    #                            the output is the same either way)
     samplers: list[str] | str | None = None  # llama-server's sampler order: accepted when it is ours
     n_probs: int | None = Field(None, ge=0, le=20)  # llama-server's count of top log-probabilities
     post_sampling_probs: bool = False  # llama-server's: the sampled distribution's, not the model's
@@ -482,10 +483,12 @@ def usage(prompt_n: int, completion_n: int) -> dict:
 def timings(t: Timings, stats: SpeculationStats, completion_n: int) -> dict:
     """llama.cpp's timings fields (prompt_*, predicted_*, draft_n, draft_n_accepted), then ours."""
     prompt_ms, predicted_ms = 1000 * t.prefill_s, 1000 * t.decode_s
+    prefilled = t.prompt_n - t.cache_n
     return {
-        "prompt_n": t.prompt_n,
+        "cache_n": t.cache_n,  # as llama-server: prompt tokens a kept slot held (not prefilled again)
+        "prompt_n": prefilled,  # and those prefilled
         "prompt_ms": prompt_ms,
-        "prompt_per_token_ms": prompt_ms / t.prompt_n if t.prompt_n else 0.0,
+        "prompt_per_token_ms": prompt_ms / prefilled if prefilled else 0.0,
         "prompt_per_second": t.prefill_tok_s,
         "predicted_n": completion_n,
         "predicted_ms": predicted_ms,
@@ -494,6 +497,7 @@ def timings(t: Timings, stats: SpeculationStats, completion_n: int) -> dict:
         "draft_n": stats.draft_n,
         "draft_n_accepted": stats.draft_n_accepted,
         "ttft_ms": 1000 * t.ttft_s,
+        "draft_prefill_ms": 1000 * t.draft_prefill_s,
         "drafter": stats.drafter,
         "acceptance_rate": stats.acceptance_rate,
         "mean_accepted_length": stats.mean_accepted_length,

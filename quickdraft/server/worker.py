@@ -82,6 +82,7 @@ class Job:
     halt: Halt = field(default_factory=Halt)
     submitted: float = field(default_factory=time.perf_counter)
     trace: bool = False  # hand each token's origin over with the text (Piece.trace)
+    reuse: bool = True  # reuse what a kept slot holds of the prompt (the request's cache_prompt)
 
     def cancel(self) -> None:
         if self.halt.reason is None:
@@ -212,7 +213,8 @@ class EngineWorker:
         # entries not yet handed over: log-probabilities and origins of the tokens since the last piece
         scored = [] if job.params.logprobs is not None else None
         traced = [] if job.trace else None
-        for event in self.engine.generate(job.prompt, job.params, job.speculation, job.halt, job.constraint):
+        for event in self.engine.generate(job.prompt, job.params, job.speculation, job.halt, job.constraint,
+                                          job.reuse):
             if event.token is not None and not stops.matched:
                 if scored is not None:
                     scored.append(self._entry(event))

@@ -1,0 +1,193 @@
+"""Prefix reuse (runtime/slots.py): a prompt that begins with what a kept slot holds prefills only the rest, and the
+output is the one an empty cache gives, token for token (greedy and seeded), on every family (sliding windows,
+soft caps, shared keys and values, hybrids' recurrent states, mixtures of experts) and with each drafter."""
+
+import pytest
+import torch
+
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine
+from quickdraft.runtime import memory, slots as slots_mod
+from quickdraft.speculative.combined import CombinedDrafter
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.ngram import NgramDrafter
+from quickdraft.weights.loader import load_model
+from tests.helpers import add_noise, save_hf_dir, tiny_hf_model
+
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)
+GREEDY = SamplingParams(max_tokens=20, stop_at_eos=False)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=20, stop_at_eos=False)
+SPEC = SpeculationConfig(draft_max=4, adaptive=False)
+# a long system prompt (two prefill chunks), then user turns
+SYSTEM = [(7 * i + 3) % 300 + 10 for i in range(90)]
+TURNS = [[11, 12, 13, 14, 15], [21, 22, 23, 24], [31, 32, 33]]
+
+
+def build(name: str, path):
+    from tests.families import save, tiny_model
+    from tests.test_hybrid import tiny_qwen35
+    from tests.test_moe import tiny_moe
+
+    if name == "qwen3_5":
+        return save_hf_dir(tiny_qwen35(logit_scale=20), path)
+    if name == "qwen3_5_moe":
+        return save_hf_dir(tiny_moe(name, logit_scale=20), path)
+    return save(tiny_model(name), path)
+
+
+def generate(engine, prompt, params, reuse=True):
+    events = list(engine.generate(prompt, params, reuse=reuse))
+    return [e.token for e in events if e.token is not None], events[-1].timings
+
+
+def conversation(engine, params, reuse=True):
+    """Three turns, each prompt the whole history (the last answer included) and a new user turn, as a chat client
+    sends it: (the answers, how many prompt tokens each turn reused)."""
+    history, answers, reused = list(SYSTEM), [], []
+    for turn in TURNS:
+        prompt = history + turn
+        tokens, timings = generate(engine, prompt, params, reuse)
+        answers.append(tokens)
+        reused.append(timings.cache_n)
+        history = prompt + tokens
+    return answers, reused
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "gemma3", "gemma4", "phi3", "qwen3_5",
+                                  "qwen3_5_moe"])
+def test_a_reused_prefix_gives_what_an_empty_cache_gives(tmp_path, name):
+    lm = load_model(str(build(name, tmp_path / name)), BF16, False)
+    for params in (GREEDY, SEEDED):
+        cold, none_reused = conversation(Engine(lm, 256), params, reuse=False)
+        warm, reused = conversation(Engine(lm, 256), params)
+        assert warm == cold, (name, params.seed)
+        assert none_reused == [0, 0, 0] and reused[0] == 0
+        # every later turn took the earlier ones from the slot (a hybrid: from the checkpoint where the turn ended)
+        assert all(n >= len(SYSTEM) for n in reused[1:]), reused
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reuse-pair")
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=20), root / "t")), BF16, False)
+    draft_hf = add_noise(tiny_hf_model("qwen2", seed=0, logit_scale=20))
+    return target, load_model(str(save_hf_dir(draft_hf, root / "d")), BF16, False)
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
+def test_speculation_over_a_reused_prefix_gives_plain_decodings_output(pair, kind):
+    """Each drafter keeps what it holds of the conversation in its slot (a draft model's cache); greedy and seeded
+    output over a reused prefix equals plain decoding from an empty cache."""
+    target, draft = pair
+
+    def drafter():
+        model = DraftModelDrafter(draft, target.config.vocab_size, 256)
+        return {"draft": model, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), model)}[kind]
+
+    for params in (GREEDY, SEEDED):
+        plain, _ = conversation(Engine(target, 256), params, reuse=False)
+        engine = Engine(target, 256, drafter(), SPEC, slots=2)
+        ours, reused = conversation(engine, params)
+        assert ours == plain and all(n > len(SYSTEM) for n in reused[1:]), (kind, reused)
+
+
+def test_a_hybrid_prefix_that_falls_between_checkpoints_restarts_from_the_last_before_it(tmp_path):
+    """A recurrent state returns only to the positions it keeps or to a checkpoint (the end of each prefill and of
+    each generation). A prompt that changes a token inside the last answer leaves the slot between them: the prompt
+    is taken from the checkpoint at the end of that turn's prompt, and the output is still a cold start's."""
+    lm = load_model(str(build("qwen3_5", tmp_path / "h")), BF16, False)
+    engine = Engine(lm, 256)
+    first = SYSTEM + TURNS[0]
+    answer, _ = generate(engine, first, GREEDY)
+    assert sorted(engine.last.checkpoints) == [len(first), len(first) + len(answer) - 1]
+    # the answer's second token changed: before the positions the state keeps (its last HISTORY), after a checkpoint
+    edited = first + answer[:1] + [(answer[1] + 1) % 300] + answer[2:] + TURNS[1]
+    ours, timings = generate(engine, edited, GREEDY)
+    assert timings.cache_n == len(first)  # the checkpoint before the edit
+    assert ours == generate(Engine(lm, 256), edited, GREEDY, reuse=False)[0]
+
+
+def test_slots_keep_several_conversations_and_reuse_the_least_recently_used(pair):
+    target, _ = pair
+    engine = Engine(target, 256, slots=2)
+    a, b, c = (SYSTEM[:40] + [i] * 30 for i in (1, 2, 3))  # three conversations, no prefix in common beyond 40
+    for prompt in (a, b):
+        generate(engine, prompt, GREEDY)
+    _, t = generate(engine, a + [5, 6], GREEDY)  # a's slot, kept: its whole prompt is reused
+    assert t.cache_n == len(a)
+    _, t = generate(engine, c, GREEDY)  # a third conversation takes the slot used least recently: b's
+    assert t.cache_n == 40  # (it shares the first 40 tokens with b: copied, not recomputed)
+    _, t = generate(engine, b + [5, 6], GREEDY)
+    assert t.cache_n == 40, "b's slot went to c; only the shared beginning is left"
+    assert len(engine.slots.slots) == 2
+
+
+def test_a_second_conversation_under_the_same_system_prompt_copies_it_rather_than_cut_the_first(pair):
+    """An agent's sub-agent, or a second chat, begins with the same system prompt: the common prefix is copied into
+    another slot, and the first conversation keeps its whole history for its next turn."""
+    target, _ = pair
+    engine = Engine(target, 256, slots=2)
+    first = SYSTEM + TURNS[0]
+    answer, _ = generate(engine, first, GREEDY)
+    _, t = generate(engine, SYSTEM + TURNS[1], GREEDY)
+    assert t.cache_n == len(SYSTEM)
+    _, t = generate(engine, first + answer + TURNS[2], GREEDY)
+    assert t.cache_n >= len(first) + len(answer) - 1
+    one = Engine(target, 256, slots=1)  # with a single slot the second conversation takes it over
+    generate(one, first, GREEDY)
+    generate(one, SYSTEM + TURNS[1], GREEDY)
+    assert generate(one, first + answer + TURNS[2], GREEDY)[1].cache_n == len(SYSTEM)
+
+
+def test_reuse_off_prefills_the_whole_prompt(pair):
+    target, _ = pair
+    engine = Engine(target, 256)
+    generate(engine, SYSTEM, GREEDY)
+    assert generate(engine, SYSTEM + [5], GREEDY, reuse=False)[1].cache_n == 0
+    assert generate(engine, SYSTEM + [5, 6], GREEDY)[1].cache_n == len(SYSTEM) + 1
+
+
+def test_a_generation_that_fails_leaves_nothing_to_reuse(pair, monkeypatch):
+    """A pass that stopped half way leaves the cache unknown: the slot is forgotten, not reused."""
+    target, draft = pair
+    drafter = DraftModelDrafter(draft, target.config.vocab_size, 256)
+    engine = Engine(target, 256, drafter, SPEC)
+    generate(engine, SYSTEM, GREEDY)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a drafter bug")
+
+    monkeypatch.setattr(drafter, "propose", broken)
+    with pytest.raises(RuntimeError, match="a drafter bug"):
+        generate(engine, SYSTEM + [5, 6], GREEDY)
+    assert engine.last.tokens == [] and engine.cache.length == 0
+
+
+def test_the_memory_plan_counts_every_kept_sequence(tmp_path):
+    from quickdraft.speculative.draft import Draft
+
+    path = str(save_hf_dir(tiny_hf_model("qwen2"), tmp_path / "m"))
+    config = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
+    one, four = (memory.for_load(path, Draft.parse(path), config, slots=n) for n in (1, 4))
+    kv = {i.what: i.nbytes for i in one.items if "KV cache" in i.what}
+    assert kv and all(i.nbytes == 4 * kv[i.what] for i in four.items if "KV cache" in i.what)
+    assert four.used - one.used == 3 * sum(kv.values())
+
+
+def test_cache_ram_bounds_the_slots():
+    from quickdraft.api import slot_count
+
+    assert slot_count(4, None, 100) == 4
+    assert slot_count(4, 250, 100) == 2
+    assert slot_count(4, 50, 100) == 1  # the sequence being generated always has one
+
+
+def test_the_common_prefix(pair):
+    assert slots_mod.common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert slots_mod.common_prefix([], [1]) == 0 and slots_mod.common_prefix([1, 2], [1, 2, 3]) == 2
+    target, _ = pair
+    engine = Engine(target, 256)
+    generate(engine, SYSTEM, GREEDY)
+    # the whole prompt held: the last token is still run (its logits give the first new token)
+    assert generate(engine, SYSTEM, GREEDY)[1].cache_n == len(SYSTEM) - 1
+    assert torch.equal(torch.tensor(engine.last.tokens[:len(SYSTEM)]), torch.tensor(SYSTEM))

@@ -133,6 +133,8 @@ def _row(prompt: str, c: BenchConfig, measured, plain_tokens, engine) -> dict:
         "prompt": prompt, "config": c.name, "source": c.source, "k": c.k,
         "decode_tok_s": statistics.median(decode), "decode_min": min(decode), "decode_max": max(decode),
         "e2e_tok_s": statistics.median(e2e), "ttft_s": statistics.median(f.timings.ttft_s for _, f in measured),
+        "prefill_tok_s": statistics.median(f.timings.prefill_tok_s for _, f in measured),
+        "prompt_n": final.timings.prompt_n,
         "acceptance": statistics.median(f.stats.acceptance_rate for _, f in measured),
         "tokens_per_round": statistics.median(f.stats.mean_accepted_length for _, f in measured),
         "k_mean": statistics.median(f.stats.k_mean for _, f in measured),
@@ -188,16 +190,16 @@ def _summary(rows: list[dict], configs: list[BenchConfig]) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    lines = [f"{'prompt':11} {'config':22} {'decode tok/s':>12} {'(min-max)':>13} {'e2e':>6} {'x plain':>7} "
-             f"{'pred.':>6} {'accept':>6} {'tok/rnd':>7} {'k':>4}  same"]
+    lines = [f"{'prompt':11} {'config':22} {'decode tok/s':>12} {'(min-max)':>13} {'e2e':>6} {'TTFT s':>7} "
+             f"{'prefill':>8} {'x plain':>7} {'pred.':>6} {'accept':>6} {'tok/rnd':>7} {'k':>4}  same"]
     for r in result["rows"]:
         spread = f"{r['decode_min']:.1f}-{r['decode_max']:.1f}"
         pred = f"{r['predicted_speedup']:.2f}" if r.get("predicted_speedup") else "-"
         same = {None: "-", True: "yes", False: "NO"}[r["same_as_plain"]]
         speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else "-"
         lines.append(f"{r['prompt']:11} {r['config']:22} {r['decode_tok_s']:12.2f} {spread:>13} {r['e2e_tok_s']:6.2f} "
-                     f"{speedup:>7} {pred:>6} {100 * r['acceptance']:5.0f}% {r['tokens_per_round']:7.2f} "
-                     f"{r['k_mean']:4.1f}  {same}")
+                     f"{r['ttft_s']:7.2f} {r['prefill_tok_s']:8.1f} {speedup:>7} {pred:>6} {100 * r['acceptance']:5.0f}% "
+                     f"{r['tokens_per_round']:7.2f} {r['k_mean']:4.1f}  {same}")
     lines.append("")
     lines.append(f"medians over prompts ({result['runs']} runs each, {result['n']} tokens, after "
                  f"{result['warmup']} warm-up):")

@@ -29,12 +29,34 @@ PROMPTS: dict[str, str] = {
 }
 
 
+def _long(text: str, copies: int) -> str:
+    return "Summarize the following text in three sentences:\n\n" + "\n\n".join([text] * copies)
+
+
+def reference_text() -> str:
+    """The bundled reference text (~1,000 tokens: the quality text tune --formats scores, a conversation's system
+    prompt)."""
+    from importlib import resources
+
+    return resources.files("quickdraft").joinpath("data/ppl.txt").read_text(encoding="utf-8")
+
+
+# Long prompts (about 1,000 and 4,000 tokens): what the time to first token is made of. Not in the default set (a
+# cold prefill of each per run); name them with --prompts.
+LONG = {"long-1k": lambda: _long(reference_text(), 1), "long-4k": lambda: _long(reference_text(), 4)}
+NAMES = [*PROMPTS, *LONG]
+
+
+def text(name: str) -> str:
+    return PROMPTS[name] if name in PROMPTS else LONG[name]()
+
+
 def encoded(tokenizer, names: list[str] | None = None) -> dict[str, list[int]]:
     """The prompts as chat turns for the model's template (raw text when it has none), encoded."""
     out = {}
     for name in names or list(PROMPTS):
-        text = PROMPTS[name]
+        prompt = text(name)
         if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-        out[name] = tokenizer.encode(text)
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        out[name] = tokenizer.encode(prompt)
     return out

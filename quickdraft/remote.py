@@ -37,6 +37,8 @@ class Reply:
     drafted: int | None = None  # the server's timings, where it reports them
     accepted: int | None = None
     finish: str | None = None
+    cache_n: int | None = None  # prompt tokens the server took from its cache (llama-server's and quickdraft's timings)
+    seconds: float = 0.0  # the whole request
 
 
 @dataclass
@@ -81,13 +83,15 @@ class Endpoint:
             self.model = models[0]
         return self.model
 
-    def complete(self, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+    def complete(self, prompt: str | list[dict], max_tokens: int, temperature: float = 0.0, seed: int | None = None,
                  fixed_length: bool = True, logprobs: bool = False, fresh: bool = False) -> Reply:
-        """One streamed chat completion of the prompt as a user message, timed chunk by chunk; with logprobs, the
-        tokens' texts too (for verify: bench leaves them out, they cost the server time). fresh: ask the server to
-        prefill the whole prompt (llama-server's cache_prompt false: its greedy output depends on whether the
-        prompt was cached, a near tie flipping with the batch shape)."""
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        """One streamed chat completion of the prompt as a user message (or of chat messages: a conversation's
+        history), timed chunk by chunk; with logprobs, the tokens' texts too (for verify: bench leaves them out,
+        they cost the server time). fresh: ask the server to prefill the whole prompt (llama-server's cache_prompt
+        false: its greedy output depends on whether the prompt was cached, a near tie flipping with the batch
+        shape)."""
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                 "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
         if seed is not None:
             body["seed"] = seed
@@ -148,7 +152,8 @@ class Endpoint:
         decode = (n - 1) / (stamps[-1] - stamps[0]) if n > 1 and len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0
         return Reply("".join(text), n, (stamps[0] if stamps else end) - start, decode, n / (end - start),
                      tokens if every_piece_scored and tokens else None,
-                     (timings or {}).get("draft_n"), (timings or {}).get("draft_n_accepted"), finish)
+                     (timings or {}).get("draft_n"), (timings or {}).get("draft_n_accepted"), finish,
+                     (timings or {}).get("cache_n"), end - start)
 
     def spec_counters(self) -> tuple[float, float] | None:
         """(drafted, accepted) from the Prometheus counters at metrics_url, summed over labels; None without."""

@@ -106,7 +106,7 @@ def main() -> int:
     servers = {}
     if args.server:
         from tests import llamacpp
-        from tests.test_llama_server import LlamaServer
+        from tests.llamacpp import LlamaServer
 
         binary = llamacpp.server_binary()
         servers["llama-server plain"] = LlamaServer(binary, "-m", path)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 PACKAGE, VERSION = "llama-cpp-python", "0.3.36"
@@ -145,3 +147,37 @@ def vocab_tests(name: str) -> list[tuple[str, list[int]]]:
         pos = n + len(sep)
     outputs = (models / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
     return [(t, [int(i) for i in out.split()]) for t, out in zip(inputs, outputs)]
+
+
+class LlamaServer:
+    """llama.cpp's llama-server on a free loopback port, with these flags (-c 2048 unless they give -c)."""
+
+    def __init__(self, binary, *flags):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([str(binary), *flags, "--host", "127.0.0.1", "--port", str(self.port),
+                                      *(() if "-c" in flags else ("-c", "2048")), "-t", str(os.cpu_count() or 2)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
+            try:
+                import httpx
+
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("llama-server did not start in 300 s")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

@@ -18,11 +18,12 @@ import httpx
 
 
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout: float = 300):
+    def __init__(self, *args: str, startup_timeout: float = 300, cwd=None):
+        """cwd: the checkout whose quickdraft serves (another revision's, for a before/after run)."""
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "quickdraft", "serve", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=cwd,
         )
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout] + [lines.put(None)],

@@ -163,7 +163,7 @@ def test_greedy_tokens_equal_llama_servers(converted, name, tmp_path):
         pytest.skip("no cmake: llama-server cannot be built here")
     import httpx
 
-    from tests.test_llama_server import LlamaServer
+    from tests.llamacpp import LlamaServer
 
     path = converted[name][2]["f32"]
     n = 24

@@ -2,19 +2,16 @@
 source llama-cpp-python 0.3.36 vendors (tests/llamacpp.py: about 10 minutes on 2 cores, then cached), on the
 default pair's GGUF files. Slow: the build, and real models."""
 
-import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from quickdraft import remote
 from quickdraft.prompts import PROMPTS as BUNDLED
+from tests.llamacpp import LlamaServer
 
 pytestmark = pytest.mark.slow
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -28,36 +25,6 @@ def binary():
     from tests import llamacpp
 
     return llamacpp.server_binary()
-
-
-class LlamaServer:
-    def __init__(self, binary, *flags):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([str(binary), *flags, "--host", "127.0.0.1", "--port", str(self.port),
-                                      "-c", "2048", "-t", str(os.cpu_count() or 2)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError("llama-server did not start in 300 s")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def cli(*args, timeout=900):

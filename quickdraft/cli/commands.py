@@ -206,20 +206,20 @@ def _prompts(args, tokenizer) -> dict[str, list[int]]:
 
 
 def _prompt_names(args) -> list[str]:
-    from quickdraft.prompts import PROMPTS
+    from quickdraft.prompts import NAMES, PROMPTS
 
     names = args.prompts.split(",") if args.prompts else list(PROMPTS)
-    unknown = [n for n in names if n not in PROMPTS]
+    unknown = [n for n in names if n not in NAMES]
     if unknown:
-        raise QuickdraftError(f"unknown prompt {unknown[0]!r}: choose from {', '.join(PROMPTS)}")
+        raise QuickdraftError(f"unknown prompt {unknown[0]!r}: choose from {', '.join(NAMES)}")
     return names
 
 
 def _prompt_texts(args) -> dict[str, str]:
     """The bundled prompts as text: a server applies its own chat template."""
-    from quickdraft.prompts import PROMPTS
+    from quickdraft.prompts import text
 
-    return {name: PROMPTS[name] for name in _prompt_names(args)}
+    return {name: text(name) for name in _prompt_names(args)}
 
 
 def _counter(update):
@@ -345,6 +345,9 @@ def cmd_bench(args) -> int:
     from quickdraft.speculative.draft import NONE
     from quickdraft.ui import progress_bar
 
+    if args.conversation:
+        return _bench_conversation(args)
+    args.max_tokens = args.max_tokens or 128
     if args.url:
         return _bench_remote(args)
     apply_profile(args)
@@ -515,6 +518,35 @@ def _read_text(path: Path) -> str:
 COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_pull, "demo": cmd_demo,
             "tokenize": cmd_tokenize,
             "serve": cmd_serve, "verify": cmd_verify, "doctor": cmd_doctor, "bench": cmd_bench, "tune": cmd_tune}
+
+
+def _bench_conversation(args) -> int:
+    """bench --conversation: the loaded pair with prefix reuse and without (every turn prefilled whole), or each
+    --url server, each conversation alone."""
+    from quickdraft import conversation, remote
+
+    n = args.max_tokens or 48
+    if args.url:
+        replies = []
+        for url in args.url:
+            endpoint = remote.Endpoint(url, args.api_key, args.served_model)
+            endpoint.check()
+            replies.append((url, conversation.remote_reply(endpoint)))
+    else:
+        apply_profile(args)
+        llm = load(argparse.Namespace(**{**vars(args), "cache_slots": 1}))
+        name = f"quickdraft, {llm.engine.drafter_name}"
+        replies = [(f"{name}, reuse", conversation.local_reply(llm)),
+                   (f"{name}, no reuse", conversation.local_reply(llm, reuse=False))]
+    runs = []
+    for name, reply in replies:
+        print(f"bench: conversation on {name}", file=sys.stderr)
+        runs.append(conversation.converse(name, reply, args.conversation, args.turns, n))
+    print(conversation.table(runs, args.conversation, n))
+    if args.json:
+        args.json.write_text(json.dumps(conversation.to_dict(runs, args.conversation, n), indent=1))
+        print(f"results: {args.json}", file=sys.stderr)
+    return 0
 
 
 def _bench_remote(args) -> int:

@@ -82,10 +82,11 @@ def _pair_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompts_arg(parser) -> None:
-    from quickdraft.prompts import PROMPTS
+    from quickdraft.prompts import LONG, PROMPTS
 
     parser.add_argument("--prompts", default=None, metavar="NAMES",
-                        help="comma-separated bundled prompts (default: all of " + ", ".join(PROMPTS) + ")")
+                        help="comma-separated bundled prompts (default: all of " + ", ".join(PROMPTS) + "; also "
+                             + " and ".join(LONG) + ": long prompts, for the time to first token)")
 
 
 def _remote_args(group) -> None:
@@ -299,7 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "ngram+draft, each optionally followed by :vocab=N (the draft model's --draft-vocab, e.g. "
                         "draft:adaptive:vocab=32768) (default: plain and every draft configuration the --draft allows)")
     _prompts_arg(b)
-    b.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per run (default: %(default)s)")
+    b.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help="tokens per run (default: 128; with --conversation, per turn: 48)")
+    b.add_argument("--conversation", choices=["chat", "agent"], default=None,
+                   help="a conversation as a client holds one instead of the prompts: a ~1,000-token system prompt, "
+                        "then --turns turns, each request carrying the whole history (agent: tool definitions in "
+                        "the system prompt and a tool result before each question); time to first token per turn and "
+                        "the whole conversation's time, for the loaded target and draft with and without prefix "
+                        "reuse, or for each --url")
+    b.add_argument("--turns", type=int, default=6, help="turns of --conversation (default: %(default)s)")
     b.add_argument("--runs", type=int, default=3, help="measured runs per configuration (default: %(default)s)")
     b.add_argument("--warmup", type=int, default=1, help="warm-up runs (default: %(default)s)")
     b.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")

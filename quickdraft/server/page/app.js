@@ -209,7 +209,12 @@ class Answer {
       `<span>k <b>${lastK}</b>${t ? ` (mean ${t.k_mean.toFixed(1)})` : ""}</span>`,
       `<span>${this.trace.length} tokens</span>`,
     ];
-    if (t) parts.push(`<span>drafter ${escapeHtml(t.drafter)}</span>`);
+    if (t) {
+      // the wait before the first token: the prefill of what the server did not already hold of the conversation
+      const reused = t.cache_n ? `, ${t.cache_n} of ${t.cache_n + t.prompt_n} prompt tokens reused` : "";
+      parts.push(`<span class="ttft">first token <b>${(t.ttft_ms / 1000).toFixed(2)} s</b>${reused}</span>`);
+      parts.push(`<span>drafter ${escapeHtml(t.drafter)}</span>`);
+    }
     return parts.join("");
   }
 }

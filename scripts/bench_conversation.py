@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Conversations and prefill against llama.cpp, on the same GGUF files and machine, in one run.
+
+1. A conversation as a client holds one (quickdraft/conversation.py: a ~1,000-token system prompt, then --turns
+   turns, each request the whole history, -n greedy tokens a turn, streamed), against each deployment in turn, alone
+   on the machine: quickdraft serve with the default pair from this checkout and (--old DIR) from another checkout
+   (the revision before prefix reuse, say), and llama.cpp's llama-server (built once: tests/llamacpp.py) plain and
+   with the 0.5B draft (-md), with its defaults (prompt cache on). Time to first token per turn and the whole
+   conversation's time.
+2. Prefill: prompts of 512, 1,024, 2,048 and 4,000 tokens (the reference text repeated, the same token ids on both
+   sides), the default target's prompt processing tok/s: quickdraft's engine (its default format, a cold prefill:
+   nothing reused) against llama-server's own prompt_per_second (cache_prompt false), medians of --runs.
+
+Usage: .venv/bin/python scripts/bench_conversation.py [--old /path/to/checkout] [--turns 6] [-n 48] [--runs 3]
+       [--kind chat|agent] [--skip-prefill] [--skip-conversation]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from quickdraft import conversation, remote  # noqa: E402
+from quickdraft.weights import hub  # noqa: E402
+from tests import llamacpp  # noqa: E402
+from tests.server_process import ServerProcess  # noqa: E402
+
+LENGTHS = (512, 1024, 2048, 4000)
+
+
+def deployments(args, target: Path, draft: Path):
+    """(name, start) for each deployment: start() -> (base URL, stop)."""
+
+    def quickdraft(cwd):
+        def start():
+            server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "4096", startup_timeout=600, cwd=cwd)
+            return server.base_url, server.stop
+        return start
+
+    def llama(*flags):
+        def start():
+            server = llamacpp.LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "4096", *flags)
+            return server.url, server.stop
+        return start
+
+    out = []
+    if args.old:
+        out.append((f"quickdraft serve ({Path(args.old).name})", quickdraft(args.old)))
+    out += [("quickdraft serve (this checkout)", quickdraft(None)),
+            ("llama-server plain", llama()),
+            ("llama-server -md 0.5B", llama("-md", str(draft), "--spec-type", "draft-simple"))]
+    return out
+
+
+def conversations(args, target: Path, draft: Path) -> list:
+    runs = []
+    for name, start in deployments(args, target, draft):
+        print(f"bench_conversation: {name}", file=sys.stderr, flush=True)
+        url, stop = start()
+        try:
+            endpoint = remote.Endpoint(url)
+            endpoint.check()
+            endpoint.complete("Hello", 4)  # warm-up: one-off setup outside the conversation
+            runs.append(conversation.converse(name, conversation.remote_reply(endpoint), args.kind, args.turns,
+                                              args.n))
+        finally:
+            stop()
+    return runs
+
+
+def prompts_of(tokenizer) -> dict[int, list[int]]:
+    text = "\n\n".join([conversation.reference_text()] * 6)
+    ids = tokenizer.encode(text)
+    return {n: ids[:n] for n in LENGTHS}
+
+
+def prefill(args, target: Path) -> list[tuple[int, float, float]]:
+    import quickdraft
+    from quickdraft.config import SamplingParams
+
+    llm = quickdraft.load(hub.DEFAULT_TARGET, "none", context=4096, progress=False)
+    prompts = prompts_of(llm.tokenizer)
+    ours = {}
+    for n, ids in prompts.items():
+        times = []
+        for _ in range(args.runs + 1):
+            events = list(llm.engine.generate(ids, SamplingParams(max_tokens=1), reuse=False))
+            times.append(events[-1].timings.prefill_tok_s)
+        ours[n] = statistics.median(times[1:])
+        print(f"bench_conversation: quickdraft prefill {n}: {ours[n]:.1f} tok/s", file=sys.stderr, flush=True)
+    del llm
+    server = llamacpp.LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "4096")
+    try:
+        theirs = {}
+        for n, ids in prompts.items():
+            rates = []
+            for _ in range(args.runs + 1):
+                reply = httpx.post(f"{server.url}/completion", json={"prompt": ids, "n_predict": 1, "cache_prompt": False,
+                                                                     "temperature": 0}, timeout=900).json()
+                rates.append(reply["timings"]["prompt_per_second"])
+            theirs[n] = statistics.median(rates[1:])
+            print(f"bench_conversation: llama-server prefill {n}: {theirs[n]:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return [(n, ours[n], theirs[n]) for n in prompts]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", default=None, help="another checkout whose quickdraft serve runs first")
+    ap.add_argument("--kind", default="chat", choices=["chat", "agent"])
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("-n", type=int, default=48, help="greedy tokens a turn (default: %(default)s)")
+    ap.add_argument("--runs", type=int, default=3, help="prefill runs per length (default: %(default)s)")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-conversation", action="store_true")
+    args = ap.parse_args()
+    target, draft = (hub.model_path(a) for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT))
+    llamacpp.server_binary()  # built before anything is timed
+    started = time.perf_counter()
+    runs = [] if args.skip_conversation else conversations(args, target, draft)
+    rows = [] if args.skip_prefill else prefill(args, target)
+    if runs:
+        print(conversation.table(runs, args.kind, args.n))
+    if rows:
+        print(f"\nprefill of the default target, tok/s (medians of {args.runs}; quickdraft in its default format, "
+              "a cold prefill; llama-server's prompt_per_second, cache_prompt false)")
+        print(f"{'prompt tokens':>14} {'quickdraft':>11} {'llama-server':>13} {'ratio':>6}")
+        for n, ours, theirs in rows:
+            print(f"{n:14} {ours:11.1f} {theirs:13.1f} {ours / theirs:6.2f}x")
+    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -41,7 +41,7 @@ def for_source(fmt: str, source_types) -> str:
 def layer(fmt: str, weight, bias, device=None):
     """fmt's linear layer (int8 or int4) for this weight (float rows, or an int4.Grid) on `device` (the CPU by
     default), or None where its kernel does not apply."""
-    from quickdraft.quant import int4, int8
+    from quickdraft.quant import placement
 
-    kind, supported = {"int4": (int4.Int4Linear, int4.supported), "int8": (int8.Int8Linear, int8.supported)}[fmt]
-    return kind(weight, bias, device) if supported(weight, device or "cpu") else None
+    cls = placement.linear_class(fmt, *weight.shape, device or "cpu")
+    return cls(weight, bias, device) if cls is not None else None

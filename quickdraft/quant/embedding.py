@@ -20,13 +20,18 @@ ROWS = 4096  # rows converted at a time: the table (or the file's rows behind it
 GROUP = 32
 
 
-def table(fmt: str, weight) -> nn.Module | None:
-    """The compact table for weight (V, D): a tensor, or the file's rows (gguf.FileRows); None where neither
-    kind applies (the table then stays in the model's dtype)."""
-    if getattr(weight, "qtype", None) in dequant.BLOCK_TYPES:
+def quantized_width(kind: str) -> int:
+    """What a quantized table's rows must be a multiple of: whole groups (int8), int4's packing chunks of 128."""
+    return GROUP if kind == "int8" else 128
+
+
+def table(kind: str, weight) -> nn.Module | None:
+    """The compact table for weight (V, D) as quant/placement.table_kind places it: "blocks" (the file's rows,
+    gguf.FileRows), int8 or int4 (a tensor, or the file's rows); None for a float table."""
+    if kind == "blocks":
         return BlockEmbedding(weight.raw, weight.qtype, weight.shape)
-    if weight.shape[1] % (GROUP if fmt == "int8" else 128) == 0:  # int4 packs codes in chunks of 128
-        return QuantEmbedding(fmt, weight)
+    if kind in ("int8", "int4"):
+        return QuantEmbedding(kind, weight)
     return None
 
 
@@ -79,6 +84,13 @@ class QuantEmbedding(_Rows):
         names = ("codes", "scales") if fmt == "int8" else ("codes", "scales", "lows")
         for j, name in enumerate(names):
             self.register_buffer(name, torch.cat([p[j] for p in parts]))
+
+    @staticmethod
+    def nbytes_for(fmt: str, rows: int, dim: int) -> int:
+        """Bytes of a (rows, dim) table in fmt: the codes (a byte each, or two to a byte), a float16 scale per group
+        (and a low for int4)."""
+        codes = rows * dim // (1 if fmt == "int8" else 2)
+        return codes + rows * dim // GROUP * (2 if fmt == "int8" else 4)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows ids (n,) -> (n, D): exactly what the codes stand for."""

@@ -151,6 +151,12 @@ class Int4Linear(nn.Module):
             self.register_buffer("scales_and_zeros", torch.cat(scales, dim=1).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(device, torch.bfloat16), requires_grad=False)
 
+    @staticmethod
+    def nbytes_for(n: int, k: int, device: torch.device) -> int:
+        """Bytes of an (n, k) weight as this layer holds it, on every device: codes two to a byte and a 2-byte scale
+        and a 2-byte low (or zero) per group."""
+        return n * k // 2 + (k // GROUP) * n * 4
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)

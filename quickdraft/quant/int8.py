@@ -50,8 +50,7 @@ class Int8Linear(nn.Module):
         self.on_cuda = device.type == "cuda"
         self.triton = self.on_cuda and gpu.triton_reason() is None
         self.splits = gpu.int8_splits(self.out_features, self.in_features, device) if self.triton else 1
-        self.vnni = (not self.on_cuda and vnni.available() and self.in_features % 64 == 0
-                     and self.out_features % vnni.TILE == 0)
+        self.vnni = self._vnni_layout(self.out_features, self.in_features, device)
         if self.on_cuda:
             self.register_buffer("q", q)
             self.register_buffer("scales", scale.float())
@@ -64,6 +63,17 @@ class Int8Linear(nn.Module):
             self.register_buffer("q", q)
             self.register_buffer("scales", scale)
         self.bias = None if bias is None else nn.Parameter(bias.to(device, torch.bfloat16), requires_grad=False)
+
+    @staticmethod
+    def _vnni_layout(n: int, k: int, device: torch.device) -> bool:
+        """Whether an (n, k) layer on device runs quickdraft's VNNI kernel (its tiled layout)."""
+        return device.type == "cpu" and vnni.available() and k % 64 == 0 and n % vnni.TILE == 0
+
+    @classmethod
+    def nbytes_for(cls, n: int, k: int, device: torch.device) -> int:
+        """Bytes of an (n, k) weight as this layer holds it on device: the codes and a scale per row (float32 on
+        CUDA and the VNNI kernel, bf16 on PyTorch's CPU kernel)."""
+        return n * k + n * (4 if device.type == "cuda" or cls._vnni_layout(n, k, device) else 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

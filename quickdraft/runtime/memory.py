@@ -86,21 +86,6 @@ class MemoryPlan:
                 f"(above {TIGHT:.0%}, speculation slows down: no room for its passes); lower {self.largest()}")
 
 
-def linear_bytes(fmt: str, n: int, k: int, device: torch.device, dtype_size: int = 2) -> int:
-    """Bytes of an (n, k) linear layer's weight in fmt (int8 / int4, else float) on device, as quant/ stores it."""
-    from quickdraft.quant import int4, int8
-
-    weight = torch.empty(n, k, device="meta")  # what the kernels' shape rules look at
-    if fmt == "int4" and int4.supported(weight, device):
-        return n * k // 2 + (k // int4.GROUP) * n * 4  # codes + a 2-byte scale and zero (or low) per group
-    if fmt == "int8" and int8.supported(weight, device):
-        from quickdraft.quant import vnni
-
-        wide = device.type == "cuda" or (vnni.available() and k % 64 == 0 and n % vnni.TILE == 0)
-        return n * k + n * (4 if wide else 2)  # codes + a scale per row (float32; bf16 on PyTorch's CPU kernel)
-    return n * k * dtype_size
-
-
 @functools.lru_cache(maxsize=8)
 def _skeleton(cfg: ModelConfig):
     """The model of cfg on the meta device (no memory): its modules, layouts and shapes, built once per config."""
@@ -112,43 +97,30 @@ def _skeleton(cfg: ModelConfig):
 
 def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict | None = None,
                  file_bytes: dict | None = None, dtype_size: int = 2) -> tuple[int, str]:
-    """(bytes, how) of a model's weights in format fmt (concrete: bf16, int8, int4 or mixed) on device.
-    types: the file's tensor type by model name (GGUF), None for a float checkpoint; file_bytes: the file's bytes
-    by model name (a block-format embedding table keeps them)."""
-    from quickdraft import quant
+    """(bytes, how) of a model's weights in format fmt (concrete: bf16, int8, int4 or mixed) on device, each module
+    placed by the loader's own rule (quant/placement.py). types: the file's tensor type by model name (GGUF), None
+    for a float checkpoint; file_bytes: the file's bytes by model name (a block-format table keeps them)."""
     from quickdraft.models.transformer import Linear
-    from quickdraft.quant import embedding
-    from quickdraft.weights import names
-    from quickdraft.weights.dequant import BLOCK_TYPES
+    from quickdraft.quant import placement
 
     types, file_bytes = types or {}, file_bytes or {}
     model = _skeleton(cfg)
     total, counts = 0, {}
-    quantized = fmt in quant.QUANTIZED
     for owner, module in model.named_modules():
         if isinstance(module, Linear):
             n, k = module.weight.shape
-            kind = "bf16"
-            if quantized:
-                sources = [types[p] for p in names.parts(f"{owner}.weight") if p in types]
-                kind = quant.for_source(fmt, sources or [types.get(f"{owner}.weight")])
-            size = linear_bytes(kind, n, k, device, dtype_size)
-            kind = kind if size < n * k * dtype_size else "bf16"
+            kind, size = placement.linear_bytes(placement.linear_kind(fmt, owner, types), n, k, device, dtype_size)
             counts[kind] = counts.get(kind, 0) + n * k
             total += size + (module.bias.numel() * 2 if module.bias is not None else 0)
         elif isinstance(module, torch.nn.Embedding):
             v, d = module.weight.shape
-            name = f"{owner}.weight"
-            kind = quant.for_source(fmt, [types.get(name)]) if quantized else "bf16"
-            if quantized and owner == "tok_embeddings" and model.output is None:  # tied: the head's quantized copy
-                total += linear_bytes(kind, v, d, device, dtype_size)
+            table = placement.table_kind(fmt, types.get(f"{owner}.weight"), d)
+            if owner == "tok_embeddings" and model.output is None:  # tied: the head is a quantized copy of it
+                kind, size = placement.linear_bytes(placement.linear_kind(fmt, owner, types), v, d, device, dtype_size)
                 counts[kind] = counts.get(kind, 0) + v * d
-            if quantized and types.get(name) in BLOCK_TYPES:
-                total += file_bytes.get(name, v * d)  # the file's own blocks
-            elif quantized and d % (embedding.GROUP if kind == "int8" else 128) == 0:
-                total += v * d // (1 if kind == "int8" else 2) + v * d // embedding.GROUP * (2 if kind == "int8" else 4)
-            else:
-                total += v * d * dtype_size
+                total += size if kind != placement.FLOAT else 0
+                table = table if kind != placement.FLOAT else placement.FLOAT  # a float head keeps a float table
+            total += placement.table_bytes(table, v, d, file_bytes.get(f"{owner}.weight"), dtype_size)
         else:
             total += sum(p.numel() * dtype_size for p in module.parameters(recurse=False))
     share = sum(counts.values()) or 1

@@ -15,7 +15,7 @@ from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.transformer import ROWWISE_MAX, Transformer, build
-from quickdraft.quant import embedding, int4
+from quickdraft.quant import embedding, int4, placement
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.plan import plan as plan_kernels
 from quickdraft.tokenizer import Tokenizer
@@ -274,33 +274,36 @@ def _place(model: Transformer, owner: str, module, tensors: dict, device: torch.
     device."""
     from quickdraft.models.transformer import Linear
 
-    if weights in quant.QUANTIZED:
-        sources = [source_types[p] for p in names.parts(f"{owner}.weight") if p in source_types]
-        weights = quant.for_source(weights, sources or [source_types.get(f"{owner}.weight")])
-    if weights in quant.QUANTIZED and isinstance(module, Linear):
-        layer = _linear(weights, tensors["weight"], tensors.get("bias"), device)
+    kind = placement.linear_kind(weights, owner, source_types)  # the rule the memory plan counts by
+    if kind != placement.FLOAT and isinstance(module, Linear):
+        layer = _linear(kind, tensors["weight"], tensors.get("bias"), device)
         if layer is not None:
             parent, _, attr = owner.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, layer)
             return
-    if weights in quant.QUANTIZED and isinstance(module, torch.nn.Embedding):
+    if kind != placement.FLOAT and isinstance(module, torch.nn.Embedding):
         table = tensors["weight"]
         if owner == "tok_embeddings" and model.output is None:  # tied: the head is a quantized copy, made first
-            model.output = _linear(weights, table, None, device)
-        compact = embedding.table(weights, table) if owner != "tok_embeddings" or model.output is not None else None
-        if compact is not None:
-            setattr(model, owner, compact.to(device))
-            return
+            model.output = _linear(kind, table, None, device)
+        if owner != "tok_embeddings" or model.output is not None:
+            compact = embedding.table(placement.table_kind(weights, source_types.get(f"{owner}.weight"),
+                                                           table.shape[1]), table)
+            if compact is not None:
+                setattr(model, owner, compact.to(device))
+                return
     for leaf, w in tensors.items():
         module._parameters[leaf] = torch.nn.Parameter(_full(w).to(device), requires_grad=False)
 
 
-def _linear(fmt: str, weight, bias, device: torch.device):
-    """fmt's layer for weight on device: from the file's 4-bit blocks themselves where they are that and the
-    layer takes tinygemm's layout (int4.tinygemm_layout)."""
-    if fmt == "int4" and getattr(weight, "four_bit", False) and int4.tinygemm_layout(device):
+def _linear(kind: str, weight, bias, device: torch.device):
+    """kind's layer for weight on device (None where it stays float): from the file's 4-bit blocks themselves where
+    they are that and the layer takes tinygemm's layout (int4.tinygemm_layout)."""
+    cls = placement.linear_class(kind, *weight.shape, device)
+    if cls is None:
+        return None
+    if kind == "int4" and getattr(weight, "four_bit", False) and int4.tinygemm_layout(device):
         weight = weight.grid()
-    return quant.layer(fmt, weight, bias, device)
+    return cls(weight, bias, device)
 
 
 def _full(w):

@@ -1,0 +1,62 @@
+"""Which form each weight takes in a runtime format, and what it costs: one rule, which the loader follows module by
+module (weights/loader.py) and the memory plan counts before any weight is read (runtime/memory.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from quickdraft.quant import QUANTIZED, for_source
+
+FLOAT = "bf16"  # a weight kept in the model's dtype
+
+
+def linear_kind(fmt: str, owner: str, source_types: dict) -> str:
+    """The concrete format of the linear layer `owner` (its model name) under fmt: int8 or int4 (mixed follows the
+    file's tensor types of its parts), FLOAT where fmt keeps float weights."""
+    if fmt not in QUANTIZED:
+        return FLOAT
+    from quickdraft.weights import names
+
+    sources = [source_types[p] for p in names.parts(f"{owner}.weight") if p in source_types]
+    return for_source(fmt, sources or [source_types.get(f"{owner}.weight")])
+
+
+def linear_class(kind: str, n: int, k: int, device):
+    """The layer class that holds an (n, k) weight of kind on device, None where it stays float (FLOAT, or a shape
+    the kind's kernels refuse)."""
+    from quickdraft.quant import int4, int8
+
+    if kind == FLOAT:
+        return None
+    cls, supported = {"int4": (int4.Int4Linear, int4.supported), "int8": (int8.Int8Linear, int8.supported)}[kind]
+    return cls if supported(torch.empty(n, k, device="meta"), torch.device(device)) else None
+
+
+def linear_bytes(kind: str, n: int, k: int, device, dtype_size: int = 2) -> tuple[str, int]:
+    """(the kind the layer really gets, its weight's bytes) for an (n, k) linear layer."""
+    cls = linear_class(kind, n, k, device)
+    return (kind, cls.nbytes_for(n, k, torch.device(device))) if cls is not None else (FLOAT, n * k * dtype_size)
+
+
+def table_kind(fmt: str, source_type, dim: int) -> str:
+    """How an embedding table is kept under fmt: "blocks" (a GGUF file's own block format, rows dequantized as looked
+    up), int8 or int4 (quantized here in groups), or FLOAT."""
+    from quickdraft.quant import embedding
+    from quickdraft.weights.dequant import BLOCK_TYPES
+
+    if fmt not in QUANTIZED:
+        return FLOAT
+    if source_type in BLOCK_TYPES:
+        return "blocks"
+    kind = for_source(fmt, [source_type])
+    return kind if dim % embedding.quantized_width(kind) == 0 else FLOAT
+
+
+def table_bytes(kind: str, rows: int, dim: int, file_bytes: int | None, dtype_size: int = 2) -> int:
+    from quickdraft.quant import embedding
+
+    if kind == "blocks":
+        return file_bytes if file_bytes is not None else rows * dim
+    if kind == FLOAT:
+        return rows * dim * dtype_size
+    return embedding.QuantEmbedding.nbytes_for(kind, rows, dim)

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.config import MAX_DRAFT, SamplingParams, SpeculationConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.speculative import speed
 from quickdraft.speculative.draft import NONE, Draft
@@ -61,9 +61,9 @@ def parse_configs(text: str, draft: Draft = NONE) -> list[BenchConfig]:
         source, _, how = item.partition(":")
         how, _, vocab = how.partition(":")
         if source not in SOURCES or not (how == "adaptive" or (how.startswith("k=") and how[2:].isdigit()
-                                                                and 1 <= int(how[2:]) <= 63)) \
+                                                                and 1 <= int(how[2:]) <= MAX_DRAFT)) \
                 or not (vocab == "" or (vocab.startswith("vocab=") and vocab[6:].isdigit() and source != "ngram")):
-            raise QuickdraftError(f"bad configuration {item!r}: use plain, or SOURCE:k=N (1..63) or SOURCE:adaptive "
+            raise QuickdraftError(f"bad configuration {item!r}: use plain, or SOURCE:k=N (1..{MAX_DRAFT}) or SOURCE:adaptive "
                                   f"with SOURCE one of {', '.join(SOURCES)}, then :vocab=N for a draft model's "
                                   "--draft-vocab")
         drafted = source_draft(source, draft)

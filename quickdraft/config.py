@@ -180,6 +180,29 @@ class ModelConfig:
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+MAX_DRAFT = 63  # the most tokens a round may draft: rounds that long are rejected early anyway
+# Each sampling setting's bounds, declared once: SamplingParams checks them (with the hint after them), the server's
+# request model states them (as pydantic Field constraints: server/protocol.py).
+SAMPLING_BOUNDS = {
+    "temperature": ({"ge": 0}, "0 is greedy"),
+    "top_k": ({"ge": 0}, "0 turns it off"),
+    "top_p": ({"gt": 0, "le": 1}, "1 turns it off"),
+    "min_p": ({"ge": 0, "lt": 1}, "0 turns it off"),
+    "repetition_penalty": ({"gt": 0}, "1 turns it off"),
+    "presence_penalty": ({"ge": -2, "le": 2}, "0 turns it off"),
+    "frequency_penalty": ({"ge": -2, "le": 2}, "0 turns it off"),
+}
+_SIGNS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+_TESTS = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}
+
+
+def bounds_error(name: str, value) -> str | None:
+    """What is wrong with a sampling setting's value (SAMPLING_BOUNDS), None when it is within its bounds."""
+    bounds, hint = SAMPLING_BOUNDS[name]
+    if all(_TESTS[op](value, b) for op, b in bounds.items()):
+        return None
+    wanted = " and ".join(f"{_SIGNS[op]} {b}" for op, b in bounds.items())
+    return f"{name.replace('_', ' ').replace('top ', 'top-').replace('min p', 'min-p')} must be {wanted} ({hint})"
 
 
 @dataclass(frozen=True)
@@ -205,14 +228,11 @@ class SamplingParams:
     post_sampling: bool = False
 
     def __post_init__(self):
+        for name in SAMPLING_BOUNDS:
+            message = bounds_error(name, getattr(self, name))
+            if message:
+                raise QuickdraftError(message)
         checks = [
-            (self.temperature >= 0, "temperature must be >= 0 (0 is greedy)"),
-            (self.top_k >= 0, "top-k must be >= 0 (0 turns it off)"),
-            (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
-            (0 <= self.min_p < 1, "min-p must be in [0, 1)"),
-            (self.repetition_penalty > 0, "repetition penalty must be > 0 (1 turns it off)"),
-            (-2 <= self.presence_penalty <= 2, "presence penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency penalty must be in [-2, 2]"),
             (self.max_tokens >= 0, "the number of tokens to generate must be >= 0"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"the number of top log-probabilities must be in [0, {MAX_TOP_LOGPROBS}]"),
@@ -246,8 +266,8 @@ class SpeculationConfig:
     def __post_init__(self):
         if not 0 <= self.draft_min <= self.draft_max:
             raise QuickdraftError("--draft-min and --draft-max must satisfy 0 <= draft-min <= draft-max")
-        if self.draft_max > 63:
-            raise QuickdraftError("--draft-max above 63 is never useful: rounds that long are rejected early")
+        if self.draft_max > MAX_DRAFT:
+            raise QuickdraftError(f"--draft-max above {MAX_DRAFT} is never useful: rounds that long are rejected early")
         if not 0 <= self.p_min < 1:
             raise QuickdraftError("--draft-p-min must be in [0, 1)")
         if self.draft_vocab < 0:

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.config import MAX_DRAFT, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine, draft_budget
 from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.base import Offer
@@ -173,8 +173,8 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     vocab: also measure each draft model with its head cut to that many ids (0: not)."""
     from quickdraft import roofline
 
-    if not 1 <= kmax <= 63:
-        raise QuickdraftError("--kmax must be in 1..63")
+    if not 1 <= kmax <= MAX_DRAFT:
+        raise QuickdraftError(f"--kmax must be in 1..{MAX_DRAFT}")
     target = llm.target
     log(f"decoding the {len(prompts)} prompts without speculation")
     outputs, t_step = reference(target, prompts, n)

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from quickdraft.config import MAX_TOP_LOGPROBS
+from quickdraft.config import MAX_DRAFT, MAX_TOP_LOGPROBS, SAMPLING_BOUNDS
 from quickdraft.engine import Timings
 from quickdraft.grammar import Grammar
 from quickdraft.speculative.stats import SpeculationStats
@@ -54,8 +54,8 @@ class Speculative(_Strict):
     """Per-request speculation: {"draft_max": 0} turns it off; {"draft_max": 4, "adaptive": false} fixes k."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
-    draft_max: int | None = Field(None, ge=0, le=63)
-    draft_min: int | None = Field(None, ge=0, le=63)
+    draft_max: int | None = Field(None, ge=0, le=MAX_DRAFT)
+    draft_min: int | None = Field(None, ge=0, le=MAX_DRAFT)
     adaptive: bool | None = None
 
 
@@ -65,6 +65,11 @@ class StreamOptions(_Strict):
 
 # llama-server's sampler and slot fields that quickdraft does not implement, and when each is "off" (accepted as a
 # no-op then: it is what llama-server does with that value); any other value is a 400 naming the field
+def _bounds(name: str) -> dict:
+    """A sampling setting's bounds as pydantic Field constraints (declared once: config.SAMPLING_BOUNDS)."""
+    return SAMPLING_BOUNDS[name][0]
+
+
 def _off(value, *offs) -> bool:
     return value in offs
 
@@ -131,14 +136,14 @@ class _Sampling(_Strict):
     model: str | None = Field(None, max_length=256)  # a name; other names are logged (app.note_other_name)
     max_tokens: int | None = Field(None, ge=0)
     n_predict: int | None = Field(None, ge=-1)  # llama-server's max_tokens (-1: to the end of the context)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, lt=1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    repeat_penalty: float | None = Field(None, gt=0)  # llama-server's name for it
+    temperature: float = Field(1.0, **_bounds("temperature"))
+    top_p: float = Field(1.0, **_bounds("top_p"))
+    top_k: int = Field(0, **_bounds("top_k"))
+    min_p: float = Field(0.0, **_bounds("min_p"))
+    presence_penalty: float = Field(0.0, **_bounds("presence_penalty"))
+    frequency_penalty: float = Field(0.0, **_bounds("frequency_penalty"))
+    repetition_penalty: float | None = Field(None, **_bounds("repetition_penalty"))
+    repeat_penalty: float | None = Field(None, **_bounds("repetition_penalty"))  # llama-server's name for it
     repeat_last_n: int | None = Field(None, ge=-1)  # llama-server's penalty window: 0 off, -1 all
     penalty_last_n: int | None = Field(None, ge=-1)  # its older name
     stop: str | list[str] | None = None

@@ -14,6 +14,7 @@ the keys and values of an earlier one, per-layer embeddings, a scalar per layer)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -444,9 +445,26 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
 
+# What block_step (quant/csrc/vnni.cpp) computes is a llama-shaped layer: the config fields it follows. A layer runs it
+# only where its config sets nothing else (every other field at its default): a whitelist, so a family's new feature
+# runs the modules until the C++ step learns it. (rope: where its rotary covers whole heads, checked at plan;
+# layer_types: where this layer is a full-attention one; mtp_layers and dense_layers describe other layers.)
+FUSED_FIELDS = frozenset({"arch", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                          "norm_eps", "rope_theta", "max_context", "qkv_bias", "tie_embeddings", "rope", "layer_types",
+                          "mtp_layers", "dense_layers"})
+
+
+def fused_step_follows(cfg: ModelConfig, index: int) -> bool:
+    """Whether layer `index` of cfg is what block_step computes (FUSED_FIELDS)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+    return cfg.layer_kind(index) == "full" and all(getattr(cfg, name) == default for name, default in defaults.items()
+                                                   if name not in FUSED_FIELDS)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
+        self.fusable = fused_step_follows(cfg, index)  # block_step may run it (plan: where the kernels also apply)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = GatedDeltaNet(cfg, index) if cfg.layer_kind(index) == "linear" else Attention(cfg, index)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -475,18 +493,15 @@ class Block(nn.Module):
         self.step = self._step_operands(rotary) if kernels and fused else None
 
     def _step_operands(self, rotary: int) -> tuple | None:
-        """(weights, kinds) as block_step takes them, where it can run this layer: a llama-shaped layer (no
-        sandwich norms, q/k norms or per-layer extras; SiLU, full rotary) whose linear layers all offer their
-        operands (quickdraft's int8/int4 kernels), in shapes its steps take; else None."""
+        """(weights, kinds) as block_step takes them, where it can run this layer: its config is what the step
+        computes (fusable: FUSED_FIELDS), its rotary covers whole heads, and its linear layers all offer their
+        operands (quickdraft's int8/int4 kernels) in shapes the step takes; else None."""
         a, f, norms = self.attention, self.feed_forward, (self.attention_norm, self.ffn_norm)
-        if not a.plain() or not isinstance(f, FeedForward):
+        if not self.fusable or rotary != a.head_dim:
             return None
         parts = [getattr(m, "fused_operands", lambda: None)() for m in (a.wqkv, a.wo, f.w13, f.w2)]
         if any(p is None for p in parts) or not (
-                a.plain() and rotary == a.head_dim and a.window is None and f.activation == "silu"
-                and self.post_attention_norm is None and self.layer_scalar is None and not hasattr(self, "ple_gate")
-                and a.head_dim % 32 == 0 and a.head_dim <= 256 and f.w2.in_features % 16 == 0
-                and self.attention_norm.eps == self.ffn_norm.eps
+                a.head_dim % 32 == 0 and a.head_dim <= 256 and f.w2.in_features % 16 == 0
                 and all(n.weight.dtype == torch.bfloat16 and n.weight.numel() % 16 == 0 for n in norms)):
             return None
         return [n.weight for n in norms] + [t for operands, _ in parts for t in operands], [kind for _, kind in parts]

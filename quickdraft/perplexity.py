@@ -28,8 +28,10 @@ def window_nll(logits: torch.Tensor, window: torch.Tensor, first: int) -> torch.
 @torch.inference_mode()
 def perplexity(model, tokens: list[int], ctx: int, bos_id: int | None = None,
                max_chunks: int | None = None, progress=None) -> PerplexityResult:
-    """Each window of ctx tokens starts fresh (its first token replaced by BOS when the model uses one);
-    tokens from ctx/2 on are scored, so every scored token has at least ctx/2 tokens of context."""
+    """llama-perplexity's method: tokens is the text as it tokenizes it (with BOS where the model adds one), cut into
+    windows of ctx tokens from the first; each window starts fresh, its first token replaced by BOS when the model
+    uses one (the first window's already is), and tokens from ctx/2 on are scored, so every scored token has at least
+    ctx/2 tokens of context."""
     if ctx < 8:
         raise QuickdraftError(f"--ctx {ctx} is too small: use at least 8")
     chunks = len(tokens) // ctx

@@ -60,7 +60,7 @@ def main() -> int:
     for source in args.model:
         config = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", weight_cache=False)
         lm = load_model(source, config, progress=False)
-        tokens = lm.tokenizer.encode(text, add_bos=False)
+        tokens = lm.tokenizer.encode(text)  # with BOS where the model adds one, as llama-perplexity
         bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
         del lm
         gc.collect()

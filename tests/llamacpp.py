@@ -34,21 +34,31 @@ def tree() -> Path:
 def server_binary(log=None) -> Path:
     """llama.cpp's own llama-server, built once from the vendored source into the cache (about 10 minutes on 2
     cores: for slow tests and benchmark scripts only)."""
+    return binary("llama-server", log)
+
+
+def binary(target: str, log=None) -> Path:
+    """One of llama.cpp's programs (llama-server, llama-perplexity, ...), built once from the vendored source into
+    the cache, all in one build (the libraries they share are built once)."""
     from quickdraft.weights import hub
 
-    root = hub.cache_dir() / "ext" / f"llama-server-{VERSION}"
-    binary = root / "build" / "bin" / "llama-server"
-    if (root / ".complete").exists() and binary.exists():
-        return binary
+    root = hub.cache_dir() / "ext" / f"llama-server-{VERSION}-noamx"
+    path, done = root / "build" / "bin" / target, root / f".{target}.complete"
+    if (done.exists() or (target == "llama-server" and (root / ".complete").exists())) and path.exists():
+        return path
     if not (root / "src" / "CMakeLists.txt").exists():
         _extract(root / "src", ("",))
     out = log or subprocess.DEVNULL
+    # without AMX: -march=native turns on llama.cpp's AMX matmul where the CPU has it, and on the Intel Xeon VMs of
+    # this workplace it segfaults at the first pass (their tile state is not usable); its AVX-512 kernels remain
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     for command in (["cmake", "-S", str(root / "src"), "-B", str(root / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release"],
-                    ["cmake", "--build", str(root / "build"), "-j", str(os.cpu_count() or 2), "--target", "llama-server"]):
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                     f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"],
+                    ["cmake", "--build", str(root / "build"), "-j", str(os.cpu_count() or 2), "--target", target]):
         subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
-    (root / ".complete").write_text(COMMIT + "\n")
-    return binary
+    done.write_text(COMMIT + "\n")
+    return path
 
 
 def _extract(root: Path, wanted: tuple[str, ...]) -> None:

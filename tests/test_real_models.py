@@ -70,7 +70,7 @@ def test_perplexity_agrees_with_reference(model_and_reference, dtype):
     alias, path, reference = model_and_reference
     lm = load_model(str(path), EngineConfig(device="cpu", dtype=dtype, weights="bf16", max_context=CTX),
                     progress=False)  # the loader against the reference: no runtime quantization
-    tokens = lm.tokenizer.encode(TEXT, add_bos=False)
+    tokens = lm.tokenizer.encode(TEXT)  # with BOS where the model adds one: llama-perplexity's windows
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
     ours = perplexity(lm.model, tokens, CTX, bos)
     want = hf_perplexity(reference, tokens, CTX, bos)

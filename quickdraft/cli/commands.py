@@ -143,7 +143,7 @@ def cmd_perplexity(args) -> int:
     from quickdraft.ui import progress_bar
 
     lm = load(args, NONE).target
-    tokens = lm.tokenizer.encode(_read_text(args.file), add_bos=False)
+    tokens = lm.tokenizer.encode(_read_text(args.file))  # with BOS where the model adds one, as llama-perplexity
     bos = lm.tokenizer.bos_id if lm.tokenizer.add_bos else None
     windows = min(len(tokens) // args.ctx, args.chunks or len(tokens))
     with progress_bar("scoring", max(windows, 1)) as update:

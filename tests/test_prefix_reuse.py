@@ -191,3 +191,63 @@ def test_the_common_prefix(pair):
     # the whole prompt held: the last token is still run (its logits give the first new token)
     assert generate(engine, SYSTEM, GREEDY)[1].cache_n == len(SYSTEM) - 1
     assert torch.equal(torch.tensor(engine.last.tokens[:len(SYSTEM)]), torch.tensor(SYSTEM))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "assistant"])
+def test_drafters_built_into_models_draft_over_a_reused_prefix_as_from_an_empty_cache(tmp_path, kind):
+    """The MTP block keeps its cache's pairs for the prefix (the target's hidden states there are the slot's);
+    Gemma 4's assistant reads the slot's keys, values and hidden states: output equal to plain decoding's."""
+    from quickdraft.speculative.draft import Draft, DraftBuilder
+    from tests.families import save, tiny_model
+    from tests.test_assistant import tiny_assistant
+    from tests.test_hybrid import tiny_qwen35, with_mtp
+
+    if kind == "mtp":
+        lm = load_model(str(with_mtp(tiny_qwen35(logit_scale=20), tmp_path / "t")), BF16, False)
+        drafter = DraftBuilder(lm, BF16, 256).drafter(Draft.parse("mtp"), SPEC)
+    else:
+        hf = tiny_model("gemma4")
+        lm = load_model(str(save(hf, tmp_path / "t")), BF16, False)
+        tiny_assistant(hf.config, True).save_pretrained(tmp_path / "a")
+        drafter = DraftBuilder(lm, BF16, 256).drafter(Draft.parse(str(tmp_path / "a")), SPEC)
+    for params in (GREEDY, SEEDED):
+        plain, _ = conversation(Engine(lm, 256), params, reuse=False)
+        ours, reused = conversation(Engine(lm, 256, drafter, SPEC, slots=2), params)
+        assert ours == plain and all(n >= len(SYSTEM) for n in reused[1:]), (kind, reused)
+
+
+def test_a_next_turn_whose_last_answer_comes_back_otherwise_stays_in_its_slot(pair):
+    """A client may send the last answer back tokenized otherwise than it was generated (its text re-encoded, a
+    special token kept as text): the next turn still continues in its slot (no copy into another), from the end of
+    the last prompt."""
+    target, draft = pair
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC, slots=2)
+    first = SYSTEM + TURNS[0]
+    answer, _ = generate(engine, first, GREEDY)
+    resent = first + [(answer[0] + 1) % 300] + answer[1:] + TURNS[1]
+    _, t = generate(engine, resent, GREEDY)
+    assert t.cache_n == len(first) and len(engine.slots.slots) == 1
+
+
+def test_a_copied_prefix_brings_the_drafts_share_along(pair):
+    target, draft = pair
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC, slots=2)
+    generate(engine, SYSTEM + TURNS[0], GREEDY)
+    source = engine.last
+    copy = engine.slots._free(avoid=source)
+    assert copy.copy_prefix(source, len(SYSTEM))
+    assert copy.tokens == SYSTEM and copy.cache.length == len(SYSTEM)
+    assert copy.drafter is not source.drafter and copy.drafter.tokens == SYSTEM
+    assert copy.drafter.cache.length == len(SYSTEM)
+    for mine, theirs in zip(copy.drafter.cache.tensors(), source.drafter.cache.tensors()):
+        assert torch.equal(mine[:, :, :len(SYSTEM)], theirs[:, :, :len(SYSTEM)])
+
+
+def test_a_slot_that_forgets_takes_its_drafts_share_along(pair):
+    """A slot forgets (a new conversation, a pass stopped half way): its drafter holds nothing of it after."""
+    target, draft = pair
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC)
+    generate(engine, SYSTEM + TURNS[0], GREEDY)
+    assert engine.last.drafter.cache.length > 0
+    engine.last.forget()
+    assert engine.last.drafter.cache.length == 0 and engine.last.drafter.tokens == []

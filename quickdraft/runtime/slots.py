@@ -44,6 +44,7 @@ class Slot:
     tokens: list[int] = field(default_factory=list)  # the tokens whose keys and values the cache holds, in order
     checkpoints: dict[int, list] = field(default_factory=dict)  # position -> recurrent states there (hybrids)
     used: int = 0  # when it was last taken (a counter)
+    prompt_n: int = 0  # the length of the prompt it was last taken for
 
     def reusable(self, prompt: list[int]) -> int:
         """How many leading tokens of prompt this slot can keep: the common prefix, less one (a prefill passes at
@@ -83,6 +84,8 @@ class Slot:
         self.cache.reset()
         self.tokens.clear()
         self.checkpoints.clear()
+        if self.drafter is not None:
+            self.drafter.forget()
 
     def copy_prefix(self, other: "Slot", n: int) -> bool:
         """Take other's first n tokens (keys and values copied; a recurrent state only where other can give it at
@@ -101,6 +104,8 @@ class Slot:
             self.cache.restore_snapshot(n, state)
             self.checkpoints[n] = state
         self.tokens[:] = other.tokens[:n]
+        if self.drafter is not None and other.drafter is not None:  # the draft's share of the prefix too
+            self.drafter.adopt(other.drafter, n)
         return True
 
     def nbytes(self) -> int:
@@ -123,25 +128,30 @@ class Slots:
         best = max(self.slots, key=lambda s: (s.reusable(prompt), s.used), default=None) if reuse else None
         n = best.reusable(prompt) if best is not None else 0
         if best is not None and n >= MIN_REUSE:
-            if len(best.tokens) > n + 1 and len(self.slots) + (len(self.slots) < self.count) > 1:
-                other = self._free(avoid=best)  # the prompt shares only its beginning: keep best's conversation
+            # a prompt that leaves best's last prompt (not merely its answer, which a client may send back tokenized
+            # otherwise) is another conversation sharing a beginning: keep best's, and copy the beginning
+            if n < best.prompt_n and len(self.slots) + (len(self.slots) < self.count) > 1:
+                other = self._free(avoid=best)
                 if other.copy_prefix(best, n):
-                    return self._taken(other, n)
+                    return self._taken(other, n, prompt)
             best.keep(n)
-            return self._taken(best, n)
+            return self._taken(best, n, prompt)
         slot = self._free()
         slot.forget()
-        return self._taken(slot, 0)
+        return self._taken(slot, 0, prompt)
 
     def _free(self, avoid: Slot | None = None) -> Slot:
-        """A new slot while fewer than count exist, else the least recently used one (not `avoid`)."""
+        """An empty slot, else a new one while fewer than count exist, else the least recently used (not `avoid`)."""
+        empty = next((s for s in self.slots if not s.tokens and s is not avoid), None)
+        if empty is not None:
+            return empty
         if len(self.slots) < self.count:
             self.slots.append(self.make())
             return self.slots[-1]
         return min((s for s in self.slots if s is not avoid), key=lambda s: s.used)
 
-    def _taken(self, slot: Slot, n: int) -> tuple[Slot, int]:
-        slot.used = next(self.clock)
+    def _taken(self, slot: Slot, n: int, prompt: list[int]) -> tuple[Slot, int]:
+        slot.used, slot.prompt_n = next(self.clock), len(prompt)
         return slot, n
 
     def nbytes(self) -> int:

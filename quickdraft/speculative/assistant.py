@@ -82,6 +82,12 @@ class AssistantDrafter(DraftModelDrafter):
         cache.keep_hidden(self.target.config.dim)
         self.target_cache = cache
 
+    def adopt(self, other: "AssistantDrafter", n: int) -> None:
+        """Nothing of its own to take: it reads the slot's keys, values and hidden states."""
+
+    def forget(self) -> None:
+        self.first = self.keys = self.hidden = None
+
     def begin(self, prompt: list[int]) -> None:
         self.first = self.keys = self.hidden = None  # nothing of its own to prefill
 

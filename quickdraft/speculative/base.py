@@ -90,6 +90,15 @@ class Drafter:
         engine keeps one per cache slot (runtime/slots.py)."""
         raise NotImplementedError
 
+    def adopt(self, other: "Drafter", n: int) -> None:
+        """Take what `other` (a drafter of the same kind) holds of the first n tokens of its sequence: the slot it
+        speaks for took other's slot's first n tokens (runtime/slots.Slot.copy_prefix). Nothing to take by
+        default."""
+
+    def forget(self) -> None:
+        """Drop what it holds of its slot's sequence: the slot forgot its tokens (a new conversation, or a pass
+        that stopped half way). Nothing to drop by default."""
+
     def begin(self, prompt: list[int]) -> None:
         """Start a generation: take in the prompt (a draft model prefills it, keeping what its cache already holds
         of it from this slot's last generation)."""

@@ -17,6 +17,12 @@ class CombinedDrafter(Drafter):
     def fork(self) -> "CombinedDrafter":
         return CombinedDrafter(self.ngram.fork(), self.draft.fork())
 
+    def adopt(self, other: "CombinedDrafter", n: int) -> None:
+        self.draft.adopt(other.draft, n)
+
+    def forget(self) -> None:
+        self.draft.forget()
+
     @property
     def models(self) -> tuple:
         return self.draft.models

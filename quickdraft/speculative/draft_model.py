@@ -73,6 +73,17 @@ class DraftModelDrafter(Drafter):
     def models(self) -> tuple:
         return (self.lm,)
 
+    def adopt(self, other: "DraftModelDrafter", n: int) -> None:
+        n = min(n, len(other.tokens))
+        if self.cache.recurrent:  # a recurrent draft's state is not copied: it prefills what it needs
+            n = 0
+        self.cache.copy_prefix(other.cache, n)
+        self.tokens, self.matched = other.tokens[:n], 0
+
+    def forget(self) -> None:
+        self.cache.reset()
+        self.tokens, self.matched = [], 0
+
     @torch.inference_mode()
     def begin(self, prompt: list[int]) -> None:
         """Prefill the prompt now, so that a round's draft time is the cost of drafting alone. What the cache holds

@@ -50,6 +50,17 @@ class MtpDrafter(DraftModelDrafter):
     def fork(self) -> "MtpDrafter":
         return MtpDrafter(self.lm, self.capacity, self.p_min)
 
+    def adopt(self, other: "MtpDrafter", n: int) -> None:
+        """Its entry p pairs the hidden state of position p with token p + 1: those of the first n tokens are
+        other's first n - 1."""
+        self.cache.copy_prefix(other.cache, min(other.cache.length, max(n - 1, 0)))
+        self.seen = list(other.seen[:n])
+
+    def forget(self) -> None:
+        """Its pairs rest on the slot's hidden states, which the slot forgot."""
+        self.cache.reset()
+        self.seen = []
+
     @classmethod
     def load(cls, draft, target, load_model) -> list:
         return []
@@ -74,7 +85,8 @@ class MtpDrafter(DraftModelDrafter):
         target's hidden states there are kept too)."""
         self.cache.rollback(min(self.cache.length, max(common_prefix(self.seen, prompt) - 1, 0)))
         self.seen = list(prompt)
-        if len(prompt) > 1 and self.target_cache is not None and self.target_cache.hidden is not None:
+        hidden = self.target_cache.hidden if self.target_cache is not None else None
+        if self.cache.length < len(prompt) - 1 and hidden is not None:
             self._pairs(prompt, len(prompt) - 1)
 
     def _pairs(self, seq: list[int], end: int):

@@ -104,3 +104,38 @@ def test_file_rows_slice_as_the_whole_tensor_does(written):
         parts = [rows[i:i + 3] for i in range(0, ROWS, 3)]  # blocks of 3 rows: the last one short
         assert torch.equal(torch.cat(parts), whole), t.name
         assert torch.equal(rows.full(), whole), t.name
+
+
+def test_metadata_reads_as_the_gguf_packages_reader_reads_it(tmp_path):
+    """quickdraft reads the key/value section itself (the package's reader takes seconds over a vocabulary): every
+    value type, arrays of each, and the alignment the data follows, against gguf.GGUFReader."""
+    from gguf import GGUFReader, GGUFValueType as V
+
+    path = tmp_path / "meta.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    for kind in (V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.FLOAT32, V.UINT64, V.INT64, V.FLOAT64):
+        w.add_key_value(f"t.{kind.name}", 7 if "INT" in kind.name else -1.5, kind)
+        w.add_key_value(f"t.{kind.name}.array", [1, 2, 3] if "INT" in kind.name else [0.25, -3.0], V.ARRAY,
+                        sub_type=kind)
+    w.add_bool("t.bool", True)
+    w.add_array("t.bools", [True, False])
+    w.add_string("t.text", "zwölf ✓")
+    w.add_array("t.texts", ["a", "", "ß", "\u2581x"])
+    w.add_tensor("x", np.arange(32, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    ours, theirs = gguf_io.open_gguf(path), GGUFReader(path)
+    assert gguf_io.metadata(ours) == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert ours.data_offset == theirs.data_offset and ours.data_offset % 64 == 0
+    assert ours.tensors[0].data.tolist() == list(range(32))
+
+
+@pytest.mark.slow
+def test_a_real_vocabularys_metadata_reads_as_the_gguf_packages_reader_reads_it(real_model_path):
+    from gguf import GGUFReader
+
+    path = real_model_path("gemma3-270m")  # 262,144 tokens with scores and types
+    theirs = GGUFReader(path)
+    assert gguf_io.metadata(gguf_io.open_gguf(path)) == {k: f.contents() for k, f in theirs.fields.items()
+                                                         if not k.startswith("GGUF.")}

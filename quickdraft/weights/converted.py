@@ -1,8 +1,9 @@
 """Converted weights kept on disk: a model's second load in a quantized format reads back what the first
 converted, with its config and tokenizer, instead of parsing the file and converting again.
 
-A quantized load from a GGUF file spends most of its time parsing the vocabulary (in the gguf library) and fitting
-int4 grids; reading back the kept conversion skips both (the README has the times).
+A quantized load from a GGUF file spends most of its time dequantizing the file's blocks and fitting int4 grids;
+reading back the kept conversion skips both (docs/performance.md, "Conversions kept on disk", has the
+times).
 One file per (model file, format), under <cache>/converted/ (`quickdraft pull`'s cache; $QUICKDRAFT_CACHE
 moves both), named by the source's content (its sha256: a different file at the same path, even of the same size
 and modification time, is another source) and quickdraft's conversion code. The digest of each tensor as written

@@ -168,13 +168,6 @@ class ModelConfig:
                 d[key] = tuple(d[key])
         return cls(**d)
 
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a Hugging Face config.json dictionary (weights/hf_config.py); unknown keys are ignored."""
-        from quickdraft.weights.hf_config import model_config
-
-        return model_config(d)
-
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import torch
 
@@ -20,7 +20,9 @@ from quickdraft.speculative.accept import accept_greedy, accept_sampled
 from quickdraft.speculative.base import Drafter, Proposal
 from quickdraft.speculative.policy import AdaptivePolicy
 from quickdraft.speculative.stats import SpeculationStats
-from quickdraft.weights.loader import LoadedModel
+
+if TYPE_CHECKING:  # the engine runs whatever model it is given; it does not load one
+    from quickdraft.weights.loader import LoadedModel
 
 
 def draft_budget(max_tokens: int, generated: int, room: int) -> int:
@@ -382,7 +384,7 @@ class Engine:
         device, params, seq = self.target.device, s.params, s.tokens
         masks = None
         if s.constraint is not None:
-            if self._masker is None:
+            if self._masker is None:  # its thread ends when the engine is collected (tests/test_grammar.py)
                 self._masker = ThreadPoolExecutor(1, thread_name_prefix="quickdraft-mask")
             masks = self._masker.submit(s.constraint.lookahead_bitmasks, proposal.tokens)
         drafts = torch.tensor(proposal.tokens, device=device)

@@ -8,7 +8,7 @@ which is what speculation needs: the draft advances the matcher through its own 
 computes the mask at every drafted position, and what the target rejects is rolled back.
 
 Why llguidance rather than xgrammar (scripts/bench_grammar.py compares both on our vocabularies): both
-roll back and both compute a mask in far less time than a round takes (the README has the figures), but
+roll back and both compute a mask in far less time than a round takes (scripts/bench_grammar.py measures both), but
 llguidance has no dependencies at all, while xgrammar pulls in transformers and triton;
 llguidance takes JSON schema, regex, Lark and llama.cpp's GBNF, and builds its tokenizer from the
 tokenizer.json text we already hold.

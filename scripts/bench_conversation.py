@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Conversations and prefill against llama.cpp, on the same GGUF files and machine, in one run.
 
-1. A conversation as a client holds one (quickdraft/conversation.py: a ~1,000-token system prompt, then --turns
+1. A conversation as a client holds one (quickdraft/tools/conversation.py: a ~1,000-token system prompt, then --turns
    turns, each request the whole history, -n greedy tokens a turn, streamed), against each deployment in turn, alone
    on the machine: quickdraft serve with the default pair from this checkout and (--old DIR) from another checkout
-   (the revision before prefix reuse, say), and llama.cpp's llama-server (built once: tests/llamacpp.py) plain and
+   (the revision before prefix reuse, say), and llama.cpp's llama-server (built once: quickdraft/tools/llamacpp.py) plain and
    with the 0.5B draft (-md), with its defaults (prompt cache on). Time to first token per turn and the whole
    conversation's time.
 2. Prefill: prompts of 512, 1,024, 2,048 and 4,000 tokens (the reference text repeated, the same token ids on both
@@ -23,14 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from quickdraft import conversation, remote  # noqa: E402
-from quickdraft.weights import hub  # noqa: E402
-from tests import llamacpp  # noqa: E402
-from tests.server_process import ServerProcess  # noqa: E402
+from quickdraft.tools import conversation, llamacpp, remote
+from quickdraft.weights import hub
+from quickdraft.tools.servers import LlamaServer, ServerProcess
 
 LENGTHS = (512, 1024, 2048, 4000)
 
@@ -46,7 +43,7 @@ def deployments(args, target: Path, draft: Path):
 
     def llama(*flags):
         def start():
-            server = llamacpp.LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "4096", *flags)
+            server = LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "4096", *flags)
             return server.url, server.stop
         return start
 
@@ -96,7 +93,7 @@ def prefill(args, target: Path) -> list[tuple[int, float, float]]:
         ours[n] = statistics.median(times[1:])
         print(f"bench_conversation: quickdraft prefill {n}: {ours[n]:.1f} tok/s", file=sys.stderr, flush=True)
     del llm
-    server = llamacpp.LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "4096")
+    server = LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "4096")
     try:
         theirs = {}
         for n, ids in prompts.items():

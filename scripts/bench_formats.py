@@ -33,11 +33,11 @@ def measure(fmt: str, n: int, ppl_chunks: int) -> dict:
     import torch
 
     import quickdraft
-    from quickdraft import roofline
+    from quickdraft.tools import roofline
     from quickdraft.cli import DEMO_PROMPT
     from quickdraft.config import SamplingParams
     from quickdraft.perplexity import perplexity
-    from quickdraft.quality import TEXT as QUALITY_TEXT
+    from quickdraft.tools.quality import TEXT as QUALITY_TEXT
     from quickdraft.weights import hub
 
     llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", weights=fmt, context=1024,
@@ -100,7 +100,7 @@ def main() -> int:
         return child(args)
     import torch
 
-    from quickdraft import roofline
+    from quickdraft.tools import roofline
 
     formats = args.formats.split(",")
     results = {f: [] for f in formats}

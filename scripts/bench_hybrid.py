@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from quickdraft import roofline
+from quickdraft.tools import roofline
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.runtime.kv_cache import HISTORY, KVCache, RecurrentState

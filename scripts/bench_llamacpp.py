@@ -7,7 +7,7 @@ bundled prompts (chat template applied, the same token ids) greedily for -n toke
 ignored; decode tok/s is counted from the first generated token on (prompt processing excluded), medians
 of --runs with the engines taking turns. llama.cpp runs plain and with prompt-lookup speculation (the
 speculation llama-cpp-python offers), and with --server also as llama.cpp's own llama-server (built once from the
-same vendored source: tests/llamacpp.py), plain and speculating with the draft model (`-md`, its defaults: its
+same vendored source: quickdraft/tools/llamacpp.py), plain and speculating with the draft model (`-md`, its defaults: its
 best speculation on the CPU); quickdraft runs plain in its default target format (`mixed`: int4 where
 the file holds 4-bit blocks, int8 elsewhere) and in int4, and speculative with the default pair (that target,
 int4 draft, n-gram lookup in front; --draft for another model's): with the adaptive policy as `generate` and
@@ -25,9 +25,7 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/llamacpp.py builds llama-server
 
 
 def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -80,7 +78,7 @@ def main() -> int:
 
     import quickdraft
     from quickdraft.config import SamplingParams, SpeculationConfig
-    from quickdraft.prompts import encoded
+    from quickdraft.tools.prompts import encoded
     from quickdraft.weights import hub
 
     torch.set_num_threads(args.threads)
@@ -105,8 +103,8 @@ def main() -> int:
         engines[f"quickdraft int4 target {pair} adaptive vocab={args.draft_vocab}"] = llm4.engine_for(pair, cut)
     servers = {}
     if args.server:
-        from tests import llamacpp
-        from tests.llamacpp import LlamaServer
+        from quickdraft.tools import llamacpp
+        from quickdraft.tools.servers import LlamaServer
 
         binary = llamacpp.server_binary()
         servers["llama-server plain"] = LlamaServer(binary, "-m", path)

@@ -24,7 +24,7 @@ import types
 from pathlib import Path
 
 import quickdraft
-from quickdraft import prompts as bundled
+from quickdraft.tools import prompts as bundled
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.speculative.draft import Draft
 

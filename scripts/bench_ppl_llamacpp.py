@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from quickdraft.config import EngineConfig  # noqa: E402
 from quickdraft.perplexity import perplexity, window_nll  # noqa: E402
-from quickdraft.quality import TEXT as QUALITY_TEXT  # noqa: E402
+from quickdraft.tools.quality import TEXT as QUALITY_TEXT  # noqa: E402
 from quickdraft.weights.loader import load_model, resolve  # noqa: E402
 
 TEXT = QUALITY_TEXT

@@ -18,7 +18,7 @@ import gc
 import torch
 
 from quickdraft.config import EngineConfig
-from quickdraft.quality import TEXT as QUALITY_TEXT
+from quickdraft.tools.quality import TEXT as QUALITY_TEXT
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.weights import hub
 from quickdraft.weights.loader import load_model

@@ -12,12 +12,10 @@ import argparse
 import hashlib
 import statistics
 import sys
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server_process import ServerProcess  # noqa: E402
+from quickdraft.tools.servers import ServerProcess
 
 PROMPTS = {
     "code": "Write a Python function that checks whether a string is a palindrome, with a short docstring.",

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import quickdraft
-from quickdraft.quality import TEXT as QUALITY_TEXT
+from quickdraft.tools.quality import TEXT as QUALITY_TEXT
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.weights import hub
 

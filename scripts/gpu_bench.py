@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from quickdraft import roofline
+from quickdraft.tools import roofline
 from quickdraft.config import EngineConfig
 from quickdraft.runtime import memory
 from quickdraft.runtime.kv_cache import KVCache

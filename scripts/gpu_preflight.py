@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every module the run imports (the tests, the benchmark, what they load). gguf and llguidance are not on the GPU
 # image: scripts/gpu_prepare.sh fetches their wheels into .gpu/whl.
 MODULES = ("torch", "numpy", "gguf", "llguidance", "tokenizers", "safetensors", "jinja2", "rich", "transformers",
-           "pytest", "pytest_timeout", "quickdraft.api", "quickdraft.engine", "quickdraft.roofline",
+           "pytest", "pytest_timeout", "quickdraft.api", "quickdraft.engine", "quickdraft.tools.roofline",
            "quickdraft.runtime.memory", "quickdraft.speculative.mtp", "quickdraft.speculative.assistant",
            "tests.helpers", "tests.families", "tests.test_hybrid", "tests.test_moe", "tests.test_assistant",
            "tests.llamacpp")

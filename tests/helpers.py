@@ -262,7 +262,7 @@ def check_second_token_follows_the_target(target, draft, draws: int = 800, promp
     from quickdraft.engine import Engine
     from quickdraft.runtime.kv_cache import KVCache
     from quickdraft.speculative.draft_model import DraftModelDrafter
-    from quickdraft.verify import chi_square
+    from quickdraft.tools.verify import chi_square
 
     V, device, prompt = target.config.vocab_size, target.device, list(prompt)
     params = SamplingParams(temperature=1.0, max_tokens=3, stop_at_eos=False)

@@ -17,7 +17,7 @@ import time
 import httpx
 import psutil
 
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 PROMPTS = [
     "Write a Python function that reverses a string.",

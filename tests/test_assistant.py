@@ -127,6 +127,22 @@ def test_greedy_speculative_equals_plain(target_dir, assistant_dir, spec):
     assert final.stats.rounds > 0 and final.stats.draft_n > 0 and "assistant" in final.stats.sources
 
 
+def test_the_memory_plan_counts_what_the_assistant_holds(target_dir, assistant_dir):
+    """The plan made before loading against the built drafter: the assistant keeps no cache of its own, it reads the
+    target's hidden states (and its weights are counted beside the target's)."""
+    from quickdraft.runtime import memory
+
+    _, tdir = target_dir
+    _, adir = assistant_dir
+    target = load_model(str(tdir), BF16, progress=False)
+    engine = Engine(target, 256, drafter_for(target, adir, BF16), SpeculationConfig())
+    run(engine, SamplingParams(max_tokens=10, stop_at_eos=False))
+    plan = memory.for_load(str(tdir), Draft.parse(str(adir)), BF16)
+    assert [i.what for i in plan.items] == ["target weights", "target KV cache", "draft weights", "draft KV cache",
+                                            "activations"]
+    assert next(i.nbytes for i in plan.items if i.what == "draft KV cache") == engine.drafter.cache_bytes() > 0
+
+
 def test_seeded_sampling_and_lookup_in_front_equal_plain(target_dir, assistant_dir):
     _, tdir = target_dir
     _, adir = assistant_dir
@@ -162,7 +178,7 @@ def test_the_draft_is_recognised_and_replayed_for_tune(target_dir, assistant_dir
 
 
 def test_doctor_checks_the_assistant(target_dir, assistant_dir):
-    from quickdraft import doctor
+    from quickdraft.tools import doctor
 
     _, tdir = target_dir
     _, adir = assistant_dir

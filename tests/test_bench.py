@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from quickdraft import bench
+from quickdraft.tools import bench
 from quickdraft.api import LLM
 from quickdraft.config import EngineConfig, SpeculationConfig
 from quickdraft.errors import QuickdraftError

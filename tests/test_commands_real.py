@@ -4,13 +4,13 @@ on tiny models; here the pair is loaded once and the same functions run on it)."
 import pytest
 
 import quickdraft
-from quickdraft import bench, doctor, roofline, tune
+from quickdraft.tools import bench, doctor, roofline, tune
 from quickdraft.config import SpeculationConfig
 from quickdraft.engine import Engine
-from quickdraft.prompts import encoded
+from quickdraft.tools.prompts import encoded
 from quickdraft.speculative.draft import Draft
 from quickdraft.speculative.ngram import NgramDrafter
-from quickdraft.verify import verify
+from quickdraft.tools.verify import verify
 from tests.helpers import check_speedups
 
 pytestmark = pytest.mark.slow

@@ -1,13 +1,13 @@
-"""bench --conversation (quickdraft/conversation.py): a chat as a client holds it, timed turn by turn, locally and
+"""bench --conversation (quickdraft/tools/conversation.py): a chat as a client holds it, timed turn by turn, locally and
 against a server; later turns take the history from the engine's kept slot."""
 
 import pytest
 
 import quickdraft
-from quickdraft import conversation, remote
+from quickdraft.tools import conversation, remote
 from quickdraft.errors import QuickdraftError
 from tests.helpers import save_hf_dir, tiny_hf_model
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 # the tiny models' word-level vocabulary names its ids t0, t1, ...: texts made of those words
 TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}"

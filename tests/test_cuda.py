@@ -200,12 +200,12 @@ def test_cuda_quantized_layers_match_their_dequantized_reference(fmt, rows):
     """Each CUDA kernel against x @ (its own dequantized weight), for the row counts a step, a verification, the
     padded pass and a prefill give; and row i alone equal to row i among the others (batch invariance: ours by
     construction up to 32 rows, tinygemm's because a short pass runs as one tile of ROW_TILE rows)."""
-    from quickdraft import quant
+    from quickdraft.quant import placement
 
     torch.manual_seed(0)
     n, k = 384, 896  # the draft's shapes, in small: K with inner tiles of 8 (896 = 7 x 128)
     w, bias = torch.randn(n, k) * 0.05, torch.randn(n) * 0.1
-    layer = quant.layer(fmt, w, bias, torch.device(DEVICE))
+    layer = placement.layer(fmt, w, bias, torch.device(DEVICE))
     assert layer is not None and layer.on_cuda == ON_GPU
     if fmt == "int8" and ON_GPU:
         assert layer.triton, "Triton is on the GPU image: the int8 kernel is ours"

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from quickdraft import doctor
+from quickdraft.tools import doctor
 from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.speculative.base import Drafter, Proposal

@@ -1,6 +1,6 @@
 """Every family quickdraft runs, on tiny random models, against independent references: Hugging Face transformers'
 own implementation (logits in float32, a full pass and one token at a time through the cache), and the same model
-converted to GGUF by llama.cpp's own converter (tests/llamacpp.py). Then speculation: greedy output with a draft
+converted to GGUF by llama.cpp's own converter (quickdraft/tools/llamacpp.py). Then speculation: greedy output with a draft
 equals plain output, in bf16 on the CPU kernels and in the quantized formats."""
 
 from pathlib import Path

@@ -132,7 +132,7 @@ def seeds_case(fmt="mixed"):
     int4 (its file in Q8_0, as the default draft's), 8k positions."""
     from gguf import GGMLQuantizationType as T
 
-    from quickdraft import roofline
+    from quickdraft.tools import roofline
     from quickdraft.runtime import memory
 
     target, draft = roofline.STAND_INS["dense-27b-class"], roofline.STAND_INS["qwen2.5-coder-0.5b"]
@@ -182,7 +182,7 @@ def test_above_90_percent_a_warning_names_what_to_lower():
 
 
 def test_doctor_reports_the_plan():
-    from quickdraft import doctor
+    from quickdraft.tools import doctor
     from quickdraft.runtime import memory
 
     ok = doctor.memory_plan(memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=24 * 2**30))

@@ -16,7 +16,7 @@ from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
-from quickdraft.verify import chi_square
+from quickdraft.tools.verify import chi_square
 from quickdraft.weights.loader import load_model
 from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
 
@@ -153,6 +153,29 @@ def test_unsatisfiable_within_max_tokens_ends_with_length(models):
     assert final.finish_reason == "length" and len(tokens) == 20
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
+
+
+def test_the_mask_thread_ends_with_its_engine(models):
+    """Masks are computed on a thread of the engine's while the target runs: bench and tune make engine after engine,
+    and each one's thread must go with it (the executor's worker ends when the executor is collected)."""
+    import gc
+    import threading
+    import time
+
+    def maskers():
+        return [t for t in threading.enumerate() if t.name.startswith("quickdraft-mask")]
+
+    target, draft = models
+    before = len(maskers())
+    engine = Engine(target, 256, drafter("draft", target, draft), SpeculationConfig(draft_max=4, adaptive=False))
+    generate(engine, Grammar.json_schema(SCHEMA), SamplingParams(max_tokens=8))
+    assert len(maskers()) == before + 1
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while len(maskers()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(maskers()) == before
 
 
 @pytest.mark.parametrize("constrain_draft", [True, False])

@@ -290,10 +290,24 @@ def test_mtp_greedy_speculative_equals_plain(mtp_target, spec, ngram):
     assert final.stats.rounds > 0 and final.stats.draft_n > 0 and "mtp" in final.stats.sources
 
 
+def test_the_memory_plan_counts_what_the_mtp_drafter_holds(mtp_target):
+    """The plan made before loading (the drafter's kind states its caches) against the caches the built drafter
+    holds after a generation: the MTP layer's keys and values and the target's hidden states."""
+    from quickdraft.runtime import memory
+    from quickdraft.speculative.draft import Draft
+
+    spec = SpeculationConfig(draft_max=3, adaptive=False)
+    engine = Engine(mtp_target, 256, mtp_drafter(mtp_target, spec), spec)
+    run(engine, SamplingParams(max_tokens=10, stop_at_eos=False))
+    plan = memory.for_load(mtp_target.name, Draft.parse("mtp"), BF16)
+    assert [i.what for i in plan.items] == ["target weights", "target KV cache", "draft KV cache", "activations"]
+    assert next(i.nbytes for i in plan.items if i.what == "draft KV cache") == engine.drafter.cache_bytes() > 0
+
+
 def test_doctors_sampler_check_runs_the_mtp_drafter_after_the_targets_pass(mtp_target):
     """doctor's sampler check proposes from the MTP block, which reads the target's hidden states: it runs the
     target's pass first (it failed on an empty pair list before)."""
-    from quickdraft import doctor
+    from quickdraft.tools import doctor
 
     spec = SpeculationConfig(draft_max=3, adaptive=False)
     drafter = mtp_drafter(mtp_target, spec)

@@ -1,7 +1,8 @@
 """quickdraft's bench --url, verify --url and tune --export against llama.cpp's own llama-server, built once from the
-source llama-cpp-python 0.3.36 vendors (tests/llamacpp.py: about 10 minutes on 2 cores, then cached), on the
+source llama-cpp-python 0.3.36 vendors (quickdraft/tools/llamacpp.py: about 10 minutes on 2 cores, then cached), on the
 default pair's GGUF files. Slow: the build, and real models."""
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -9,9 +10,9 @@ import sys
 
 import pytest
 
-from quickdraft import remote
-from quickdraft.prompts import PROMPTS as BUNDLED
-from tests.llamacpp import LlamaServer
+from quickdraft.tools import remote
+from quickdraft.tools.prompts import PROMPTS as BUNDLED
+from quickdraft.tools.servers import LlamaServer
 
 pytestmark = pytest.mark.slow
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -20,10 +21,16 @@ PROMPTS = "code-en,qa-en,summary-en"
 
 @pytest.fixture(scope="module")
 def binary():
+    """llama-server where it is built (the benchmarks build it: about 10 minutes on 2 cores, then cached), or built now
+    with QUICKDRAFT_BUILD_LLAMACPP=1; the suite does not build it otherwise (its recorded answers are checked by
+    tests/test_hybrid_gguf.py and tests/test_real_models.py)."""
+    from quickdraft.tools import llamacpp
+
+    if not llamacpp.built("llama-server") and os.environ.get("QUICKDRAFT_BUILD_LLAMACPP") != "1":
+        pytest.skip("llama-server is not built here: QUICKDRAFT_BUILD_LLAMACPP=1 builds it (about 10 minutes), as "
+                    "scripts/bench_llamacpp.py and scripts/bench_conversation.py do")
     if not shutil.which("cmake"):
         pytest.skip("no cmake: llama-server cannot be built here")
-    from tests import llamacpp
-
     return llamacpp.server_binary()
 
 
@@ -86,7 +93,7 @@ def test_verify_reports_what_llama_servers_speculation_does(servers):
 def test_exported_flags_reproduce_the_acceptance_quickdraft_sees_with_the_same_profile(servers, tuned):
     """The same profile on both engines, the same prompts and method: the share of drafted tokens kept agrees
     within 20 points (the engines' outputs part at near ties, and llama.cpp's p-min stops drafts differently)."""
-    from tests.server_process import ServerProcess
+    from quickdraft.tools.servers import ServerProcess
 
     profile, _, _ = tuned
     _, spec = servers

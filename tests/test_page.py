@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"

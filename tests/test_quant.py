@@ -135,7 +135,7 @@ def test_quantized_formats_need_bf16(tmp_path, fmt):
 
 
 def test_pass_bytes_count_the_runtime_format(tmp_path):
-    from quickdraft.roofline import pass_bytes
+    from quickdraft.tools.roofline import pass_bytes
 
     path = str(save_hf_dir(tiny_hf_model("qwen2", vocab=512, layers=2), tmp_path))
     sizes = {}

@@ -12,9 +12,9 @@ import threading
 
 import pytest
 
-from quickdraft import export, remote
+from quickdraft.tools import export, remote
 from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 KEY = "remote-key"
 PROMPTS = {"code-en": "Write a function.", "qa-en": "Why is the sky blue?"}

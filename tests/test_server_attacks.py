@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.helpers import gbnf_chain, lark_chain, ref_chain, tiny_hf_model, write_gguf_from_hf
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 KEY = "attack-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

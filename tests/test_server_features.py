@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from tests.helpers import gbnf_chain, tiny_hf_model, write_gguf_from_hf
-from tests.server_process import HealthWatch, ServerProcess, event_loop_tasks, metric, raw_socket, request_bytes
+from quickdraft.tools.servers import ServerProcess
+from tests.server_process import HealthWatch, event_loop_tasks, metric, raw_socket, request_bytes
 
 KEY = "misbehaving-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"

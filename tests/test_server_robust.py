@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from tests.helpers import tiny_hf_model, write_gguf_from_hf
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
+from quickdraft.tools.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
 MODEL = "qwen2.5-coder-1.5b"

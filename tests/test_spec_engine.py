@@ -10,7 +10,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.vocab import check_compatible
-from quickdraft.verify import chi_square
+from quickdraft.tools.verify import chi_square
 from quickdraft.weights.loader import load_model
 from tests.helpers import PROMPT, drafter, save_hf_dir, tiny_hf_model
 

@@ -10,7 +10,7 @@ import quickdraft
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.grammar import Grammar
-from quickdraft.quality import TEXT as QUALITY_TEXT
+from quickdraft.tools.quality import TEXT as QUALITY_TEXT
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 

@@ -12,7 +12,7 @@ from quickdraft.quant.int4 import Int4Linear
 from quickdraft.quant.int8 import Int8Linear
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.subset import SubsetHead, take_rows
-from quickdraft.tune import Costs, reference, simulate
+from quickdraft.tools.tune import Costs, reference, simulate
 from quickdraft.weights.loader import load_model
 from tests.helpers import PROMPT, add_noise, check_second_token_follows_the_target, save_hf_dir, tiny_hf_model
 

@@ -8,7 +8,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.speculative.base import Offer
-from quickdraft.tune import Candidate, Costs, explain, read_profile, reference, simulate
+from quickdraft.tools.tune import Candidate, Costs, explain, read_profile, reference, simulate
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from tests.helpers import PROMPT, drafter, run, tiny_hf_model, write_gguf_from_hf
 

@@ -9,7 +9,7 @@ import quickdraft.engine
 from quickdraft.config import EngineConfig, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.speculative.draft_model import DraftModelDrafter
-from quickdraft.verify import chi_square, verify
+from quickdraft.tools.verify import chi_square, verify
 from quickdraft.weights.loader import load_model
 from tests.helpers import run, tiny_hf_model, write_gguf_from_hf
 

@@ -72,7 +72,7 @@ def apply_profile(args) -> None:
     `tune --formats` choose one)."""
     if not getattr(args, "profile", None):
         return
-    from quickdraft.tune import read_profile
+    from quickdraft.tools.tune import read_profile
 
     profile = read_profile(args.profile)
     if profile["target"] != args.model:
@@ -200,13 +200,13 @@ def cmd_pull(args) -> int:
 
 
 def _prompts(args, tokenizer) -> dict[str, list[int]]:
-    from quickdraft.prompts import encoded
+    from quickdraft.tools.prompts import encoded
 
     return encoded(tokenizer, _prompt_names(args))
 
 
 def _prompt_names(args) -> list[str]:
-    from quickdraft.prompts import NAMES, PROMPTS
+    from quickdraft.tools.prompts import NAMES, PROMPTS
 
     names = args.prompts.split(",") if args.prompts else list(PROMPTS)
     unknown = [n for n in names if n not in NAMES]
@@ -217,7 +217,7 @@ def _prompt_names(args) -> list[str]:
 
 def _prompt_texts(args) -> dict[str, str]:
     """The bundled prompts as text: a server applies its own chat template."""
-    from quickdraft.prompts import text
+    from quickdraft.tools.prompts import text
 
     return {name: text(name) for name in _prompt_names(args)}
 
@@ -234,9 +234,9 @@ def _counter(update):
 
 
 def cmd_verify(args) -> int:
-    from quickdraft import prompts as bundled
+    from quickdraft.tools import prompts as bundled
     from quickdraft.ui import progress_bar
-    from quickdraft.verify import verify
+    from quickdraft.tools.verify import verify
 
     if args.url or args.reference_url:
         return _verify_remote(args)
@@ -258,7 +258,7 @@ def cmd_verify(args) -> int:
 
 
 def _verify_remote(args) -> int:
-    from quickdraft import remote
+    from quickdraft.tools import remote
 
     if not (args.url and args.reference_url):
         raise QuickdraftError("verify against servers needs both --url (the speculative one) and --reference-url "
@@ -273,7 +273,7 @@ def _verify_remote(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from quickdraft import tune
+    from quickdraft.tools import tune
     from quickdraft.speculative.draft import NONE, Draft
     from quickdraft.weights import hub
 
@@ -327,7 +327,7 @@ def _formats(spec: str) -> list[str]:
 
 def _export(args, profile: dict) -> str:
     """The profile as another engine's flags; llama-server gets the GGUF files of the default models' aliases."""
-    from quickdraft.export import export
+    from quickdraft.tools.export import export
     from quickdraft.weights import hub
 
     def gguf(name: str | None) -> str | None:
@@ -341,7 +341,7 @@ def _export(args, profile: dict) -> str:
 
 
 def cmd_bench(args) -> int:
-    from quickdraft import bench
+    from quickdraft.tools import bench
     from quickdraft.speculative.draft import NONE
     from quickdraft.ui import progress_bar
 
@@ -361,7 +361,7 @@ def cmd_bench(args) -> int:
     result.update(target=llm.target.name, draft=str(draft))
     print(bench.table(result))
     if args.roofline:
-        from quickdraft import roofline
+        from quickdraft.tools import roofline
 
         models = llm.draft_models(draft) if any(c.draft.kind != "ngram" for c in configs) else []
         result["roofline"] = roofline.report(llm.target, models, result["rows"], next(iter(prompts.values())))
@@ -379,8 +379,8 @@ def cmd_bench(args) -> int:
 def cmd_doctor(args) -> int:
     import torch
 
-    from quickdraft import doctor
-    from quickdraft.doctor import Finding
+    from quickdraft.tools import doctor
+    from quickdraft.tools.doctor import Finding
     from quickdraft.runtime import memory
     from quickdraft.speculative.draft import NONE
 
@@ -523,7 +523,7 @@ COMMANDS = {"generate": cmd_generate, "perplexity": cmd_perplexity, "pull": cmd_
 def _bench_conversation(args) -> int:
     """bench --conversation: the loaded pair with prefix reuse and without (every turn prefilled whole), or each
     --url server, each conversation alone."""
-    from quickdraft import conversation, remote
+    from quickdraft.tools import conversation, remote
 
     n = args.max_tokens or 48
     if args.url:
@@ -550,7 +550,7 @@ def _bench_conversation(args) -> int:
 
 
 def _bench_remote(args) -> int:
-    from quickdraft import remote
+    from quickdraft.tools import remote
     from quickdraft.ui import progress_bar
 
     local = [flag for flag, given in (("--configs", args.configs), ("--roofline", args.roofline),

@@ -82,7 +82,7 @@ def _pair_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _prompts_arg(parser) -> None:
-    from quickdraft.prompts import LONG, PROMPTS
+    from quickdraft.tools.prompts import LONG, PROMPTS
 
     parser.add_argument("--prompts", default=None, metavar="NAMES",
                         help="comma-separated bundled prompts (default: all of " + ", ".join(PROMPTS) + "; also "

@@ -726,12 +726,3 @@ class Transformer(Decoder):
         projected = self.ple_model_proj(x) * torch.tensor(cfg.dim ** -0.5, dtype=x.dtype)
         projected = self.ple_proj_norm(projected.reshape(B, S, cfg.n_layers, cfg.ple_dim))
         return (projected + table.reshape(B, S, cfg.n_layers, cfg.ple_dim)) * torch.tensor(2 ** -0.5, dtype=x.dtype)
-
-
-def build(cfg: ModelConfig, max_context: int | None = None) -> nn.Module:
-    """The model cfg describes: a Transformer, or a Gemma 4 assistant (models/assistant.py)."""
-    if cfg.assistant_backbone:
-        from quickdraft.models.assistant import Assistant
-
-        return Assistant(cfg, max_context)
-    return Transformer(cfg, max_context)

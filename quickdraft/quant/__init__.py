@@ -10,7 +10,8 @@ def resolve(fmt: str, device, dtype, role: str = "target") -> str:
     """The format `auto` stands for. With bf16 activations on CUDA, or on a CPU where quickdraft's VNNI kernels
     run: a target in `mixed` (int4 where the file holds 4-bit blocks, int8 elsewhere: the file's own quality at
     fewer bytes than int8; a float checkpoint gets int8 throughout), a draft in int4 (it decodes one token at a
-    time: the fewest bytes win); bf16 everywhere else. The README has the measurements behind these choices."""
+    time: the fewest bytes win); bf16 everywhere else. docs/performance.md ("Weight formats") has the measurements
+    behind these choices."""
     if fmt != "auto":
         return fmt
     import torch
@@ -36,12 +37,3 @@ def for_source(fmt: str, source_types) -> str:
 
     types = list(source_types)
     return "int4" if types and all(t in FOUR_BIT_TYPES for t in types) else "int8"
-
-
-def layer(fmt: str, weight, bias, device=None):
-    """fmt's linear layer (int8 or int4) for this weight (float rows, or an int4.Grid) on `device` (the CPU by
-    default), or None where its kernel does not apply."""
-    from quickdraft.quant import placement
-
-    cls = placement.linear_class(fmt, *weight.shape, device or "cpu")
-    return cls(weight, bias, device) if cls is not None else None

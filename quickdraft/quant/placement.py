@@ -32,6 +32,13 @@ def linear_class(kind: str, n: int, k: int, device):
     return cls if supported(torch.empty(n, k, device="meta"), torch.device(device)) else None
 
 
+def layer(kind: str, weight, bias, device=None):
+    """kind's linear layer (int8 or int4) for this weight (float rows, or an int4.Grid) on `device` (the CPU by
+    default), or None where its kernels refuse the shape."""
+    cls = linear_class(kind, *weight.shape, device or "cpu")
+    return cls(weight, bias, device) if cls is not None else None
+
+
 def linear_bytes(kind: str, n: int, k: int, device, dtype_size: int = 2) -> tuple[str, int]:
     """(the kind the layer really gets, its weight's bytes) for an (n, k) linear layer."""
     cls = linear_class(kind, n, k, device)

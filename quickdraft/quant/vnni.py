@@ -4,7 +4,7 @@ PyTorch's weight-only CPU ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_c
 point, converting every weight for every row of activations: they stay well below the memory bandwidth for one
 row, and their cost grows about linearly with the rows. These kernels quantize the activations (int8, one scale
 per row) and multiply bytes by `vpdpbusd`, 64 products per instruction, so one row runs near memory speed and
-verifying k+1 rows reads the weights once (the README has the figures).
+verifying k+1 rows reads the weights once (docs/performance.md, "quickdraft's CPU kernels", has the figures).
 The extension also holds the attention of decode and verification passes (`decode_attention`: each row
 alone, batch invariant, in one call instead of one SDPA call per row) and the int4 grid fit (`int4_fit`).
 

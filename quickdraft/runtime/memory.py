@@ -89,7 +89,7 @@ class MemoryPlan:
 @functools.lru_cache(maxsize=8)
 def _skeleton(cfg: ModelConfig):
     """The model of cfg on the meta device (no memory): its modules, layouts and shapes, built once per config."""
-    from quickdraft.models.transformer import build
+    from quickdraft.models import build
 
     with torch.device("meta"):
         return build(cfg, 16)
@@ -257,7 +257,8 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
     dtype = resolve_dtype(engine.dtype, device)
     specs = [spec_from_source("target", target, quant.resolve(engine.weights, device, dtype))]
     draft = draft.resolve(target)
-    if draft.kind in ("model", "assistant"):
+    drafter = draft.drafter_class
+    if draft.model is not None:  # a draft model (or an assistant): its weights, where they share the target's card
         draft_device = torch.device(draft.device) if draft.device else device
         if draft_device == device or (draft_device.type == device.type and device.index in (None, 0)
                                       and draft_device.index in (None, 0)):  # the same card
@@ -265,15 +266,14 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
                                                                               role="draft")))
     context = engine.max_context or min(specs[0].cfg.max_context, DEFAULT_MAX_CONTEXT)
     out = plan(specs, context, device, capacity, free)
-    cfg = specs[0].cfg
-    if draft.kind == "assistant":  # no cache of its own: the target's hidden states it reads
-        out.items = [i for i in out.items if i.what != "draft KV cache"]
-        out.items.insert(3, Item("draft KV cache", context * cfg.dim * 2,
-                                 f"{context} positions: the target's hidden states the assistant reads"))
-    if draft.kind == "mtp" and cfg.mtp_layers:  # the MTP block's own KV cache, and the hidden states it reads
-        kv = 2 * cfg.kv_heads_of(cfg.n_layers - 1) * cfg.head_dim * context * 2
-        out.items.insert(2, Item("draft KV cache", kv + context * cfg.dim * 2,
-                                 f"{context} positions: the MTP layer's keys and values, the target's hidden states"))
+    # the draft's caches are what its kind says they are (a draft model's KV cache, an MTP layer's, the target's hidden
+    # states an assistant reads), beside the target's caches, before the activations
+    out.items = [i for i in out.items if i.what != "draft KV cache"]
+    own = drafter.planned_cache(specs[0].cfg, specs[1].cfg if len(specs) > 1 else None, context) \
+        if drafter is not None else None
+    if own is not None:
+        at = next(n for n, i in enumerate(out.items) if i.what == "activations")
+        out.items.insert(at, Item("draft KV cache", *own))
     if slots > 1:  # each kept sequence has caches of its own
         out.items = [Item(i.what, i.nbytes * slots, f"{i.detail}, x {slots} kept sequences") if "KV cache" in i.what
                      else i for i in out.items]

@@ -5,7 +5,8 @@ Request fields follow OpenAI's names (structured output by `response_format`, to
 `min_p`, `repetition_penalty`, `ignore_eos`, a `speculative` object, and `grammar` / `regex` constraints; llama-server's
 (`n_predict`, `json_schema`, `repeat_penalty`, `n_probs`, `cache_prompt`, `samplers`, ...) do what they do there.
 Nothing is silently ignored: a field we do not implement is accepted only at the value that means "off" (LLAMA_OFF),
-and any other field, or another value, gets a 400 that names it (the README lists every decision).
+and any other field, or another value, gets a 400 that names it (docs/server.md, "Nothing is silently ignored",
+lists every decision).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quickdraft.config import MAX_DRAFT, MAX_TOP_LOGPROBS, SAMPLING_BOUNDS
-from quickdraft.engine import Timings
 from quickdraft.grammar import Grammar
 from quickdraft.speculative.stats import SpeculationStats
+
+if TYPE_CHECKING:  # the wire format reads what the engine reports, and needs nothing else of it
+    from quickdraft.engine import Timings
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it: server/stops.py)
@@ -186,7 +189,7 @@ class _Sampling(_Strict):
             if name in ACCEPTED:
                 continue
             if name not in LLAMA_OFF:
-                raise APIError(400, f"unknown field {name!r}: quickdraft does not know it (the README lists the "
+                raise APIError(400, f"unknown field {name!r}: quickdraft does not know it (docs/server.md lists the "
                                     "fields it takes); drop it", name)
             check, off = LLAMA_OFF[name]
             if not check(value, body):
@@ -419,7 +422,7 @@ class ChatRequest(_Sampling):
     def tool_list(self) -> list:
         """The tools (quickdraft.tools.Tool), checked."""
         from quickdraft.errors import QuickdraftError
-        from quickdraft.tools import Tool, check_tools
+        from quickdraft.toolcalls import Tool, check_tools
 
         tools = [Tool(t.function.name, t.function.description,
                       t.function.parameters if t.function.parameters is not None else

@@ -154,11 +154,11 @@ def tool_plan(state, req) -> ToolPlan | None:
     choice = req.tool_choice_name()
     if choice is None:
         return None
-    from quickdraft import tools
+    from quickdraft import toolcalls
 
     fmt = state.tool_format
     if fmt is None:
-        fmt = state.tool_format = tools.detect(state.engine.target.tokenizer)
+        fmt = state.tool_format = toolcalls.detect(state.engine.target.tokenizer)
     return ToolPlan(fmt, req.tool_list(), choice, req.parallel_tool_calls)
 
 

@@ -130,6 +130,10 @@ class AssistantDrafter(DraftModelDrafter):
     def max_draft(self) -> int | None:
         return None
 
+    @classmethod
+    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
+        return context * target_cfg.dim * 2, f"{context} positions: the target's hidden states the assistant reads"
+
     def cache_bytes(self) -> int:
         cache = self.target_cache
         return cache.hidden.numel() * cache.hidden.element_size() if cache is not None and cache.hidden is not None \
@@ -138,7 +142,7 @@ class AssistantDrafter(DraftModelDrafter):
     @torch.inference_mode()
     def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:
         """Median seconds of one assistant step over a target cache of the prompt's length."""
-        from quickdraft.roofline import median_seconds
+        from quickdraft.runtime.timing import median_seconds
 
         target = self.target.model
         cache = KVCache.for_model(target, len(prompt) + 2)

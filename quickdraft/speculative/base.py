@@ -118,6 +118,13 @@ class Drafter:
         """Bytes of the drafter's own caches (a draft model's KV cache)."""
         return 0
 
+    @classmethod
+    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
+        """What this kind's caches will take for `context` positions, as the memory plan counts it before anything
+        is loaded (runtime/memory.py): (bytes, what they hold), or None for no cache. target_cfg: the target's
+        ModelConfig; draft_cfg: the draft model's where it shares the target's device (else None)."""
+        return None
+
     def pass_seconds(self, prompt: list[int]) -> float:
         """Seconds of one drafting pass after prompt (one drafted token of a draft model); 0 without a model."""
         return 0.0

@@ -66,6 +66,11 @@ class Draft:
             return cls("mtp", ngram=ngram)
         return cls("assistant" if is_assistant(text) else "model", text, ngram, device, weights)
 
+    @property
+    def drafter_class(self) -> type[Drafter] | None:
+        """The Drafter subclass this kind builds (None for none, and for auto until resolved)."""
+        return KINDS.get(self.kind)
+
     def __str__(self) -> str:
         if self.kind in ("none", "ngram"):
             return self.kind

@@ -259,10 +259,18 @@ class DraftModelDrafter(Drafter):
     def cache_bytes(self) -> int:
         return self.cache.nbytes()
 
+    @classmethod
+    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
+        from quickdraft.runtime.memory import kv_bytes
+
+        if draft_cfg is None:  # the draft model is on another device: its cache is there
+            return None
+        return kv_bytes(draft_cfg, context), f"{context} positions, bf16"
+
     @torch.inference_mode()
     def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:
         """Median seconds of one drafting pass (one token after prompt)."""
-        from quickdraft.roofline import median_seconds
+        from quickdraft.runtime.timing import median_seconds
 
         cache = KVCache.for_model(self.lm.model, len(prompt) + 2)
         if self.subset is not None:

@@ -136,6 +136,14 @@ class MtpDrafter(DraftModelDrafter):
 
     # ---- self-description ---------------------------------------------------------------------------------
 
+    @classmethod
+    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
+        if not target_cfg.mtp_layers:
+            return None
+        kv = 2 * target_cfg.kv_heads_of(target_cfg.n_layers - 1) * target_cfg.head_dim * context * 2
+        return kv + context * target_cfg.dim * 2, (f"{context} positions: the MTP layer's keys and values, the "
+                                                   "target's hidden states")
+
     def cache_bytes(self) -> int:
         return self.cache.nbytes() + (self.target_cache.hidden.numel() * self.target_cache.hidden.element_size()
                                       if self.target_cache is not None and self.target_cache.hidden is not None else 0)
@@ -143,7 +151,7 @@ class MtpDrafter(DraftModelDrafter):
     @torch.inference_mode()
     def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:
         """Median seconds of one chained MTP step after prompt."""
-        from quickdraft.roofline import median_seconds
+        from quickdraft.runtime.timing import median_seconds
 
         model = self.lm.model
         cache = KVCache(model.mtp.kv_layout(), len(prompt) + 2, dtype=model.dtype, device=self.device)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from quickdraft import quant
 from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.transformer import ROWWISE_MAX, Transformer, build
+from quickdraft.models import build
+from quickdraft.models.transformer import ROWWISE_MAX, Transformer
 from quickdraft.quant import embedding, int4, placement
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.plan import plan as plan_kernels
@@ -239,7 +240,7 @@ def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: in
         owner = key.rpartition(".")[0]
         return len(attention[owner.rpartition(".")[0]].parts) if owner.endswith("wqkv") else 2
 
-    for name, w in names.fused(items, expected):
+    for name, w in names.fused(items, expected, gguf_io.cat_rows):
         owner, _, leaf = name.rpartition(".")
         module = modules.get(owner)
         if module is None or leaf not in module._parameters:

@@ -263,10 +263,11 @@ def parts(name: str) -> list[str]:
     return got or [name]
 
 
-def fused(tensors, expected=lambda key: 3 if key.rpartition(".")[0].endswith("wqkv") else 2):
+def fused(tensors, expected=lambda key: 3 if key.rpartition(".")[0].endswith("wqkv") else 2, cat=torch.cat):
     """Concatenate q/k/v (weights and biases) and gate/up row-wise as their parts arrive: yields (name, tensor)
     under the model's fused names, holding back only the parts of a group not yet complete. expected(fused name):
-    how many parts that group has (a gemma4 layer may have only q, or q and k)."""
+    how many parts that group has (a gemma4 layer may have only q, or q and k); cat: the row-wise concatenation
+    (the loader's also takes matrices still in the file: weights/gguf.cat_rows)."""
     held: dict[str, dict[int, torch.Tensor]] = {}
     for name, w in tensors:
         prefix, _, kind = name.rpartition(".")  # layers.3.attention.wq, weight
@@ -279,9 +280,7 @@ def fused(tensors, expected=lambda key: 3 if key.rpartition(".")[0].endswith("wq
         group = held.setdefault(key, {})
         group[index] = w
         if len(group) == expected(key):
-            from quickdraft.weights.gguf import cat_rows
-
-            yield key, cat_rows([group[i] for i in sorted(group)])
+            yield key, cat([group[i] for i in sorted(group)])
             del held[key]
     if held:
         raise QuickdraftError(f"the checkpoint lacks parts of fused projections: {sorted(held)[:3]}")

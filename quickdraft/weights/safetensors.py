@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.weights.hf_config import model_config
 from quickdraft.weights.names import hf_to_model
 
 
@@ -17,7 +18,7 @@ def read_config(path: Path) -> ModelConfig:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise QuickdraftError(f"{path} has no config.json: give a Hugging Face model directory or a .gguf file")
-    return ModelConfig.from_hf_dict(json.loads(cfg_path.read_text(encoding="utf-8")))
+    return model_config(json.loads(cfg_path.read_text(encoding="utf-8")))
 
 
 def shard_files(path: Path) -> list[Path]:

@@ -1,6 +1,7 @@
 // The chat page of `quickdraft serve`: plain browser JavaScript, no build step, nothing fetched from elsewhere.
 // It talks to the server's own OpenAI-compatible API and asks for the per-token speculation trace (the
-// `speculation_trace` request field; README "The chat page"), which says which drafter proposed each kept token.
+// `speculation_trace` request field; docs/server.md, "The chat page"), which says which drafter proposed each kept
+// token.
 "use strict";
 
 const $ = (id) => document.getElementById(id);

@@ -8,7 +8,7 @@ as tests/test_families.py (which asserts them), printed. With llama-cpp-python i
 llama-cpp-python`, which compiles llama.cpp), one more column: quickdraft against llama.cpp itself running the same
 f32 and q8_0 files. Needs the test extras (transformers; llama.cpp's source comes from PyPI on first use).
 
-Usage: .venv/bin/python scripts/families_table.py [FAMILY ...]
+Usage: .venv/bin/python -m tests.families_table [FAMILY ...]   (a report over the tests' tiny models)
 """
 
 from __future__ import annotations
@@ -17,22 +17,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig  # noqa: E402
-from quickdraft.engine import Engine  # noqa: E402
-from quickdraft.weights.loader import load_model  # noqa: E402
-from tests import llamacpp  # noqa: E402
-from tests.families import CONVERTED, FAMILIES, TOKENS, save, tiny_model  # noqa: E402
-from tests.helpers import drafter  # noqa: E402
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine
+from quickdraft.weights.loader import load_model
+from tests import llamacpp
+from tests.families import CONVERTED, FAMILIES, TOKENS, save, tiny_model
+from tests.helpers import drafter
 
 try:
     from llama_cpp import Llama as LLAMA
 except ImportError:
     LLAMA = None
-from tests.test_families import NOISE, fp32, forward, hf_logits  # noqa: E402
+from tests.test_families import NOISE, fp32, forward, hf_logits
 
 
 def logit_row(name: str, hf, d: Path) -> list[str]:

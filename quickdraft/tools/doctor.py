@@ -285,7 +285,7 @@ def run(llm, draft, available: int | None = None, prompt: list[int] | None = Non
     """Every check for llm's target with `draft` (a Draft), the memory budget against `available` bytes (else the
     device's), after `planned` (the memory plan's finding, made before loading); the engine the checks ran (its
     drafter None when the draft cannot speak for the target)."""
-    from quickdraft.prompts import encoded
+    from quickdraft.tools.prompts import encoded
 
     target = llm.target
     drafts = llm.draft_models(draft)

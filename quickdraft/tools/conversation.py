@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.prompts import reference_text
+from quickdraft.tools.prompts import reference_text
 
 QUESTIONS = [
     "Summarise the text above in two sentences.",

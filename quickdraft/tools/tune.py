@@ -138,7 +138,7 @@ def choose(llm, candidates: list[Candidate], prompts: dict[str, list[int]], v: d
     short run is noisy, so an alternative replaces the pick only when measured more than 10% faster: then the
     model was wrong, not the clock. Fills each loser's why_not; the winner is a Candidate named "none" when
     nothing is predicted faster than plain decoding."""
-    from quickdraft import bench
+    from quickdraft.tools import bench
 
     ranked = sorted((c for c in candidates if c.best_speedup > 1), key=lambda c: c.best_speedup, reverse=True)
     if not ranked:
@@ -171,7 +171,7 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
         log=lambda message: print(f"tune: {message}", file=sys.stderr), vocab: int = SUBSET) -> dict:
     """Measure every candidate draft for llm's target and choose; returns the profile (write_profile keeps it).
     vocab: also measure each draft model with its head cut to that many ids (0: not)."""
-    from quickdraft import roofline
+    from quickdraft.tools import roofline
 
     if not 1 <= kmax <= MAX_DRAFT:
         raise QuickdraftError(f"--kmax must be in 1..{MAX_DRAFT}")
@@ -225,7 +225,7 @@ def by_format(load, formats: list[str], candidates, prompts: dict[str, list[int]
     profile, with every format's quality and measured speeds under "formats"."""
     import gc
 
-    from quickdraft import quality
+    from quickdraft.tools import quality
 
     log("scoring the quality text with bf16 weights (the reference)")
     llm = load("bf16")

@@ -1,6 +1,6 @@
 """`quickdraft bench`: an honest benchmark with a fixed method.
 
-The bundled prompts (quickdraft.prompts), a fixed number of generated tokens (greedy, end-of-generation
+The bundled prompts (quickdraft.tools.prompts), a fixed number of generated tokens (greedy, end-of-generation
 ignored so every run decodes the same length), warm-up runs first, then several measured runs with the
 configurations interleaved (drift on a shared machine hits them all alike). Decode tok/s is measured from
 the first token on (steady state), end-to-end tok/s separately (prefill included); medians with min and

@@ -20,7 +20,7 @@ import torch
 from quickdraft.perplexity import window_nll
 from quickdraft.runtime.kv_cache import KVCache
 
-TEXT = Path(__file__).resolve().parent / "data" / "ppl.txt"
+TEXT = Path(__file__).resolve().parents[1] / "data" / "ppl.txt"
 WINDOW = 256  # tokens per window: each starts fresh
 CONTEXT = 32  # positions scored from this one on: each with at least this many tokens before it
 

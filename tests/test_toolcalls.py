@@ -7,18 +7,18 @@ import re
 
 import pytest
 
-from quickdraft import grammar as grammars, tools
+from quickdraft import grammar as grammars, toolcalls
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.weights import gguf as gguf_io
 from tests import llamacpp
 
-WEATHER = tools.Tool("get_weather", "Current weather in a city", {
+WEATHER = toolcalls.Tool("get_weather", "Current weather in a city", {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
     "required": ["city"], "additionalProperties": False})
-TIME = tools.Tool("get_time", "Local time in a city", {
+TIME = toolcalls.Tool("get_time", "Local time in a city", {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
-CALLS = [tools.ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}', "abcDEF123"),
-         tools.ToolCall("get_time", '{"city": "Oslo"}', "xyz789QRS")]
+CALLS = [toolcalls.ToolCall("get_weather", '{"city": "Paris", "unit": "celsius"}', "abcDEF123"),
+         toolcalls.ToolCall("get_time", '{"city": "Oslo"}', "xyz789QRS")]
 TEMPLATES = {  # template file -> (format, style, whether it writes several calls in one turn)
     "Qwen-Qwen2.5-7B-Instruct.jinja": ("hermes", None, True),
     "Qwen-Qwen3-0.6B.jinja": ("hermes", None, True),
@@ -82,7 +82,7 @@ def accepts(ll_tok, tokenizer, grammar, text) -> bool:
 @pytest.mark.parametrize("name", list(TEMPLATES))
 def test_the_format_is_found_from_the_template(vocab, name):
     tok = with_template(vocab[0], name)
-    fmt = tools.detect(tok)
+    fmt = toolcalls.detect(tok)
     kind, style, _ = TEMPLATES[name]
     assert fmt.name == kind and getattr(fmt, "style", None) == style
 
@@ -91,7 +91,7 @@ def test_the_format_is_found_from_the_template(vocab, name):
 def test_a_call_as_the_template_writes_it_parses_back_and_fits_the_grammar(vocab, name):
     tokenizer, ll_tok = vocab
     tok = with_template(tokenizer, name)
-    fmt = tools.detect(tok)
+    fmt = toolcalls.detect(tok)
     several = TEMPLATES[name][2]
     calls = CALLS if several else CALLS[:1]
     if fmt.native:
@@ -112,7 +112,7 @@ def test_a_call_as_the_template_writes_it_parses_back_and_fits_the_grammar(vocab
 def test_the_grammar_holds_calls_to_their_schema_and_choice(vocab, name):
     tokenizer, ll_tok = vocab
     tok = with_template(tokenizer, name)
-    fmt = tools.detect(tok)
+    fmt = toolcalls.detect(tok)
     good = one_call(tok, fmt)
     bad_value = good.replace('"celsius"', '"kelvin"') if "celsius" in good else good.replace('"Paris"', "7")
     unknown = good.replace("get_weather", "get_wether")
@@ -133,7 +133,7 @@ def test_hermes_reads_a_bare_or_fenced_call_and_holds_it_to_the_schema(vocab):
     """Small models answer with the JSON alone or in a ```json fence: under "auto" such an answer must be a valid call,
     and it is read as one; JSON later in prose stays prose."""
     tokenizer, ll_tok = vocab
-    fmt = tools.Hermes(with_template(tokenizer, "Qwen-Qwen2.5-7B-Instruct.jinja"))
+    fmt = toolcalls.Hermes(with_template(tokenizer, "Qwen-Qwen2.5-7B-Instruct.jinja"))
     grammar = fmt.grammar([WEATHER, TIME], "auto", True)
     fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
     for text in (fenced, '{"name": "get_time", "arguments": {"city": "Oslo"}}'):
@@ -151,15 +151,15 @@ def test_hermes_reads_a_bare_or_fenced_call_and_holds_it_to_the_schema(vocab):
 def test_streamed_text_holds_back_the_call_and_gives_the_same_result(vocab, name):
     tokenizer, _ = vocab
     tok = with_template(tokenizer, name)
-    fmt = tools.detect(tok)
+    fmt = toolcalls.detect(tok)
     turn = one_call(tok, fmt)
     for prefix in ("", "Let me look. ") if fmt.name in ("hermes", "mistral") else ("",):
-        stream = tools.ToolStream(fmt)
+        stream = toolcalls.ToolStream(fmt)
         streamed = "".join(stream.push(turn_piece) for turn_piece in _pieces(prefix + turn))
         rest, calls = stream.finish()
         assert streamed + rest == prefix.rstrip() or streamed + rest == prefix
         assert [c.name for c in calls] == ["get_weather"] and all(len(c.id) == 9 for c in calls)
-    stream = tools.ToolStream(fmt)
+    stream = toolcalls.ToolStream(fmt)
     prose = "Sunny, 18 degrees." if fmt.native else json.dumps({"response": "Sunny, 18 degrees."})
     streamed = "".join(stream.push(p) for p in _pieces(prose))
     rest, calls = stream.finish()
@@ -169,9 +169,9 @@ def test_streamed_text_holds_back_the_call_and_gives_the_same_result(vocab, name
 def test_parallel_calls_stream_and_parse_as_several_calls(vocab):
     """Two calls in one answer (as Qwen's template writes them): two calls back, in order, each with its own id."""
     tok = with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja")
-    fmt = tools.detect(tok)
+    fmt = toolcalls.detect(tok)
     turn = assistant_turn(tok, fmt, CALLS)
-    stream = tools.ToolStream(fmt, "auto")
+    stream = toolcalls.ToolStream(fmt, "auto")
     streamed = "".join(stream.push(p) for p in _pieces(turn))
     rest, calls = stream.finish()
     assert streamed + rest == "" and [c.name for c in calls] == [c.name for c in CALLS]
@@ -183,10 +183,10 @@ def test_parallel_calls_stream_and_parse_as_several_calls(vocab):
 def test_under_tool_choice_none_a_call_written_as_text_stays_text(vocab):
     """The grammar forbids the trigger under "none", but a model may still write a bare JSON call as its answer:
     it is the answer's text then, never a call (the real 1.5B did this after a tool result)."""
-    fmt = tools.detect(with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja"))
+    fmt = toolcalls.detect(with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja"))
     bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     assert fmt.parse(bare)[1]  # under auto it is a call
-    stream = tools.ToolStream(fmt, "none")
+    stream = toolcalls.ToolStream(fmt, "none")
     streamed = "".join(stream.push(p) for p in _pieces(bare))
     assert streamed == bare and stream.finish() == ("", [])
 
@@ -198,7 +198,7 @@ def _pieces(text, size=3):
 def test_history_with_calls_and_results_reaches_the_template_as_it_expects(vocab):
     """Arguments as objects (templates tojson them), results with the name of the call they answer."""
     tok = with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja")
-    fmt = tools.detect(tok)
+    fmt = toolcalls.detect(tok)
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"role": "assistant", "content": "", "tool_calls": [CALLS[0].to_dict()]},
                {"role": "tool", "tool_call_id": CALLS[0].id, "content": '{"temp": 18}'}]
@@ -214,7 +214,7 @@ def test_parallel_calls_and_their_results_reach_the_template_in_one_turn_each(vo
     """An answer with two calls, then their two results: both calls in the assistant's turn, both results (in order)
     in the one turn the template gives tool results."""
     tok = with_template(vocab[0], "Qwen-Qwen2.5-7B-Instruct.jinja")
-    fmt = tools.detect(tok)
+    fmt = toolcalls.detect(tok)
     history = [{"role": "user", "content": "Weather in Paris, time in Oslo?"},
                {"role": "assistant", "content": "", "tool_calls": [c.to_dict() for c in CALLS]},
                {"role": "tool", "tool_call_id": CALLS[0].id, "content": '{"temp": 18}'},
@@ -228,15 +228,15 @@ def test_parallel_calls_and_their_results_reach_the_template_in_one_turn_each(vo
 
 
 # tool parameters as Pydantic's model_json_schema() writes them: definitions in $defs, referenced from within
-STEP_TOOL = tools.Tool("plan", "", {
+STEP_TOOL = toolcalls.Tool("plan", "", {
     "$defs": {"Step": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
                        "additionalProperties": False}},
     "type": "object", "properties": {"steps": {"type": "array", "items": {"$ref": "#/$defs/Step"}}},
     "required": ["steps"], "additionalProperties": False})
-TREE_TOOL = tools.Tool("tree", "", {  # "#" is the parameters' own root: a recursive schema
+TREE_TOOL = toolcalls.Tool("tree", "", {  # "#" is the parameters' own root: a recursive schema
     "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
     "required": ["kids"], "additionalProperties": False})
-DATA_TOOL = tools.Tool("data", "", {  # a property named like a keyword refers; a "$ref" in a const is a value
+DATA_TOOL = toolcalls.Tool("data", "", {  # a property named like a keyword refers; a "$ref" in a const is a value
     "$defs": {"N": {"type": "integer"}}, "type": "object",
     "properties": {"default": {"$ref": "#/$defs/N"}, "kind": {"const": {"$ref": "#"}}},
     "required": ["default", "kind"], "additionalProperties": False})
@@ -249,7 +249,7 @@ def test_references_in_parameters_resolve_against_the_parameters(vocab, name):
     """As OpenAI resolves them: "#/$defs/Step" and "#" point into the tool's own parameters, not into the schema
     quickdraft wraps them in."""
     tokenizer, ll_tok = vocab
-    fmt = tools.detect(with_template(tokenizer, name))
+    fmt = toolcalls.detect(with_template(tokenizer, name))
 
     def call(tool, arguments):
         if not fmt.native:

@@ -14,6 +14,7 @@ import torch
 from quickdraft.config import ModelConfig
 from quickdraft.models.rope import RopeConfig
 from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.runtime.timing import sync, timed
 
 # Random-weight stand-ins for real models where the files are not at hand (a GPU machine has no network; a pass's
 # speed and a plan's bytes depend on the shapes, not the values): the default pair, and a 27B-class target of
@@ -142,29 +143,6 @@ def bandwidth(device: torch.device, mib: int = 512, reps: int = 5) -> float:
     copy = best(lambda: b.copy_(a), 2 * a.numel() * 4)
     read = best(lambda: a.sum(), a.numel() * 4)
     return max(copy, read)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(run, device: torch.device, reps: int, before=None) -> float:
-    """Median wall time of run() over reps calls after one warm-up call (one-off setup), the device synced
-    around each; before() (e.g. a cache rollback) runs untimed ahead of every call."""
-    times = [timed(run, device, before) for _ in range(reps + 1)]
-    return statistics.median(times[1:])
-
-
-def timed(run, device: torch.device, before=None) -> float:
-    """Wall time of one run() (before() first, untimed), the device synced around it."""
-    if before is not None:
-        before()
-    sync(device)
-    t0 = time.perf_counter()
-    run()
-    sync(device)
-    return time.perf_counter() - t0
 
 
 @torch.inference_mode()

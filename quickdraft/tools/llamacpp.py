@@ -1,0 +1,122 @@
+"""llama.cpp as a reference: its own GGUF converter, tokenizer test vectors and programs (llama-server,
+llama-perplexity), from the vendored tree in the llama-cpp-python source distribution on PyPI (downloaded once into
+the cache, checked by its sha256, never installed or imported into quickdraft: the converter runs in a subprocess,
+the programs are built once with cmake). The benchmarks against llama.cpp and the tests that compare with it use it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+PACKAGE, VERSION = "llama-cpp-python", "0.3.36"
+SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # the llama.cpp it vendors
+# the parts of vendor/llama.cpp the tests use
+WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-", "models/templates/")
+
+
+def tree() -> Path:
+    """The extracted vendor/llama.cpp (its converter, gguf-py, vocabularies and test vectors, chat templates)."""
+    from quickdraft.weights import hub
+
+    root = hub.cache_dir() / "ext" / f"llama.cpp-{VERSION}"
+    if not (root / ".complete").exists():
+        _extract(root, WANTED)
+    return root
+
+
+def server_binary(log=None) -> Path:
+    """llama.cpp's own llama-server, built once from the vendored source into the cache (about 10 minutes on 2
+    cores: for slow tests and benchmark scripts only)."""
+    return binary("llama-server", log)
+
+
+def built(target: str) -> bool:
+    """Whether a program is built already (binary would not build it)."""
+    from quickdraft.weights import hub
+
+    root = hub.cache_dir() / "ext" / f"llama-server-{VERSION}-noamx"
+    marked = (root / f".{target}.complete").exists() or (target == "llama-server" and (root / ".complete").exists())
+    return marked and (root / "build" / "bin" / target).exists()
+
+
+def binary(target: str, log=None) -> Path:
+    """One of llama.cpp's programs (llama-server, llama-perplexity, ...), built once from the vendored source into
+    the cache, all in one build (the libraries they share are built once)."""
+    from quickdraft.weights import hub
+
+    root = hub.cache_dir() / "ext" / f"llama-server-{VERSION}-noamx"
+    path, done = root / "build" / "bin" / target, root / f".{target}.complete"
+    if built(target):
+        return path
+    if not (root / "src" / "CMakeLists.txt").exists():
+        _extract(root / "src", ("",))
+    out = log or subprocess.DEVNULL
+    # without AMX: -march=native turns on llama.cpp's AMX matmul where the CPU has it, and on the Intel Xeon VMs of
+    # this workplace it segfaults at the first pass (their tile state is not usable); its AVX-512 kernels remain
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    for command in (["cmake", "-S", str(root / "src"), "-B", str(root / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
+                     f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"],
+                    ["cmake", "--build", str(root / "build"), "-j", str(os.cpu_count() or 2), "--target", target]):
+        subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
+    done.write_text(COMMIT + "\n")
+    return path
+
+
+def _extract(root: Path, wanted: tuple[str, ...]) -> None:
+    """The parts of vendor/llama.cpp named by wanted (prefixes; "" for all) from the sdist, sha256-checked."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q",
+                              "--disable-pip-version-check", "--timeout", "20", "--retries", "1", "-d", tmp,
+                              f"{PACKAGE}=={VERSION}"], capture_output=True, text=True)
+        if got.returncode != 0:
+            lines = got.stderr.strip().splitlines()
+            raise Unavailable(f"pip download {PACKAGE}=={VERSION} failed: {lines[-1] if lines else got.returncode}")
+        (sdist,) = Path(tmp).glob("*.tar.gz")
+        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+        assert digest == SHA256, f"{sdist.name}: sha256 {digest}, expected {SHA256}"
+        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)
+                       and m.name[len(prefix):].startswith(wanted) and (m.isfile() or m.isdir())]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(root, members=members, filter="data")
+    (root / ".complete").write_text(COMMIT + "\n")
+
+
+class Unavailable(Exception):
+    """llama.cpp's source could not be had (no network and nothing in the cache)."""
+
+
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", *flags: str, pre: str | None = None) -> Path:
+    """A Hugging Face directory as llama.cpp's converter writes it to GGUF (flags: more of its options, e.g.
+    --no-mtp). pre: the BPE pre-tokenizer to write for a tiny byte-level BPE tokenizer, which the converter cannot
+    recognise (it knows a tokenizer by the hash of its tokens for a test text, a real model's); only that one
+    function is replaced, the tensors and the rest of the metadata are the converter's own."""
+    script = str(tree() / "convert_hf_to_gguf.py")
+    command = [sys.executable, script]
+    if pre is not None:
+        command = [sys.executable, "-c", _NAMED_PRE, script, pre]
+    result = subprocess.run([*command, str(hf_dir), "--outfile", str(out), "--outtype", outtype, *flags],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+_NAMED_PRE = """
+import runpy, sys
+script, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [str(__import__("pathlib").Path(script).parent), str(__import__("pathlib").Path(script).parent / "gguf-py")]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
+"""

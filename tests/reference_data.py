@@ -1,0 +1,131 @@
+"""What independent implementations answered, recorded as data, so that the suite need not build llama.cpp (about 10
+minutes on 2 cores) or load the 1.5B target in transformers' float32 on every run: the tests compare quickdraft's
+answers with these, and this module regenerates them (slow) with the versions it then records.
+
+- llama-server.json (and the GGUF files beside it): llama.cpp's own llama-server, greedy, on llama.cpp's own f32
+  conversions of the tiny hybrid and mixture-of-experts models (tests/test_hybrid_gguf.build), kept here as they were
+  converted, so that the files are the ones llama-server read whatever versions the suite runs with later.
+- llama-perplexity.json: llama.cpp's llama-perplexity of the real Gemma 3 270M on the start of quickdraft/data/ppl.txt.
+- transformers.json: transformers (float32, the same GGUF files) on the real models: perplexity by llama.cpp's method
+  and greedy tokens of the test prompts.
+
+Usage: .venv/bin/python -m tests.reference_data [llama-server] [llama-perplexity] [transformers]   (all by default)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "reference"
+HYBRIDS = ("qwen3_5", "qwen3_5-mtp", "qwen3_5_moe", "qwen3_moe")  # tests/test_hybrid_gguf.MODELS
+GREEDY_N = 24
+PPL_CTX, PPL_CHARS = 128, 2000  # llama-perplexity's windows over the first PPL_CHARS characters of the quality text
+
+
+def load(name: str) -> dict:
+    return json.loads((HERE / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def hybrid_file(name: str) -> Path:
+    return HERE / f"{name}-f32.gguf"
+
+
+def _save(name: str, data: dict) -> None:
+    HERE.mkdir(exist_ok=True)
+    (HERE / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {HERE / name}.json", file=sys.stderr)
+
+
+def _llama_version() -> dict:
+    from quickdraft.tools import llamacpp
+
+    return {"llama.cpp": llamacpp.COMMIT, "source": f"{llamacpp.PACKAGE} {llamacpp.VERSION}"}
+
+
+def llama_server() -> None:
+    import httpx
+
+    from quickdraft.tools import llamacpp
+    from quickdraft.tools.servers import LlamaServer
+    from tests.helpers import PROMPT
+    from tests.test_hybrid_gguf import build
+
+    HERE.mkdir(exist_ok=True)
+    out = {**_llama_version(), "prompt": PROMPT, "n": GREEDY_N, "tokens": {}}
+    for name in HYBRIDS:
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "hf").mkdir()
+            build(name, Path(tmp) / "hf")
+            flags = ("--no-mtp",) if name in ("qwen3_5", "qwen3_5_moe") else ()
+            pre = "qwen35" if name.startswith("qwen3_5") else "qwen2"
+            llamacpp.convert(Path(tmp) / "hf", hybrid_file(name), "f32", *flags, pre=pre)
+        server = LlamaServer(llamacpp.server_binary(), "-m", str(hybrid_file(name)), "--temp", "0")
+        try:
+            reply = httpx.post(f"{server.url}/completion", json={
+                "prompt": PROMPT, "n_predict": GREEDY_N, "temperature": 0, "top_k": 1, "return_tokens": True,
+                "cache_prompt": False, "ignore_eos": True}, timeout=300).json()
+        finally:
+            server.stop()
+        out["tokens"][name] = reply["tokens"]
+    _save("llama-server", out)
+
+
+def perplexity_text() -> str:
+    from quickdraft.tools.quality import TEXT
+
+    return TEXT.read_text(encoding="utf-8")[:PPL_CHARS]
+
+
+def llama_perplexity() -> None:
+    import re
+
+    from quickdraft.tools import llamacpp
+    from quickdraft.weights.loader import ensure_pulled
+
+    path = ensure_pulled("gemma3-270m")
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+        f.write(perplexity_text())
+        f.flush()
+        result = subprocess.run([str(llamacpp.binary("llama-perplexity")), "-m", str(path), "-f", f.name, "-c",
+                                 str(PPL_CTX), "-t", "2", "-b", str(PPL_CTX)], capture_output=True, text=True,
+                                timeout=900)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", result.stdout + result.stderr)
+    if found is None:
+        raise RuntimeError(f"llama-perplexity printed no estimate:\n{(result.stdout + result.stderr)[-3000:]}")
+    _save("llama-perplexity", {**_llama_version(), "model": "gemma3-270m", "ctx": PPL_CTX, "chars": PPL_CHARS,
+                               "ppl": float(found.group(1))})
+
+
+def transformers_reference() -> None:
+    import torch
+    import transformers
+
+    from tests.test_real_models import CTX, MODELS, PROMPTS, TEXT, hf_from_gguf, hf_greedy, hf_perplexity, prompt_ids
+    from quickdraft.weights.loader import ensure_pulled, load_tokenizer
+
+    out = {"transformers": transformers.__version__, "torch": torch.__version__, "ctx": CTX, "models": {}}
+    for alias in MODELS:
+        path = ensure_pulled(alias)
+        tokenizer = load_tokenizer(alias)
+        tokens = tokenizer.encode(TEXT)
+        bos = tokenizer.bos_id if tokenizer.add_bos else None
+        model = hf_from_gguf(path)
+        prompts, n = (PROMPTS[:2], 24) if alias == "qwen2.5-coder-1.5b" else (PROMPTS, 32)
+        out["models"][alias] = {
+            "ppl": hf_perplexity(model, tokens, CTX, bos),
+            "greedy": [{"prompt": p, "n": n, "tokens": hf_greedy(model, prompt_ids(tokenizer, p), n)}
+                       for p in prompts]}
+        del model
+        print(f"transformers: {alias} done", file=sys.stderr)
+    _save("transformers", out)
+
+
+MAKERS = {"llama-server": llama_server, "llama-perplexity": llama_perplexity, "transformers": transformers_reference}
+
+if __name__ == "__main__":
+    for which in sys.argv[1:] or list(MAKERS):
+        MAKERS[which]()

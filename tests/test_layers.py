@@ -1,0 +1,35 @@
+"""How the package is layered, checked on its import graph (grimp, import-linter's graph): no import cycles between
+modules, the contracts in pyproject.toml's [tool.importlinter] (lint-imports: the library never imports its front ends
+or tools, the wire format never the engine, the engine never the loader), and no script importing the tests."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_module_imports_itself_through_others():
+    graph = grimp.build_graph("quickdraft", exclude_type_checking_imports=True)
+    cycles = sorted({tuple(graph.find_shortest_chain(importer=b, imported=a) or ()) + (b,)
+                     for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
+                     if graph.chain_exists(importer=b, imported=a)})
+    assert not cycles, cycles
+
+
+def test_the_import_contracts_hold():
+    lint = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "broken" in result.stdout and " 0 broken" in result.stdout
+
+
+def test_scripts_import_no_tests():
+    offenders = [f"{p.name}: {line.strip()}" for p in (ROOT / "scripts").glob("*.py")
+                 for line in p.read_text(encoding="utf-8").splitlines()
+                 if re.match(r"\s*(from tests[ .]|import tests\b)", line)]
+    assert not offenders, offenders

@@ -23,6 +23,24 @@ def run(*args, env=None):
                           env={**os.environ, **(env or {})}, timeout=300)
 
 
+def cli(*args):
+    """`quickdraft ARGS` in this process (cli.main, stdout and stderr captured, the exit status as returncode): the
+    command line's own code without a new interpreter importing torch for each call (2-3 s here). `run` keeps the
+    tests that need a real process: the README's commands, streaming to a pipe, --debug's traceback, serve."""
+    import contextlib
+    import io
+
+    from quickdraft.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["quickdraft", *args], code or 0, out.getvalue(), err.getvalue())
+
+
 def assert_one_line_error(result, *fragments):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()

@@ -13,7 +13,7 @@ import quickdraft
 from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.draft import Draft
 from quickdraft.weights import hub
-from tests.helpers import run, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import cli, run, tiny_hf_model, write_gguf_from_hf
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -49,12 +49,12 @@ def test_the_api_says_what_generate_says(tiny):
     llm = quickdraft.load(str(tiny), f"ngram+{tiny}", dtype="bfloat16", context=128, progress=False)
     assert llm.engine.drafter_name == f"ngram+{tiny}" and llm.draft == Draft.parse(f"ngram+{tiny}")
     out = llm.generate("hello hello hello", max_tokens=12, temperature=0, stop_at_eos=False)
-    r = run("generate", "-m", str(tiny), "-p", "hello hello hello", "-n", "12", "--ignore-eos", "--json",
+    r = cli("generate", "-m", str(tiny), "-p", "hello hello hello", "-n", "12", "--ignore-eos", "--json",
             "--dtype", "bfloat16", "--ctx", "128", "--draft", f"ngram+{tiny}")
     assert r.returncode == 0, r.stderr
-    cli = json.loads(r.stdout)
-    assert out.tokens == cli["tokens"] and out.text == cli["text"] and out.finish_reason == cli["finish_reason"]
-    assert out.to_dict()["spec"]["drafter"] == cli["spec"]["drafter"] == f"ngram+{tiny}"
+    said = json.loads(r.stdout)
+    assert out.tokens == said["tokens"] and out.text == said["text"] and out.finish_reason == said["finish_reason"]
+    assert out.to_dict()["spec"]["drafter"] == said["spec"]["drafter"] == f"ngram+{tiny}"
     assert out.stats.rounds > 0
     events = list(llm.stream("hello hello hello", max_tokens=12, temperature=0, stop_at_eos=False))
     assert [e.token for e in events[:-1]] == out.tokens and events[-1].finish_reason == "length"
@@ -69,9 +69,9 @@ def test_generate_defaults_to_auto_and_none_turns_it_off(tiny):
     """auto is none for a target without a paired draft: the same output as --draft none (the default pair's
     case is the slow test below)."""
     common = ["generate", "-m", str(tiny), "-p", "hi", "-n", "4", "--json", "--ignore-eos"]
-    auto, none = json.loads(run(*common).stdout), json.loads(run(*common, "--draft", "none").stdout)
+    auto, none = json.loads(cli(*common).stdout), json.loads(cli(*common, "--draft", "none").stdout)
     assert auto["tokens"] == none["tokens"] and auto["spec"] is None and none["spec"] is None
-    assert run(*common, "--draft", "auto").returncode == 0
+    assert cli(*common, "--draft", "auto").returncode == 0
 
 
 def readme_example() -> str:
@@ -92,10 +92,10 @@ def test_the_readme_example_runs_and_matches_the_command_line(real_model_path):
     assert drafted > 0 and accepted > 0  # it speculated, and drafts landed
     prompt = re.search(r'"content": "(.*?)"', code).group(1)
     max_tokens = re.search(r"max_tokens=(\d+)", code).group(1)
-    cli = run("generate", "--chat", "-p", prompt, "-n", max_tokens)  # -m and --draft: the defaults
-    assert cli.returncode == 0, cli.stderr
-    assert cli.stdout.rstrip("\n") == "\n".join(text_lines).rstrip("\n")
-    assert re.search(rf"spec\[ngram\+{re.escape(hub.DEFAULT_DRAFT)}\]: [1-9]\d*/[1-9]\d* drafts accepted", cli.stderr), \
-        cli.stderr  # the acceptance on stderr (--json carries it as "spec": tests/test_cli.py)
+    shown = run("generate", "--chat", "-p", prompt, "-n", max_tokens)  # -m and --draft: the defaults
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.rstrip("\n") == "\n".join(text_lines).rstrip("\n")
+    assert re.search(rf"spec\[ngram\+{re.escape(hub.DEFAULT_DRAFT)}\]: [1-9]\d*/[1-9]\d* drafts accepted", shown.stderr), \
+        shown.stderr  # the acceptance on stderr (--json carries it as "spec": tests/test_cli.py)
     plain = run("generate", "--chat", "-p", prompt, "-n", max_tokens, "--draft", "none")
-    assert plain.returncode == 0 and "drafts accepted" not in plain.stderr and plain.stdout == cli.stdout
+    assert plain.returncode == 0 and "drafts accepted" not in plain.stderr and plain.stdout == shown.stdout

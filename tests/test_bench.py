@@ -10,7 +10,7 @@ from quickdraft.config import EngineConfig, SpeculationConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.draft import Draft
 from quickdraft.weights.loader import load_model
-from tests.helpers import check_speedups, run, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import check_speedups, cli, tiny_hf_model, write_gguf_from_hf
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROW_FIELDS = {"prompt", "config", "decode_tok_s", "decode_min", "decode_max", "e2e_tok_s", "ttft_s", "acceptance",
@@ -56,7 +56,7 @@ def test_bench_reports_every_field_and_draws_valid_plots(tmp_path):
 
 def test_bench_command(tmp_path):
     path = write_gguf_from_hf(tiny_hf_model("llama", seed=7), tmp_path / "t.gguf")
-    r = run("bench", "-m", str(path), "--draft", str(path), "--configs", "plain,draft:k=3", "--prompts", "qa-en",
+    r = cli("bench", "-m", str(path), "--draft", str(path), "--configs", "plain,draft:k=3", "--prompts", "qa-en",
             "-n", "6", "--runs", "1", "--json", str(tmp_path / "b.json"), "--plots", str(tmp_path / "p"),
             "--roofline")
     assert r.returncode == 0, r.stderr
@@ -74,5 +74,5 @@ def test_bench_command(tmp_path):
         ((spec["rounds"] + spec["plain_steps"]) * roof["target_pass_bytes"]
          + spec["draft_passes"] * roof["draft_pass_bytes"]) / spec["n_decoded"])
     assert (tmp_path / "p" / "tokps_vs_k.png").read_bytes()[:8] == PNG
-    bad = run("bench", "-m", str(path), "--configs", "draft:k=2")
+    bad = cli("bench", "-m", str(path), "--configs", "draft:k=2")
     assert bad.returncode == 1 and "needs a draft" in bad.stderr

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from tests.helpers import assert_one_line_error, run, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import assert_one_line_error, cli, run, tiny_hf_model, write_gguf_from_hf
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 def test_generate_json(tiny_gguf):
-    r = run("generate", "-m", str(tiny_gguf), "-p", "hello world", "-n", "5", "--json", "--ignore-eos")
+    r = cli("generate", "-m", str(tiny_gguf), "-p", "hello world", "-n", "5", "--json", "--ignore-eos")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["tokens"]) == 5 and out["prompt_tokens"] == len("hello world")
@@ -34,18 +34,18 @@ def test_generate_streams_text_then_timings(tiny_gguf):
 
 
 def test_missing_model_file():
-    assert_one_line_error(run("generate", "-m", "/nonexistent/model.gguf", "-p", "x"), "not found")
+    assert_one_line_error(cli("generate", "-m", "/nonexistent/model.gguf", "-p", "x"), "not found")
 
 
 def test_not_a_gguf_file(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"this is not a model")
-    assert_one_line_error(run("generate", "-m", str(bad), "-p", "x"), "not a readable GGUF")
+    assert_one_line_error(cli("generate", "-m", str(bad), "-p", "x"), "not a readable GGUF")
 
 
 def test_unsupported_architecture(tmp_path):
     path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf", arch="gpt99")
-    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "unsupported architecture 'gpt99'",
+    assert_one_line_error(cli("generate", "-m", str(path), "-p", "x"), "unsupported architecture 'gpt99'",
                           "quickdraft runs", "llama", "gemma3", "phi3")
 
 
@@ -53,17 +53,17 @@ def test_unsupported_tensor_type(tmp_path):
     raw = np.zeros((4, GGML_QUANT_SIZES[T.Q2_K][1]), dtype=np.uint8)
     path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf",
                               extra_tensors=[("blk.0.extra.weight", raw, T.Q2_K)])
-    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "Q2_K")
+    assert_one_line_error(cli("generate", "-m", str(path), "-p", "x"), "Q2_K")
 
 
 def test_prompt_longer_than_context(tiny_gguf):
-    r = run("generate", "-m", str(tiny_gguf), "-p", "x" * 100, "--ctx", "32", "-n", "4")
+    r = cli("generate", "-m", str(tiny_gguf), "-p", "x" * 100, "--ctx", "32", "-n", "4")
     assert_one_line_error(r, "exceeds the context of 32", "--ctx")
 
 
 def test_unknown_alias_and_bad_device(tiny_gguf):
-    assert_one_line_error(run("pull", "no-such-model"), "unknown model alias")
-    assert_one_line_error(run("generate", "-m", str(tiny_gguf), "-p", "x", "--device", "tpu"), "--device")
+    assert_one_line_error(cli("pull", "no-such-model"), "unknown model alias")
+    assert_one_line_error(cli("generate", "-m", str(tiny_gguf), "-p", "x", "--device", "tpu"), "--device")
 
 
 def test_debug_shows_the_traceback():
@@ -74,11 +74,11 @@ def test_debug_shows_the_traceback():
 def test_perplexity_json(tiny_gguf, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("abcdefgh " * 20)
-    r = run("perplexity", "-m", str(tiny_gguf), "-f", str(text), "--ctx", "64", "--json")
+    r = cli("perplexity", "-m", str(tiny_gguf), "-f", str(text), "--ctx", "64", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens"] == 2 * (64 - 32 - 1) and out["ppl"] > 1
-    short = run("perplexity", "-m", str(tiny_gguf), "-f", str(text), "--ctx", "4096")
+    short = cli("perplexity", "-m", str(tiny_gguf), "-f", str(text), "--ctx", "4096")
     assert_one_line_error(short, "fewer than --ctx")
 
 
@@ -86,10 +86,10 @@ def test_generate_with_a_draft_reports_spec(tiny_gguf, tmp_path):
     draft = write_gguf_from_hf(tiny_hf_model("llama", seed=5), tmp_path / "draft.gguf")
     args = ["generate", "-m", str(tiny_gguf), "-p", "hello hello hello", "-n", "12", "--json", "--ignore-eos",
             "--dtype", "bfloat16"]
-    plain = json.loads(run(*args).stdout)
+    plain = json.loads(cli(*args).stdout)
     for draft_args in (["--draft", str(draft), "--draft-max", "3", "--fixed-k"], ["--draft", "ngram"],
                        ["--draft", str(draft), "--ngram"]):
-        r = run(*args, *draft_args)
+        r = cli(*args, *draft_args)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["tokens"] == plain["tokens"]
@@ -101,7 +101,7 @@ def test_generate_with_a_draft_reports_spec(tiny_gguf, tmp_path):
 
 def test_incompatible_draft_is_refused(tiny_gguf, tmp_path):
     other = write_gguf_from_hf(tiny_hf_model("llama", vocab=330), tmp_path / "other.gguf")
-    r = run("generate", "-m", str(tiny_gguf), "-p", "x", "--draft", str(other))
+    r = cli("generate", "-m", str(tiny_gguf), "-p", "x", "--draft", str(other))
     assert_one_line_error(r, "330 tokens and the target's 320", "10 belong to one alone")
 
 
@@ -117,7 +117,7 @@ def test_serve_on_a_taken_port_is_one_line_before_any_load(tiny_gguf):
 
 def test_generate_with_a_constraint(tmp_path):
     gguf = write_gguf_from_hf(tiny_hf_model("llama", logit_scale=4), tmp_path / "eos.gguf", eos=True)
-    r = run("generate", "-m", str(gguf), "-p", "mail: ", "-n", "30", "--regex", "[a-c]{2,4}@x\\.org",
+    r = cli("generate", "-m", str(gguf), "-p", "mail: ", "-n", "30", "--regex", "[a-c]{2,4}@x\\.org",
             "--draft", str(gguf), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -125,7 +125,7 @@ def test_generate_with_a_constraint(tmp_path):
     assert out["spec"]["constraint"] == "regex" and out["spec"]["masks_computed"] > 0
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"a": {"type": "nosuch"}}}')
-    assert_one_line_error(run("generate", "-m", str(gguf), "-p", "x", "--json-schema", str(schema)),
+    assert_one_line_error(cli("generate", "-m", str(gguf), "-p", "x", "--json-schema", str(schema)),
                           "invalid JSON schema", "nosuch")
-    assert_one_line_error(run("generate", "-m", str(gguf), "-p", "x", "--regex", "a("),
+    assert_one_line_error(cli("generate", "-m", str(gguf), "-p", "x", "--regex", "a("),
                           "invalid regular expression", "unclosed group")

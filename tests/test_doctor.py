@@ -12,7 +12,7 @@ from quickdraft.speculative.base import Drafter, Proposal
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.weights.loader import load_model
 from tests.helpers import save_hf_dir, tiny_hf_model, write_gguf_from_hf
-from tests.helpers import run
+from tests.helpers import cli
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
 CPU = torch.device("cpu")
@@ -101,16 +101,16 @@ def test_speculation_that_never_lands_is_reported(models):
 
 def test_doctor_command(paths):
     target, draft, other = paths
-    r = run("doctor", "-m", str(target), "--draft", str(draft), "--dtype", "bfloat16", "--ctx", "128", "--json")
+    r = cli("doctor", "-m", str(target), "--draft", str(draft), "--dtype", "bfloat16", "--ctx", "128", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] and {f["check"] for f in out["findings"]} >= {
         "memory plan", "target placement", "draft placement", "draft device", "tokenizer", "memory", "sampler",
         "speculation"}
-    small = run("doctor", "-m", str(target), "--draft", str(draft), "--ctx", "128", "--device-memory", "0.0001")
+    small = cli("doctor", "-m", str(target), "--draft", str(draft), "--ctx", "128", "--device-memory", "0.0001")
     assert small.returncode == 1 and "ERROR memory plan" in small.stdout and "do not fit" in small.stdout
     assert "not loaded: the plan does not fit" in small.stdout
-    bad = run("doctor", "-m", str(target), "--draft", str(other), "--ctx", "128")
+    bad = cli("doctor", "-m", str(target), "--draft", str(other), "--ctx", "128")
     assert bad.returncode == 1 and "ERROR tokenizer" in bad.stdout
 
 

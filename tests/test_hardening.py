@@ -23,7 +23,7 @@ from quickdraft.server import protocol as p
 from quickdraft.server import sandbox as sandbox_module
 from quickdraft.server.sandbox import GrammarSandbox
 from quickdraft.server.stops import StopMatcher
-from tests.helpers import (assert_one_line_error, gbnf_chain, lark_chain, ref_chain, run, tiny_hf_model,
+from tests.helpers import (assert_one_line_error, cli, gbnf_chain, lark_chain, ref_chain, tiny_hf_model,
                            write_gguf_from_hf)
 
 
@@ -391,7 +391,7 @@ def _key(name: str) -> bytes:
 def test_crafted_counts_are_refused_before_parsing(tmp_path, body, fragment):
     path = tmp_path / "crafted.gguf"
     path.write_bytes(body)
-    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), "not a readable GGUF file", fragment)
+    assert_one_line_error(cli("generate", "-m", str(path), "-p", "x"), "not a readable GGUF file", fragment)
 
 
 @pytest.mark.parametrize("metadata, fragment", [
@@ -401,14 +401,14 @@ def test_crafted_counts_are_refused_before_parsing(tmp_path, body, fragment):
 ])
 def test_metadata_that_contradicts_the_tensors_is_one_line(tmp_path, metadata, fragment):
     path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf", metadata=metadata)
-    assert_one_line_error(run("generate", "-m", str(path), "-p", "x"), fragment)
+    assert_one_line_error(cli("generate", "-m", str(path), "-p", "x"), fragment)
 
 
 def test_a_schema_that_would_crash_llguidance_is_one_line_on_the_command_line(tmp_path):
     path = write_gguf_from_hf(tiny_hf_model("llama"), tmp_path / "m.gguf", eos=True)
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(ref_chain(2000)))
-    assert_one_line_error(run("generate", "-m", str(path), "-p", "x", "--json-schema", str(schema)), "2001 $ref")
+    assert_one_line_error(cli("generate", "-m", str(path), "-p", "x", "--json-schema", str(schema)), "2001 $ref")
 
 
 # ---- pulls ----------------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_streamed_tool_call_deltas_reassemble(client):
 
 def test_arguments_fit_their_schema_over_seeded_samples_with_speculation(client):
     accepted = 0
-    for seed in range(20):
+    for seed in range(10):  # each call must parse and fit: a property of every sample, not a distribution's
         r = ask(client, "Weather and local time in a few European capitals, please.", tool_choice="required",
                 temperature=0.8, seed=seed)
         assert r.choices[0].finish_reason == "tool_calls", r.choices[0]

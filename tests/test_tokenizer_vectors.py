@@ -39,15 +39,15 @@ def test_tokenize_command_prints_llama_cpps_ids():
     """`quickdraft tokenize` on a vocabulary-only file: the ids llama.cpp gives, and pieces that spell the text."""
     import json
 
-    from tests.helpers import run
+    from tests.helpers import cli
 
     path = llamacpp.tree() / "models" / "ggml-vocab-llama-bpe.gguf"
     text, want = next((t, ids) for t, ids in llamacpp.vocab_tests("llama-bpe") if len(ids) > 5 and t.isprintable())
-    result = run("tokenize", "-m", str(path), "--no-bos", "--json", text)
+    result = cli("tokenize", "-m", str(path), "--no-bos", "--json", text)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["ids"] == want
     assert "".join(out["pieces"]) == text
-    listed = run("tokenize", "-m", str(path), "--no-bos", text)
+    listed = cli("tokenize", "-m", str(path), "--no-bos", text)
     assert [int(line.split("->")[0]) for line in listed.stdout.splitlines()] == want
     assert f"{len(want)} tokens" in listed.stderr

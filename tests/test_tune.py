@@ -10,7 +10,7 @@ from quickdraft.engine import Engine
 from quickdraft.speculative.base import Offer
 from quickdraft.tools.tune import Candidate, Costs, explain, read_profile, reference, simulate
 from quickdraft.speculative.draft_model import DraftModelDrafter
-from tests.helpers import PROMPT, drafter, run, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import PROMPT, cli, drafter, tiny_hf_model, write_gguf_from_hf
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_bad_profiles_say_what_to_do(tmp_path):
 def test_tune_writes_a_profile_that_generate_takes(tmp_path):
     path = write_gguf_from_hf(tiny_hf_model("llama", seed=8, logit_scale=6), tmp_path / "t.gguf")
     profile = tmp_path / "p.json"
-    r = run("tune", "-m", str(path), "--draft", str(path), "--draft", "ngram", "--kmax", "4", "-n", "12",
+    r = cli("tune", "-m", str(path), "--draft", str(path), "--draft", "ngram", "--kmax", "4", "-n", "12",
             "--prompts", "qa-en,code-en", "--dtype", "bfloat16", "--profile", str(profile), "--draft-vocab", "64",
             "--draft-weights", "bf16")  # (the tiny model's int4 head is in PyTorch's packing, which cannot be cut)
     assert r.returncode == 0, r.stderr
@@ -105,7 +105,7 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
     # every candidate but the winner (the best one when nothing beats plain decoding) says why it lost
     assert sum(not c["why_not"] for c in p["candidates"]) == 1 and p["candidates"][0]["r"] > 0
     assert f"recommendation: {p['draft']}" in r.stdout or p["draft"] == "none"
-    g = run("generate", "-m", str(path), "-p", "hello", "-n", "6", "--profile", str(profile), "--json",
+    g = cli("generate", "-m", str(path), "-p", "hello", "-n", "6", "--profile", str(profile), "--json",
             "--ignore-eos", "--dtype", "bfloat16")
     assert g.returncode == 0, g.stderr
     spec = json.loads(g.stdout)["spec"]
@@ -120,7 +120,7 @@ def test_tune_recommends_the_fastest_format_within_the_quality_bound(tmp_path):
     profile = tmp_path / "p.json"
     args = ("tune", "-m", str(path), "--draft", "ngram", "--kmax", "3", "-n", "12", "--prompts", "code-en",
             "--dtype", "bfloat16", "--profile", str(profile), "--formats", "int8,bf16")
-    r = run(*args, "--quality-bound", "0")
+    r = cli(*args, "--quality-bound", "0")
     assert r.returncode == 0, r.stderr
     p = json.loads(profile.read_text())
     rows = {row["weights"]: row for row in p["formats"]}
@@ -142,7 +142,7 @@ def test_tune_recommends_the_fastest_format_within_the_quality_bound(tmp_path):
         apply_profile(a)
         assert a.weights == taken and a.draft == p["draft"]
     # a bound without formats to choose from is a mistake, said as one
-    r = run("tune", "-m", str(path), "--quality-bound", "2", "--profile", str(profile))
+    r = cli("tune", "-m", str(path), "--quality-bound", "2", "--profile", str(profile))
     assert r.returncode != 0 and "--formats" in r.stderr
-    r = run(*args[:-1], "int3")
+    r = cli(*args[:-1], "int3")
     assert r.returncode != 0 and "--formats 'int3'" in r.stderr

@@ -11,7 +11,7 @@ from quickdraft.engine import Engine
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.tools.verify import chi_square, verify
 from quickdraft.weights.loader import load_model
-from tests.helpers import run, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import cli, tiny_hf_model, write_gguf_from_hf
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
 PROMPTS = {"a": [5, 17, 250, 3, 99], "b": [42, 7, 5, 17, 250, 3, 11]}
@@ -77,13 +77,13 @@ def test_chi_square_pools_rare_categories():
 
 def test_verify_command(paths):
     target, draft = paths
-    r = run("verify", "-m", str(target), "--draft", str(draft), "-n", "8", "--draws", "60", "--prompts",
+    r = cli("verify", "-m", str(target), "--draft", str(draft), "-n", "8", "--draws", "60", "--prompts",
             "qa-en,code-zh", "--dtype", "bfloat16", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["passed"] and {c["prompt"] for c in out["greedy"]} == {"qa-en", "code-zh"}
     assert out["distribution"]["draws"] == 60 and "p_value" in out["distribution"]
-    text = run("verify", "-m", str(target), "--draft", str(draft), "-n", "4", "--draws", "0", "--prompts", "qa-en")
+    text = cli("verify", "-m", str(target), "--draft", str(draft), "-n", "4", "--draws", "0", "--prompts", "qa-en")
     assert text.returncode == 0 and "PASS" in text.stdout and "identical" in text.stdout
-    none = run("verify", "-m", str(target), "--draft", "none")
+    none = cli("verify", "-m", str(target), "--draft", "none")
     assert none.returncode == 1 and "verify needs a draft" in none.stderr

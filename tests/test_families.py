@@ -59,6 +59,7 @@ def test_logits_equal_transformers_from_the_hugging_face_directory(family):
     torch.testing.assert_close(forward(ours, TOKENS, prefill=3), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # llama.cpp's converter in a process of its own for each file
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_logits_equal_transformers_from_llama_cpps_gguf(family, outtype):
     name, hf, d = family

@@ -16,6 +16,7 @@ from tests import llamacpp
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # four processes, two of them pytest: 40 s
 def test_the_cpu_rehearsal_runs_every_phase_and_leaves_its_outputs(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu", "--out", str(out)], cwd=ROOT,

@@ -24,6 +24,8 @@ from tests.helpers import PROMPT
 from tests.test_hybrid import tiny_qwen35, with_mtp
 from tests.test_moe import tiny_moe
 
+pytestmark = pytest.mark.slow  # llama.cpp's converter, six files
+
 F32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=256)
 MODELS = ("qwen3_5", "qwen3_5-mtp", "qwen3_5_moe", "qwen3_moe")
 QUANTIZED = ("qwen3_5-mtp", "qwen3_5_moe")  # also converted to q8_0

@@ -17,6 +17,8 @@ from tests.helpers import tiny_hf_model, write_gguf_from_hf
 from quickdraft.tools.servers import ServerProcess
 from tests.server_process import HealthWatch, event_loop_tasks, raw_socket, request_bytes
 
+pytestmark = pytest.mark.slow  # 20 s of clients
+
 KEY = "soak-key"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 SOAK_S = 20  # the chaos itself; the whole test takes about half a minute more

@@ -8,7 +8,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.speculative.base import Offer
-from quickdraft.tools.tune import Candidate, Costs, explain, read_profile, reference, simulate
+from quickdraft.tools.tune import SWITCH, Candidate, Costs, explain, read_profile, reference, simulate
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from tests.helpers import PROMPT, cli, drafter, tiny_hf_model, write_gguf_from_hf
 
@@ -99,12 +99,25 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
                       "v", "candidates", "checked"}
     # the draft model measured with its whole head and with it cut to 64 of its 320 ids
     assert [(c["name"], c["vocab"]) for c in p["candidates"]] == [(str(path), 0), (str(path), 64), ("ngram", 0)]
-    assert p["draft_vocab"] in (0, 64) and (p["draft_vocab"] == 0 or p["draft"] == str(path))
     assert "vocab=64" in r.stdout
     assert all(len(c["acceptance"]) == 4 and c["best_k"] in range(1, 5) for c in p["candidates"])
     # every candidate but the winner (the best one when nothing beats plain decoding) says why it lost
     assert sum(not c["why_not"] for c in p["candidates"]) == 1 and p["candidates"][0]["r"] > 0
-    assert f"recommendation: {p['draft']}" in r.stdout or p["draft"] == "none"
+    # the choice follows from the profile's own figures by tune's rule (which way it goes is the machine's): the
+    # best prediction above 1, none when nothing beats plain decoding; the predictions within 15% of it checked in
+    # a short run, and one measured more than SWITCH times faster than the pick taking its place
+    ranked = sorted((c for c in p["candidates"] if c["best_speedup"] > 1), key=lambda c: -c["best_speedup"])
+    if not ranked:
+        assert (p["draft"], p["draft_vocab"], p["checked"]) == ("none", 0, [])
+    else:
+        top = [c for c in ranked if c["best_speedup"] >= 0.85 * ranked[0]["best_speedup"]][:3]
+        assert [(x["candidate"], x["vocab"], x["predicted"]) for x in p["checked"]] == \
+            [(c["name"], c["vocab"], c["best_speedup"]) for c in top]
+        pick, fastest = p["checked"][0], max(p["checked"], key=lambda x: x["measured"])
+        pick = fastest if fastest["measured"] > SWITCH * pick["measured"] else pick
+        assert (p["draft"], p["draft_vocab"], p["measured_speedup"]) == (pick["candidate"], pick["vocab"],
+                                                                         pick["measured"])
+        assert f"recommendation: {p['draft']}" in r.stdout
     g = cli("generate", "-m", str(path), "-p", "hello", "-n", "6", "--profile", str(profile), "--json",
             "--ignore-eos", "--dtype", "bfloat16")
     assert g.returncode == 0, g.stderr

@@ -206,7 +206,8 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     plain_tok_s = pick["plain_tok_s"] if pick else 1 / t_step  # decode tok/s without and with the pick, same run
     return {"version": PROFILE_VERSION, "target": target.name, "weights": target.weights, "draft": winner.name,
             "draft_max": winner.best_k, "draft_vocab": winner.vocab, "fixed_k": True, "p_min": p_min,
-            "predicted_speedup": winner.best_speedup, "measured_speedup": measured, "plain_tok_s": plain_tok_s, "tok_s": pick["tok_s"] if pick else plain_tok_s,
+            "predicted_speedup": winner.best_speedup, "measured_speedup": measured, "plain_tok_s": plain_tok_s,
+            "tok_s": pick["tok_s"] if pick else plain_tok_s,
             "t_plain_s": t_plain, "t_step_s": t_step, "v": v, "candidates": [asdict(c) for c in results],
             "checked": checked}
 

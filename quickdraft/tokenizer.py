@@ -188,8 +188,16 @@ class Tokenizer:
         the text only (Metaspace's prepend_scheme "first": Llama 2's and Mistral's Hugging Face files) read the text
         after a control token without it ("a<s>b": ▁a <s> b), and so must a piece encoded alone."""
         spec = json.loads(self.backend.to_str())
-        spec["pre_tokenizer"] = _prepending_never(spec.get("pre_tokenizer"))
-        return _literal_copy(spec)
+        within = _prepending_never(spec.get("pre_tokenizer"))
+        if within == spec.get("pre_tokenizer"):  # nothing prepends at the start only: the same copy serves (a copy of
+            return self._literal  # a 151,936-token vocabulary takes a second to build)
+        return _literal_copy({**spec, "pre_tokenizer": within})
+
+    def prepare(self) -> None:
+        """Build now what encode_chat builds on the first message holding special-token text (the copies above: a
+        second each for a large vocabulary), so that no request waits for it (the server calls it as it loads)."""
+        if self._control_pattern is not None:
+            self._literal_within
 
     # ---- builders -------------------------------------------------------------------------
 

@@ -17,6 +17,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as GT, GGUFWriter, quant
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
 
 
+def tokens_of(engine, params, prompt=PROMPT):
+    """A generation's tokens and its last event (finish reason, timings, stats)."""
+    events = list(engine.generate(prompt, params))
+    return [e.token for e in events if e.token is not None], events[-1]
+
+
 def run(*args, env=None):
     """`quickdraft ARGS` in a subprocess."""
     return subprocess.run([sys.executable, "-m", "quickdraft", *args], capture_output=True, text=True,

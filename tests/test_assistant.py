@@ -16,7 +16,7 @@ from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
 from tests.families import save, tiny_model
-from tests.helpers import PROMPT
+from tests.helpers import PROMPT, tokens_of as run
 
 F32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=256)
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)
@@ -105,11 +105,6 @@ def test_a_step_equals_transformers(target_dir, assistant_dir):
             assert errors[0] <= 1e-5 * max(1.0, float(logits_want.abs().max())) and errors[1] <= 1e-5
             assert int(logits.argmax()) == int(logits_want.argmax())
             token = int(logits.argmax())
-
-
-def run(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 @pytest.mark.parametrize("spec", [SpeculationConfig(draft_max=1, adaptive=False),

@@ -24,6 +24,7 @@ from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.weights.loader import load_model as load_anywhere
 from tests.helpers import check_second_token_follows_the_target, save_hf_dir, target_and_noisy_draft, tiny_hf_model
+from tests.helpers import PROMPT, tokens_of
 
 DEVICE = os.environ.get("QUICKDRAFT_TEST_DEVICE", "cuda")
 ON_GPU = DEVICE == "cuda"
@@ -33,7 +34,6 @@ cuda_only = pytest.mark.skipif(not ON_GPU, reason="CUDA itself is what it checks
 kernels = pytest.mark.kernels  # gpu_check.sh's first phase
 
 CUDA = EngineConfig(device=DEVICE, dtype="bfloat16", weights="bf16", max_context=256)  # bf16: cuBLAS and the graphs
-PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
 
 
 def load_model(path, config=CUDA, progress=False):
@@ -46,11 +46,6 @@ def as_on_cuda(lm):
         lm.rows = gpu_kernels.ROW_TILE
         lm.graphs = StepGraphs(lm.model, lm.rows)
     return lm
-
-
-def tokens_of(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 def graphs_on(lm) -> None:

@@ -19,7 +19,7 @@ from quickdraft.speculative.accept import accept_greedy, accept_sampled
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.weights.loader import load_model
 from tests.guards import HostTraffic
-from tests.helpers import PROMPT, save_hf_dir, target_and_noisy_draft, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import PROMPT, save_hf_dir, target_and_noisy_draft, tiny_hf_model, tokens_of, write_gguf_from_hf
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
 
@@ -27,11 +27,6 @@ BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return target_and_noisy_draft(tmp_path_factory.mktemp("pair"), BF16)
-
-
-def tokens_of(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 # --- passes: nothing copied in, nothing read back --------------------------------------------------------------

@@ -12,20 +12,14 @@ from quickdraft.engine import Engine
 from quickdraft.runtime import graphs
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft_model import DraftModelDrafter
-from tests.helpers import target_and_noisy_draft
+from tests.helpers import target_and_noisy_draft, tokens_of
 
 CPU = EngineConfig(device="cpu", dtype="float32", max_context=256)
-PROMPT = [5, 17, 250, 3, 99, 42, 7, 5, 17, 250, 3, 11, 64, 128, 5, 17]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     return target_and_noisy_draft(tmp_path_factory.mktemp("graphs"), CPU)
-
-
-def tokens_of(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 def test_forward_at_equals_forward(models):

@@ -14,7 +14,7 @@ from quickdraft.runtime.kv_cache import HISTORY, KVCache
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, add_noise, check_second_token_follows_the_target, save_hf_dir
+from tests.helpers import PROMPT, add_noise, check_second_token_follows_the_target, save_hf_dir, tokens_of as run
 
 F32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=512)
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)
@@ -113,11 +113,6 @@ def pair(tmp_path_factory):
     target = load_model(str(save_hf_dir(tiny_qwen35(logit_scale=20), root / "t")), BF16, False)
     draft = load_model(str(save_hf_dir(add_noise(tiny_qwen35(logit_scale=20), 0.15), root / "d")), BF16, False)
     return target, draft
-
-
-def run(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 def states_of(cache: KVCache, length: int):

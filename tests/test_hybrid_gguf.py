@@ -20,7 +20,7 @@ from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.weights.loader import load_model
 from tests import llamacpp
 from tests.families import bpe_tokenizer
-from tests.helpers import PROMPT
+from tests.helpers import PROMPT, tokens_of as run
 from tests.test_hybrid import tiny_qwen35, with_mtp
 from tests.test_moe import tiny_moe
 
@@ -105,11 +105,6 @@ def test_the_mtp_block_from_the_file_is_the_directorys(converted):
     theirs = load_model(str(hf_dir), F32, progress=False).model.mtp.state_dict()
     ours = load_model(str(files["f32"]), F32, progress=False).model.mtp.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-
-
-def run(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "mixed"])

@@ -13,7 +13,7 @@ from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, add_noise, save_hf_dir
+from tests.helpers import PROMPT, add_noise, save_hf_dir, tokens_of as run
 
 F32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=256)
 
@@ -90,11 +90,6 @@ def test_a_tokens_expert_output_does_not_depend_on_the_tokens_beside_it(pair):
         together = moe(x)
         for i in range(9):
             assert torch.equal(moe(x[:, i:i + 1])[0, 0], together[0, i]), (fmt, i)
-
-
-def run(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 @pytest.mark.parametrize("kind", ["draft", "ngram"])

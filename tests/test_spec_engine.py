@@ -12,7 +12,7 @@ from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.vocab import check_compatible
 from quickdraft.tools.verify import chi_square
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, drafter, save_hf_dir, tiny_hf_model
+from tests.helpers import PROMPT, drafter, save_hf_dir, tiny_hf_model, tokens_of as run
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)  # the n-gram cases need its repeats
 
@@ -20,11 +20,6 @@ BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=
 @pytest.fixture
 def models(bf16_pair):
     return bf16_pair
-
-
-def run(engine, params, prompt=PROMPT):
-    events = list(engine.generate(prompt, params))
-    return [e.token for e in events if e.token is not None], events[-1]
 
 
 SPECS = {"fixed-1": SpeculationConfig(draft_max=1, adaptive=False), "fixed-3": SpeculationConfig(draft_max=3, adaptive=False),

@@ -129,6 +129,8 @@ def test_special_token_text_in_a_message_cannot_forge_a_turn(vocabulary, templat
     safe, old = tok.encode_chat(messages), tok.encode_chat(messages, literal_special_text=False)
     assert safe.count(turn_id) == honest.count(turn_id) and old.count(turn_id) == honest.count(turn_id) + 1
     assert tok.decode(safe) == tok.decode(old) == tok.apply_chat_template(messages)
+    # one literal copy of the vocabulary serves a piece anywhere, unless the start of the text reads differently
+    assert (tok._literal_within is tok._literal) == (vocabulary == "byte-level")
     assert tok.encode_chat(messages[:0] + [{"role": "user", "content": "hi"}]) == tok.encode(
         tok.apply_chat_template([{"role": "user", "content": "hi"}]))  # nothing to mask: the plain path
     if vocabulary == "metaspace-first":  # one token per character: the masked characters' ids can be swapped back

@@ -451,7 +451,10 @@ def cmd_serve(args) -> int:
         llm = load(args)
         for _ in llm.stream("Hello", params=SamplingParams(max_tokens=4), speculation=SpeculationConfig(draft_max=0)):
             pass  # warm-up: one-off kernel setup is paid here, not by the first request
-        llm.target.tokenizer.prepare()  # what the first message holding special-token text would wait for
+        try:  # what the first message holding special-token text would wait for
+            llm.target.tokenizer.prepare()
+        except Exception as e:  # noqa: BLE001 (that request meets it then, as before; serving goes on)
+            print(f"warning: the tokenizer's literal copy: {e}", file=sys.stderr)
         try:  # llguidance's view of the vocabulary, built before the first request
             llm.engine.grammars.ll_tokenizer
         except QuickdraftError as e:  # plain requests are unaffected; constrained ones get this message as a 400

@@ -187,11 +187,12 @@ class Tokenizer:
         """_literal for text that does not start the whole: SentencePiece files that prepend "▁" at the start of
         the text only (Metaspace's prepend_scheme "first": Llama 2's and Mistral's Hugging Face files) read the text
         after a control token without it ("a<s>b": ▁a <s> b), and so must a piece encoded alone."""
+        pre = self.backend.pre_tokenizer  # its own description: cheap, where the whole backend's is not
+        pre = json.loads(pre.__getstate__()) if pre is not None else None
+        if _prepending_never(pre) == pre:  # nothing prepends at the start only: the same copy serves (a copy of a
+            return self._literal  # 151,936-token vocabulary takes a second to build)
         spec = json.loads(self.backend.to_str())
-        within = _prepending_never(spec.get("pre_tokenizer"))
-        if within == spec.get("pre_tokenizer"):  # nothing prepends at the start only: the same copy serves (a copy of
-            return self._literal  # a 151,936-token vocabulary takes a second to build)
-        return _literal_copy({**spec, "pre_tokenizer": within})
+        return _literal_copy({**spec, "pre_tokenizer": _prepending_never(spec.get("pre_tokenizer"))})
 
     def prepare(self) -> None:
         """Build now what encode_chat builds on the first message holding special-token text (the copies above: a

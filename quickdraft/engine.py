@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -17,8 +17,8 @@ from quickdraft.grammar import Grammar
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import Slot, Slots
 from quickdraft.speculative.accept import accept_greedy, accept_sampled
-from quickdraft.speculative.base import Drafter, Proposal
-from quickdraft.speculative.policy import AdaptivePolicy
+from quickdraft.speculative.base import Drafter, KFor, Proposal
+from quickdraft.speculative.policy import AdaptivePolicy, BatchPlan
 from quickdraft.speculative.stats import SpeculationStats
 
 if TYPE_CHECKING:  # the engine runs whatever model it is given; it does not load one
@@ -137,6 +137,13 @@ class Sequence:
     detok: Detokenizer
     tokens: list[int] = field(default_factory=list)  # the prompt, then each token generated so far
     pending: list[int] = field(default_factory=list)  # the current step's tokens not yet taken into tokens
+    started: float = 0.0  # when it was started (perf_counter): its TTFT counts from here
+    prefilled: int = 0  # of the prompt, the tokens its cache holds
+    steps: int = 0  # the number of the next step (0: the prefill; Event.step)
+    first: float | None = None  # when its first token was chosen
+    drafting: bool = False  # its drafter has taken in the prompt (after the first token)
+    work: "Work | None" = None  # the current step's drafts, between planning the pass and concluding it
+    finish: str | None = None  # why it ended (Event.finish_reason), once it has
 
     @property
     def cache(self) -> KVCache:
@@ -145,6 +152,14 @@ class Sequence:
     @property
     def generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
+
+
+@dataclass
+class Work:
+    """A step's drafting, kept from planning its pass to concluding it."""
+    proposal: Proposal
+    draft_s: float
+    masks: object | None  # the future of the drafts' grammar masks (under a constraint)
 
 
 class Engine:
@@ -164,6 +179,7 @@ class Engine:
         self.drafter = drafter  # speaks for the first slot; each further slot drafts with a fork of it
         self.slots = Slots(self._slot, slots)
         first, _ = self.slots.take([], reuse=False)  # made now: its cache is the one tools ask for before generating
+        first.busy = False
         # a hybrid target's or draft's recurrent state rolls back a bounded number of positions, and on CUDA a pass
         # has at most target.rows rows (LoadedModel.rows): k stays within both
         bounds = (first.cache.max_draft, drafter.max_draft if drafter is not None else None,
@@ -175,6 +191,7 @@ class Engine:
         self.grammars = GrammarCompiler(target.tokenizer, target.config.vocab_size)
         self._masker: ThreadPoolExecutor | None = None  # computes verification masks during the target pass
         self.last = first  # the slot of the latest generation
+        self.last_rows = 0  # rows of the latest pass of a sequence alone (Batch's metrics)
 
     def _slot(self) -> Slot:
         cache = KVCache.for_model(self.target.model, self.capacity)
@@ -225,96 +242,170 @@ class Engine:
         output to a grammar: it ends with "stop" once the output is complete; reuse False prefills the whole prompt
         (a kept slot is not looked for; the output is the same either way).
         """
-        self.check_fits(len(prompt), params.max_tokens)
-        s = self._sequence(prompt, params, speculation or self.speculation, halt or Halt(), constraint, reuse)
+        s = self.start(prompt, params, speculation, halt, constraint, reuse)
         try:
-            yield from self._run(s)
+            while s.finish is None:
+                yield from self._emit(s, *self._step(s))
+            yield self._final(s)
         except GeneratorExit:  # the caller stopped reading at a token: the cache is whole
             raise
         except BaseException:
             s.slot.forget()  # a pass may have stopped half way: nothing the cache holds is known
             raise
         finally:
-            self._release(s)
+            self.release(s)
 
-    def _sequence(self, prompt, params, speculation, halt, constraint, reuse) -> Sequence:
+    def start(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
+              halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True) -> Sequence:
+        """A sequence for prompt, in a slot of its own (generate's arguments), not yet prefilled; `release` it when
+        it ends. QuickdraftError if it does not fit the context."""
+        self.check_fits(len(prompt), params.max_tokens)
         slot, reused = self.slots.take(prompt, reuse)
         self.last = slot
+        speculation = speculation or self.speculation
         drafter = slot.drafter if speculation.draft_max > 0 else None
         eos = self.target.tokenizer.eos_ids if params.stop_at_eos else frozenset()
         if constraint is not None:  # the output ends where the grammar allows an end and the model takes it
             eos = self.target.tokenizer.eos_ids | constraint.eos_ids
         stats = SpeculationStats(drafter=self.drafter_name if drafter else "none",
                                  draft_device=str(drafter.device) if drafter and drafter.device else None)
-        return Sequence(list(prompt), params, speculation, slot, drafter, constraint, halt, eos,
-                        sampling.Generators(params.seed), stats, Timings(prompt_n=len(prompt), cache_n=reused),
-                        Detokenizer(self.target.tokenizer), list(prompt))
+        s = Sequence(list(prompt), params, speculation, slot, drafter, constraint, halt or Halt(), eos,
+                     sampling.Generators(params.seed), stats, Timings(prompt_n=len(prompt), cache_n=reused),
+                     Detokenizer(self.target.tokenizer), list(prompt), started=time.perf_counter(), prefilled=reused)
+        if params.max_tokens == 0:
+            s.finish = "length"
+        return s
 
-    def _release(self, s: Sequence) -> None:
-        """What the slot holds now: the tokens of its cache (the step's tokens not yet taken in included)."""
+    def release(self, s: Sequence) -> None:
+        """The sequence has ended: its slot keeps the tokens of its cache (the step's tokens not yet taken in
+        included) for the next prompt that begins with them, and is free again."""
         s.slot.tokens[:] = (s.tokens + s.pending)[:s.slot.cache.length]
         s.slot.checkpoint()
+        s.slot.busy = False
 
-    def _run(self, s: Sequence) -> Iterator[Event]:
-        start = time.perf_counter()
-        new_tokens, scores = self._prefill(s)
+    # ---- the pieces of a step ---------------------------------------------------------------
+
+    def _step(self, s: Sequence):
+        """One step of a sequence alone: its whole prefill, or one plain step or speculative round."""
+        if s.prefilled < len(s.prompt):
+            t0 = time.perf_counter()
+            feed = torch.tensor(s.prompt[s.prefilled:], device=self.target.device)
+            self.last_rows = min(len(feed), self.target.chunk)
+            logits = self.target.prefill(feed[None], s.cache)[0]
+            s.prefilled = len(s.prompt)
+            return self._conclude(s, logits, t0)
+        feed = self._plan(s, self._k_alone(s))
+        self.last_rows = len(feed)
+        t0 = time.perf_counter()
+        logits = self.target.forward(feed[None], s.cache)[0]
+        return self._conclude(s, logits, t0)
+
+    def _k_alone(self, s: Sequence) -> KFor:
+        budget = self._budget(s)
+        return lambda source: max(0, min(self.policy.k_for(source, s.speculation), budget))
+
+    def _budget(self, s: Sequence) -> int:
+        budget = draft_budget(s.params.max_tokens, s.generated, self.context - len(s.tokens))
+        return min(budget, self.max_draft) if self.max_draft is not None else budget
+
+    def _plan(self, s: Sequence, k_for: KFor) -> torch.Tensor:
+        """Draft (with k_for saying how many tokens) and return the rows of the sequence's next target pass: its
+        last token, then the drafts. Under a constraint the drafts' masks are computed on another thread while the
+        target runs (llguidance releases the GIL)."""
+        if s.drafter is not None and not s.drafting:  # the draft takes in the prompt once the
+            self._begin_drafting(s)  # first token is out: the wait for the first token is the target's prefill alone
+        proposal, draft_s = Proposal([], "none"), 0.0
+        if s.drafter is not None and self._budget(s) > 0:
+            t0 = time.perf_counter()
+            # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
+            proposal = s.drafter.propose(s.tokens, k_for, s.params,
+                                         s.generators.on(s.drafter.device or self.target.device),
+                                         s.constraint if s.speculation.constrain_draft else None)
+            draft_s = time.perf_counter() - t0
+        masks = None
+        if s.constraint is not None and proposal.tokens:
+            if self._masker is None:  # its thread ends when the engine is collected (tests/test_grammar.py)
+                self._masker = ThreadPoolExecutor(1, thread_name_prefix="quickdraft-mask")
+            masks = self._masker.submit(s.constraint.lookahead_bitmasks, proposal.tokens)
+        s.work = Work(proposal, draft_s, masks)
+        return torch.tensor(s.tokens[-1:] + proposal.tokens, device=self.target.device)
+
+    def _conclude(self, s: Sequence, logits: torch.Tensor, t0: float, batched: bool = False):
+        """From the logits of the sequence's pass (started at t0): the tokens it adds to s.tokens, their scores and
+        their Origin; the cache rolled back to match. A prefill's first token, a plain step's or a round's."""
+        if s.steps == 0:  # the prefill's last row
+            s.slot.checkpoint()  # a turn boundary: the next turn of a hybrid's conversation restarts here at worst
+            return (*self._choose(s, logits), _TARGET)
+        work, s.work = s.work, None
+        proposal, draft_s = work.proposal, work.draft_s
+        if not proposal.tokens:
+            chosen = self._choose(s, logits)
+            seconds = time.perf_counter() - t0
+            if not batched:  # a batched pass's time is the batch's (Batch: the policy's pass costs)
+                self.policy.record_plain(seconds + draft_s)
+            s.stats.record_plain(seconds + draft_s)
+            return (*chosen, _TARGET)
+        tokens, accepted, scores = self._verify(s, proposal, logits, work.masks)
+        verify_s = time.perf_counter() - t0
+        k = len(proposal.tokens)
+        if batched:
+            self.policy.record_drafts(proposal.source, k, accepted, draft_s - proposal.catch_up_s)
+        else:
+            self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s,
+                                     proposal.catch_up_s)
+        s.stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
+        return tokens, scores, Origin(proposal.source, accepted, k)
+
+    def _emit(self, s: Sequence, new_tokens: list[int], scores, origin: "Origin") -> Iterator[Event]:
+        """An Event per token of the step, until the sequence ends (s.finish set: at an end-of-generation token,
+        a halt, the grammar's end, or max_tokens)."""
+        try:
+            yield from self._tokens(s, new_tokens, scores, origin)
+        finally:
+            s.steps += 1
+
+    def _tokens(self, s: Sequence, new_tokens: list[int], scores, origin: "Origin") -> Iterator[Event]:
         t = s.timings
-        origin, step, first = _TARGET, 0, None  # who proposed the tokens of this step (Event.source)
-        finish = "length"
-        while new_tokens:
-            s.pending = list(new_tokens)
-            for j, token in enumerate(new_tokens):
-                now = time.perf_counter()
-                if first is None:
-                    t.prefill_s = t.ttft_s = now - start
-                    first = now
-                else:
-                    t.decode_s, t.n_decoded = now - first, t.n_decoded + 1
-                if token in s.eos:
-                    finish = "stop"
-                    break
-                s.tokens.append(s.pending.pop(0))
-                if s.constraint is not None:
-                    s.constraint.advance(token)
-                yield Event(token, s.detok.push(token), source=origin.source if j < origin.kept else "target",
-                            step=step, k=origin.k, **_logprobs(scores, j, token, s.params.logprobs))
-                if s.halt.reason is not None:
-                    finish = s.halt.reason
-                    break
-                if s.constraint is not None and s.constraint.stopped:
-                    finish = "stop"
-                    break
-                if s.generated == s.params.max_tokens:
-                    break
+        s.pending = list(new_tokens)
+        for j, token in enumerate(new_tokens):
+            now = time.perf_counter()
+            if s.first is None:
+                t.prefill_s = t.ttft_s = now - s.started
+                s.first = now
             else:
-                if step == 0 and s.drafter is not None:  # the draft takes in the prompt once the first token is out:
-                    self._begin_drafting(s)  # the wait for the first token is the target's prefill alone
-                new_tokens, scores, origin = self._step(s)
-                step += 1
-                continue
-            break
-        if first is None:  # max_tokens == 0
-            t.prefill_s = t.ttft_s = time.perf_counter() - start
+                t.decode_s, t.n_decoded = now - s.first, t.n_decoded + 1
+            if token in s.eos:
+                s.finish = "stop"
+                return
+            s.tokens.append(s.pending.pop(0))
+            if s.constraint is not None:
+                s.constraint.advance(token)
+            yield Event(token, s.detok.push(token), source=origin.source if j < origin.kept else "target",
+                        step=s.steps, k=origin.k, **_logprobs(scores, j, token, s.params.logprobs))
+            if s.halt.reason is not None:
+                s.finish = s.halt.reason
+            elif s.constraint is not None and s.constraint.stopped:
+                s.finish = "stop"
+            elif s.generated == s.params.max_tokens:
+                s.finish = "length"
+            if s.finish is not None:
+                return
+
+    def _final(self, s: Sequence) -> Event:
+        """The last Event: why the sequence ended, the text still held back, its timings and statistics."""
+        t = s.timings
+        if s.first is None:  # max_tokens == 0, or halted before its first token
+            t.prefill_s = t.ttft_s = time.perf_counter() - s.started
         s.stats.policy = self.policy.snapshot() if s.drafter is not None else {}
         if s.constraint is not None:
             s.stats.constraint = s.constraint.grammar.kind
             s.stats.mask_s, s.stats.masks_computed = s.constraint.seconds, s.constraint.masks_computed
-        yield Event(None, s.detok.flush(), finish_reason=finish, timings=t, stats=s.stats)
-
-    # ---- the pieces of the loop -------------------------------------------------------------
-
-    def _prefill(self, s: Sequence):
-        """The prompt's tokens the slot does not hold, in chunks; the first token from the last one's logits."""
-        if s.params.max_tokens == 0:
-            return [], None
-        feed = torch.tensor(s.prompt[s.timings.cache_n:], device=self.target.device)
-        logits = self.target.prefill(feed[None], s.cache)[0]
-        s.slot.checkpoint()  # a turn boundary: the next turn of a hybrid's conversation restarts here at worst
-        return self._choose(s, logits)
+        return Event(None, s.detok.flush(), finish_reason=s.finish, timings=t, stats=s.stats)
 
     def _begin_drafting(self, s: Sequence) -> None:
         t0 = time.perf_counter()
         s.drafter.begin(s.prompt)
+        s.drafting = True
         self.policy.begin()
         s.timings.draft_prefill_s = time.perf_counter() - t0
 
@@ -337,61 +428,14 @@ class Engine:
             return torch.log_softmax(raw.float(), -1)
         return self._per_position(masked, history, k, lambda x, h: sampling.process(x, params, h)).log()
 
-    def _step(self, s: Sequence):
-        """One plain step or one speculative round: the tokens it adds to s.tokens, their scores and their Origin."""
-        budget = draft_budget(s.params.max_tokens, s.generated, self.context - len(s.tokens))
-        if self.max_draft is not None:
-            budget = min(budget, self.max_draft)
-
-        def k_for(source: str) -> int:
-            return max(0, min(self.policy.k_for(source, s.speculation), budget))
-
-        proposal = Proposal([], "none")
-        draft_s = 0.0
-        if s.drafter is not None and budget > 0:
-            t0 = time.perf_counter()
-            # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
-            proposal = s.drafter.propose(s.tokens, k_for, s.params, s.generators.on(s.drafter.device or
-                                                                                      self.target.device),
-                                         s.constraint if s.speculation.constrain_draft else None)
-            draft_s = time.perf_counter() - t0
-        if not proposal.tokens:
-            t0 = time.perf_counter()
-            chosen = self._plain(s)
-            seconds = time.perf_counter() - t0
-            self.policy.record_plain(seconds + draft_s)
-            s.stats.record_plain(seconds + draft_s)
-            return (*chosen, _TARGET)
-        t0 = time.perf_counter()
-        tokens, accepted, scores = self._verify(s, proposal)
-        verify_s = time.perf_counter() - t0
-        k = len(proposal.tokens)
-        self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s,
-                                 proposal.catch_up_s)
-        s.stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
-        return tokens, scores, Origin(proposal.source, accepted, k)
-
-    def _plain(self, s: Sequence):
-        logits = self.target.forward(torch.tensor([s.tokens[-1:]], device=self.target.device), s.cache)[0]
-        return self._choose(s, logits)
-
-    def _verify(self, s: Sequence, proposal: Proposal):
-        """Run the target over the last token and the drafts, accept, and roll the cache back to match.
-
-        Under a constraint every position is masked as a plain step there would be; the masks are computed
-        on another thread while the target runs (llguidance releases the GIL).
-        """
+    def _verify(self, s: Sequence, proposal: Proposal, logits: torch.Tensor, masks):
+        """Accept from the target's logits (k + 1, V) over the last token and the drafts, and roll the cache back
+        to match. Under a constraint every position is masked as a plain step there would be."""
         device, params, seq = self.target.device, s.params, s.tokens
-        masks = None
-        if s.constraint is not None:
-            if self._masker is None:  # its thread ends when the engine is collected (tests/test_grammar.py)
-                self._masker = ThreadPoolExecutor(1, thread_name_prefix="quickdraft-mask")
-            masks = self._masker.submit(s.constraint.lookahead_bitmasks, proposal.tokens)
-        drafts = torch.tensor(proposal.tokens, device=device)
-        feed = torch.cat([torch.tensor(seq[-1:], device=device), drafts])
-        logits = raw = self.target.forward(feed[None], s.cache)[0]  # (k + 1, V)
+        raw = logits
         if masks is not None:
             logits = constraints.apply(logits, constraints.unpack(masks.result().to(device), logits.shape[-1]))
+        drafts = torch.tensor(proposal.tokens, device=device)
         k = len(proposal.tokens)
         history = sampling.history(seq, params, device, appended=proposal.tokens)
         scores = self._scores(raw, logits, history, k, params)
@@ -414,6 +458,127 @@ class Engine:
         if history is None:
             return fn(logits, None)
         return torch.cat([fn(logits[i:i + 1], history[: history.shape[0] - k + i]) for i in range(k + 1)])
+
+
+class Batch:
+    """Sequences stepped together (continuous batching). A step is one target pass over the rows of every active
+    sequence: a plain step's one row, a round's last token and drafts, a newcomer's next chunk of prompt (so the
+    streams already running go on while it prefills). Decoding one token reads every weight; a pass of several
+    sequences' rows reads them once, so on these kernels a few sequences cost little more than one. Each sequence is
+    accepted and rolled back on its own, and its rows are computed as its own pass computes them
+    (Transformer.forward_segments): its output is the one it gets alone, token for token.
+
+    How much each sequence drafts is chosen for the step as a whole (speculative/policy.BatchPlan): drafts are rows
+    of the same pass, and spare compute goes where it earns most tokens per second. With one sequence active a step
+    is that sequence's own step (Engine._step, as generate runs it)."""
+
+    def __init__(self, engine: Engine, parallel: int | None = None):
+        self.engine = engine
+        self.parallel = parallel or engine.slots.count
+        self.max_rows = engine.target.chunk  # a batched pass is row-wise: its rows in all, as a prefill chunk's
+        self.active: list[Sequence] = []
+        self.passes = 0  # target passes run
+        self.last_rows = 0  # rows of the latest pass
+
+    def room(self) -> int:
+        """How many more sequences may start now."""
+        return max(0, min(self.parallel - len(self.active), self.engine.slots.free()))
+
+    def add(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
+            halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True) -> Sequence:
+        """Start a sequence (Engine.generate's arguments): its prefill runs in the next steps. QuickdraftError if it
+        does not fit the context; RuntimeError without room."""
+        if self.room() == 0:
+            raise RuntimeError(f"the batch runs {len(self.active)} sequences, its most")
+        s = self.engine.start(prompt, params, speculation, halt, constraint, reuse)
+        self.active.append(s)
+        return s
+
+    @torch.inference_mode()
+    def step(self, deliver: Callable[[Sequence, Event | Exception], None]) -> None:
+        """One step of every active sequence: deliver(s, event) for each of its events in order (a halt set by
+        deliver ends the sequence at that token), the last one it gets being its final Event, or the exception it
+        failed with. Ended sequences leave the batch, their slots kept for reuse."""
+        for s in list(self.active):
+            if s.finish is None and s.halt.reason is not None:  # cancelled between steps: it ends now
+                s.finish = s.halt.reason
+            if s.finish is not None:
+                self._end(s, deliver)
+        if len(self.active) == 1:
+            self._alone(self.active[0], deliver)
+        elif self.active:
+            self._together(deliver)
+
+    def _alone(self, s: Sequence, deliver) -> None:
+        try:
+            step = self.engine._step(s)
+            self.passes, self.last_rows = self.passes + 1, self.engine.last_rows
+            for event in self.engine._emit(s, *step):
+                deliver(s, event)
+        except Exception as e:  # noqa: BLE001 -- that sequence fails, the batch goes on
+            self._fail(s, e, deliver)
+            return
+        if s.finish is not None:
+            self._end(s, deliver)
+
+    def _together(self, deliver) -> None:
+        engine = self.engine
+        prefilling = [s for s in self.active if s.prefilled < len(s.prompt)]
+        decoding = [s for s in self.active if s.prefilled == len(s.prompt)]
+        plan = BatchPlan(engine.policy, len(decoding) + bool(prefilling), len(decoding), self.max_rows)
+        feeds: dict[int, torch.Tensor] = {}
+        for i, s in enumerate(decoding):
+            try:
+                feeds[id(s)] = engine._plan(s, plan.k_for(i, s.speculation, engine._budget(s)))
+            except Exception as e:  # noqa: BLE001 -- its drafter or constraint: that sequence fails
+                self._fail(s, e, deliver)
+        room = self.max_rows - sum(len(f) for f in feeds.values())
+        for s in prefilling:  # first come, first prefilled, in the rows the decoding sequences leave
+            n = min(room, len(s.prompt) - s.prefilled)
+            if n <= 0:
+                break
+            feeds[id(s)] = torch.tensor(s.prompt[s.prefilled:s.prefilled + n], device=engine.target.device)
+            room -= n
+        order = [s for s in self.active if id(s) in feeds]
+        if not order:
+            return
+        t0 = time.perf_counter()
+        try:
+            logits = engine.target.forward_segments([feeds[id(s)] for s in order], [s.cache for s in order],
+                                                    [s in prefilling for s in order])
+        except Exception as e:  # noqa: BLE001 -- the pass failed: every sequence in it
+            for s in order:
+                self._fail(s, e, deliver)
+            return
+        rows = sum(len(feeds[id(s)]) for s in order)
+        engine.policy.record_pass(rows, time.perf_counter() - t0)
+        self.passes, self.last_rows = self.passes + 1, rows
+        for s, row_logits in zip(order, logits):
+            try:
+                if s in prefilling:
+                    s.prefilled += len(feeds[id(s)])
+                    if s.prefilled < len(s.prompt):
+                        continue
+                for event in engine._emit(s, *engine._conclude(s, row_logits, t0, batched=True)):
+                    deliver(s, event)
+            except Exception as e:  # noqa: BLE001 -- that sequence fails, the batch goes on
+                self._fail(s, e, deliver)
+                continue
+            if s.finish is not None:
+                self._end(s, deliver)
+
+    def _end(self, s: Sequence, deliver) -> None:
+        self.active.remove(s)
+        self.engine.release(s)
+        deliver(s, self.engine._final(s))
+
+    def _fail(self, s: Sequence, error: Exception, deliver) -> None:
+        s.slot.forget()  # a pass may have stopped half way: nothing the cache holds is known
+        s.finish = "error"
+        if s in self.active:
+            self.active.remove(s)
+        self.engine.release(s)
+        deliver(s, error)
 
 
 class Origin(NamedTuple):

@@ -27,7 +27,8 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("attacks")
     path = write_gguf_from_hf(tiny_hf_model("llama", logit_scale=5), d / "tiny.gguf", chat_template=TEMPLATE, eos=True)
     (d / "key").write_text(KEY + "\n")
-    with ServerProcess("-m", str(path), "--draft", "ngram", "--ctx", "1024", "--max-queue", "2", "--api-key-file",
+    with ServerProcess("-m", str(path), "--draft", "ngram", "--ctx", "1024", "--max-queue", "2", "--parallel", "1",
+                       "--api-key-file",
                        str(d / "key"), "--dtype", "float32", "--request-timeout", str(REQUEST_TIMEOUT_S),
                        startup_timeout=120) as s:
         s.rss_start = psutil.Process(s.pid).memory_info().rss

@@ -29,7 +29,8 @@ HEAD_TIMEOUT_S = 5
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("misbehaving")
     path = write_gguf_from_hf(tiny_hf_model("llama", logit_scale=5), d / "tiny.gguf", chat_template=TEMPLATE, eos=True)
-    with ServerProcess("-m", str(path), "--draft", "ngram", "--ctx", "2048", "--max-queue", "3", "--api-key", KEY,
+    with ServerProcess("-m", str(path), "--draft", "ngram", "--ctx", "2048", "--max-queue", "3", "--parallel", "1",
+                       "--api-key", KEY,
                        "--dtype", "float32", "--request-timeout", str(HEAD_TIMEOUT_S), startup_timeout=120) as s:
         s.rss_start = rss(s)
         yield s

@@ -24,13 +24,13 @@ def test_worker_runs_the_engine_on_the_thread_that_made_it(tmp_path):
     def make_llm():
         threads["made"] = threading.current_thread()
         llm = LLM(load_model(str(path), CONFIG, progress=False), CONFIG)
-        generate = llm.engine.generate
+        start = llm.engine.start
 
         def recorded(*args, **kw):
             threads["ran"] = threading.current_thread()
-            yield from generate(*args, **kw)
+            return start(*args, **kw)
 
-        llm.engine.generate = recorded
+        llm.engine.start = recorded
         return llm
 
     worker = EngineWorker(make_llm, 4, Metrics())

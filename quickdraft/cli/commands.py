@@ -441,6 +441,9 @@ def cmd_serve(args) -> int:
 
     if args.max_queue < 1:
         raise QuickdraftError("--max-queue must be at least 1")
+    if args.parallel < 1:
+        raise QuickdraftError("--parallel must be at least 1")
+    args.cache_slots = max(args.cache_slots, args.parallel)  # each running request holds a slot
     if not args.request_timeout > 0:
         raise QuickdraftError("--request-timeout must be a positive number of seconds")
     api_key = _api_key(args)
@@ -462,7 +465,7 @@ def cmd_serve(args) -> int:
         return llm
 
     # Loaded on the thread that will run it (see server/worker.py): running it on another costs a quarter
-    worker = EngineWorker(serving_llm, args.max_queue, Metrics())
+    worker = EngineWorker(serving_llm, args.max_queue, Metrics(), args.parallel)
     engine, target = worker.engine, worker.llm.target
     model_id = args.model if args.model in hub.DEFAULT_MODELS else target.name
     host, port = sock.getsockname()[:2]

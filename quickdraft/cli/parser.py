@@ -209,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "llama-server does (default: it stays text, so no message can forge a turn or a role)")
     sv.add_argument("--max-queue", type=int, default=64,
                     help="requests that may wait for the engine; more get 503 with Retry-After (default: %(default)s)")
+    sv.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
+                    help="requests that generate at once, stepped together in one target pass (continuous "
+                         "batching; each gets the output it would get alone); more wait in the queue. Each needs a "
+                         "cache slot: --cache-slots is raised to N where lower (default: %(default)s)")
     sv.add_argument("--cache-slots", type=int, default=4, metavar="N",
                     help="sequences kept for prefix reuse: a request that begins with what one holds (the same chat's "
                          "history, an agent's system prompt and tools) prefills only the rest, with the same output. "

@@ -24,7 +24,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.models import rope as ropes
 from quickdraft.quant.gpu import ROW_TILE
-from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.runtime.kv_cache import KVCache, RecurrentState, Segments
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -171,8 +171,21 @@ class Attention(nn.Module):
         k, v = apply_rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
         return self._attend(q, k, v, cache, layer, mask, B, S, gate, rows)
 
-    def _attend(self, q, k, v, cache: KVCache, layer: int, mask, B: int, S: int, gate=None,
+    def _attend(self, q, k, v, cache: KVCache | Segments, layer: int, mask, B: int, S: int, gate=None,
                 rows: int | None = None) -> torch.Tensor:
+        if isinstance(cache, Segments):  # each sequence's rows over its own cache, as its own pass would
+            parts = [cache.split(t, 2) if t is not None else [None] * len(cache.sizes) for t in (q, k, v)]
+            out = torch.cat([self._attention(*qkv, c, layer, None, n, None) for *qkv, c, n in
+                             zip(*parts, cache.caches, cache.sizes)], dim=2)
+        else:
+            out = self._attention(q, k, v, cache, layer, mask, S, rows)
+        out = out.transpose(1, 2).reshape(B, S, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(B, S, -1))
+        return self.wo(out)
+
+    def _attention(self, q, k, v, cache: KVCache, layer: int, mask, S: int, rows: int | None) -> torch.Tensor:
+        """Attention of the pass's S rows (B, H, S, D) over the cache, their keys and values written into it."""
         if k is None:
             keys, values = cache.read(self.source, S)
         else:
@@ -189,10 +202,7 @@ class Attention(nn.Module):
         else:
             out = torch.cat([self._row(q[:, :, i:i + 1], keys, values, start + i + 1) for i in range(rows or S)], dim=2)
             out = F.pad(out, (0, 0, 0, S - out.shape[2]))  # padding rows: zeros
-        out = out.transpose(1, 2).reshape(B, S, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(B, S, -1))
-        return self.wo(out)
+        return out
 
     def _windowed(self, end: int) -> bool:
         return self.window is not None and end > self.window
@@ -279,19 +289,30 @@ class GatedDeltaNet(nn.Module):
         """rows: the pass's first `rows` positions are real, the rest padding (LoadedModel.forward on CUDA): the
         recurrence runs over the real ones only, and the state is saved after each of them."""
         B, S, _ = x.shape
-        state = cache.states[layer]
-        start = cache.length
         mixed = self.in_qkv(x)  # (B, S, C)
+        b, a = self.in_b(x), self.in_a(x)  # (B, S, Hv): beta = sigmoid(b), g = -exp(A) softplus(a + dt_bias)
+        if isinstance(cache, Segments):  # each sequence's rows through its own recurrent state
+            out = torch.cat([self._mix(*parts, c.states[layer], c.length, None) for *parts, c in
+                             zip(cache.split(mixed, 1), cache.split(b, 1), cache.split(a, 1), cache.caches)], dim=2)
+        else:
+            out = self._mix(mixed, b, a, cache.states[layer], cache.length, rows)
+        out = out.transpose(1, 2)  # (B, S, Hv, Dv)
+        z = self.in_z(x).view(B, S, self.v_heads, self.v_dim)
+        h = (self.out_norm(out.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
+        return self.wo(h.reshape(B, S, self.value_size))
+
+    def _mix(self, mixed, b, a, state: RecurrentState, start: int, rows: int | None) -> torch.Tensor:
+        """The convolution and the recurrence over one sequence's S rows from its state at `start`: (B, Hv, S, Dv)."""
+        B, S, _ = mixed.shape
         window = torch.cat([state.conv, mixed.to(state.conv.dtype)], dim=1)  # (B, K - 1 + S, C)
         w = self.conv_weight.float()[:, 0]  # (C, K)
         conv = sum(window[:, j:j + S].float() * w[:, j] for j in range(self.kernel))  # each position alone
-        conv = F.silu(conv).to(x.dtype)
+        conv = F.silu(conv).to(mixed.dtype)
         q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         q = self._per_value_head(_l2norm(q.float().view(B, S, self.k_heads, self.k_dim))) * self.k_dim ** -0.5
         k = self._per_value_head(_l2norm(k.float().view(B, S, self.k_heads, self.k_dim)))
         v = v.float().view(B, S, self.v_heads, self.v_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, Hv, S, D)
-        b, a = self.in_b(x), self.in_a(x)  # (B, S, Hv): beta = sigmoid(b), g = -exp(A) softplus(a + dt_bias)
         if S <= ROWWISE_MAX:
             out = self._recurrent(q, k, v, b, a, state, window, start, rows or S)
         else:
@@ -301,10 +322,7 @@ class GatedDeltaNet(nn.Module):
             slot.copy_(ssm)
             state.save(start + S, window[:, -(self.kernel - 1):], index)
         state.trim(start + (rows or S))
-        out = out.transpose(1, 2)  # (B, S, Hv, Dv)
-        z = self.in_z(x).view(B, S, self.v_heads, self.v_dim)
-        h = (self.out_norm(out.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
-        return self.wo(h.reshape(B, S, self.value_size))
+        return out
 
     def _per_value_head(self, t: torch.Tensor) -> torch.Tensor:
         """(B, S, key heads, D) -> (B, S, value heads, D): each value head's key head, in the checkpoint's order of
@@ -507,7 +525,7 @@ class Block(nn.Module):
         return [n.weight for n in norms] + [t for operands, _ in parts for t in operands], [kind for _, kind in parts]
 
     def forward(self, x, cos, sin, cache, layer, mask, ple=None, rows: int | None = None):
-        if self.step is not None and mask is None and x.shape[1] <= ROWWISE_MAX:
+        if self.step is not None and mask is None and x.shape[1] <= ROWWISE_MAX and isinstance(cache, KVCache):
             a = self.attention
             return torch.ops.quickdraft_vnni.block_step(x, self.step[0], self.step[1], self.attention_norm.eps, cos,
                                                         sin, a.n_heads, a.n_kv_heads, cache.k[layer], cache.v[layer],
@@ -648,6 +666,39 @@ class Transformer(Decoder):
         logits = self._run(tokens, rotary, cache, masks, last_only, head, rows)
         cache.length = end
         return logits
+
+    def forward_segments(self, feeds: list[torch.Tensor], caches: list[KVCache],
+                         last_only: list[bool]) -> list[torch.Tensor]:
+        """Several sequences' passes as one (continuous batching): feeds[i] (S_i,) at caches[i].length on, each
+        cache advanced by its S_i. Every row is computed as the sequence's own pass computes it (the linear layers'
+        kernels give a row the same bits whatever rows are beside it; attention and recurrent states run per
+        sequence), so the logits are bit for bit those of forward on each alone. At most ROWWISE_MAX rows in all.
+        Returns per sequence float32 logits (S_i, V), or (1, V) of its last row where last_only[i]."""
+        sizes = [int(f.shape[0]) for f in feeds]
+        if sum(sizes) > ROWWISE_MAX or min(sizes) < 1:
+            raise ValueError(f"a batched pass takes 1 to {ROWWISE_MAX} rows per sequence and in all, not {sizes}")
+        for cache, n in zip(caches, sizes):
+            if cache.length + n > min(cache.capacity, self.max_context):
+                raise ValueError(f"positions up to {cache.length + n} exceed the context of {cache.capacity}")
+        tokens = torch.cat(feeds)[None]
+        rotary = {kind: tuple(torch.cat([t[c.length:c.length + n] for c, n in zip(caches, sizes)])
+                              for t in self._tables(kind)) for kind in self.kinds}
+        segments = Segments(caches, sizes)
+        x = self.embed(tokens)
+        ple = self._per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
+        for i, layer in enumerate(self.layers):
+            cos, sin = rotary[layer.attention.kind]
+            x = layer(x, cos, sin, segments, i, None, None if ple is None else ple[:, :, i])
+        x = self.norm(x)[0]
+        wanted, offset = [], 0
+        for cache, n, last in zip(caches, sizes, last_only):
+            if cache.hidden is not None:  # a drafter reads the hidden states (mtp)
+                cache.hidden[cache.length:cache.length + n] = x[offset:offset + n]
+            wanted.append(torch.arange(offset + n - 1 if last else offset, offset + n))
+            cache.length += n
+            offset += n
+        logits = self.head(x[torch.cat(wanted).to(x.device)][None])[0]
+        return list(logits.split([len(w) for w in wanted]))
 
     def forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,
                    last_only: bool = False) -> torch.Tensor:

@@ -191,6 +191,18 @@ class KVCache:
         self.length = n
 
 
+class Segments:
+    """Several sequences' caches seen by one pass (Transformer.forward_segments): the pass's rows are theirs in order,
+    `sizes[i]` rows at caches[i].length on. The layers split the rows by sequence where a sequence's own state is
+    involved (attention over its cache, a recurrent state) and run everything else over all rows at once."""
+
+    def __init__(self, caches: list[KVCache], sizes: list[int]):
+        self.caches, self.sizes = caches, sizes
+
+    def split(self, t: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        return list(t.split(self.sizes, dim=dim))
+
+
 class PositionedWrites:
     """A cache seen by one pass at given positions: writes go to those positions (index_copy_, no host
     value needed), reads give the first `span` positions, which the pass masks to each row's own."""

@@ -45,6 +45,7 @@ class Slot:
     checkpoints: dict[int, list] = field(default_factory=dict)  # position -> recurrent states there (hybrids)
     used: int = 0  # when it was last taken (a counter)
     prompt_n: int = 0  # the length of the prompt it was last taken for
+    busy: bool = False  # a sequence runs in it (taken, not yet released: engine.Engine.release)
 
     def reusable(self, prompt: list[int]) -> int:
         """How many leading tokens of prompt this slot can keep: the common prefix, less one (a prefill passes at
@@ -125,12 +126,13 @@ class Slots:
 
     def take(self, prompt: list[int], reuse: bool = True) -> tuple[Slot, int]:
         """A slot for prompt and how many of its leading tokens the slot already holds (0 without reuse)."""
-        best = max(self.slots, key=lambda s: (s.reusable(prompt), s.used), default=None) if reuse else None
+        idle = [s for s in self.slots if not s.busy]
+        best = max(idle, key=lambda s: (s.reusable(prompt), s.used), default=None) if reuse else None
         n = best.reusable(prompt) if best is not None else 0
         if best is not None and n >= MIN_REUSE:
             # a prompt that leaves best's last prompt (not merely its answer, which a client may send back tokenized
             # otherwise) is another conversation sharing a beginning: keep best's, and copy the beginning
-            if n < best.prompt_n and len(self.slots) + (len(self.slots) < self.count) > 1:
+            if n < best.prompt_n and len(idle) + (len(self.slots) < self.count) > 1:
                 other = self._free(avoid=best)
                 if other.copy_prefix(best, n):
                     return self._taken(other, n, prompt)
@@ -142,16 +144,23 @@ class Slots:
 
     def _free(self, avoid: Slot | None = None) -> Slot:
         """An empty slot, else a new one while fewer than count exist, else the least recently used (not `avoid`)."""
-        empty = next((s for s in self.slots if not s.tokens and s is not avoid), None)
+        idle = [s for s in self.slots if not s.busy and s is not avoid]
+        empty = next((s for s in idle if not s.tokens), None)
         if empty is not None:
             return empty
         if len(self.slots) < self.count:
             self.slots.append(self.make())
             return self.slots[-1]
-        return min((s for s in self.slots if s is not avoid), key=lambda s: s.used)
+        if not idle:
+            raise RuntimeError(f"all {self.count} slots are running sequences")
+        return min(idle, key=lambda s: s.used)
+
+    def free(self) -> int:
+        """How many more sequences can run now (slots not running one, made or still to be made)."""
+        return self.count - sum(s.busy for s in self.slots)
 
     def _taken(self, slot: Slot, n: int, prompt: list[int]) -> tuple[Slot, int]:
-        slot.used, slot.prompt_n = next(self.clock), len(prompt)
+        slot.used, slot.prompt_n, slot.busy = next(self.clock), len(prompt), True
         return slot, n
 
     def nbytes(self) -> int:

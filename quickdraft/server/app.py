@@ -104,7 +104,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "waiting": state.worker.held, "running": state.worker.running is not None}
+        return {"status": "ok", "waiting": state.worker.held, "running": len(state.worker.running)}
 
     @app.get("/metrics")
     async def metrics():

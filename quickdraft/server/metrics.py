@@ -37,6 +37,8 @@ class Metrics:
         self.tasks = Gauge(p + "event_loop_tasks", "asyncio tasks alive on the server's event loop", registry=r)
         self.compiles = Gauge(p + "grammar_compiles", "Constraints compiling or waiting for the grammar compiler",
                               registry=r)
+        self.batch_rows = Histogram(p + "batch_rows", "Rows per target pass (every running request's, together)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (prefill included)",
                               buckets=LATENCY_BUCKETS, registry=r)
 

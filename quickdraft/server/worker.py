@@ -1,5 +1,7 @@
 """One thread owns the engine; requests wait for it in a bounded queue and get their tokens back on their
-own asyncio queue. A request that is cancelled (client gone) frees the engine after its current token.
+own asyncio queue. Up to `parallel` requests generate at once, stepped together (engine.Batch): each step is one
+target pass over all of them, and a newcomer's prompt is prefilled in the rows the others leave. A request that
+is cancelled (client gone) ends at the next step, without disturbing the others.
 
 The thread that runs the engine is the one that made it (EngineWorker's constructor): PyTorch's CPU thread
 pool (OpenMP) belongs to the first thread that runs parallel work. Another thread that runs ops while that pool
@@ -19,7 +21,8 @@ from typing import Callable
 
 from quickdraft.api import LLM
 from quickdraft.config import SamplingParams, SpeculationConfig
-from quickdraft.engine import Halt, Timings
+from quickdraft.engine import Batch, Halt, Timings
+from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint, ConstraintError
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.stops import StopMatcher
@@ -81,6 +84,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     halt: Halt = field(default_factory=Halt)
     submitted: float = field(default_factory=time.perf_counter)
+    started: float = 0.0  # when the engine took it up
     trace: bool = False  # hand each token's origin over with the text (Piece.trace)
     reuse: bool = True  # reuse what a kept slot holds of the prompt (the request's cache_prompt)
 
@@ -108,15 +112,18 @@ class QueueFull(Exception):
 
 
 class EngineWorker:
-    def __init__(self, make_llm: Callable[[], LLM], max_queue: int, metrics: Metrics):
+    def __init__(self, make_llm: Callable[[], LLM], max_queue: int, metrics: Metrics, parallel: int = 1):
         """Load the model (make_llm: an api.LLM) on the worker's own thread, which then serves with its engine
-        (see the module's note); return once it is loaded. What make_llm raises is raised here."""
+        (see the module's note); return once it is loaded. What make_llm raises is raised here. parallel: how many
+        requests generate at once (engine.Batch; at most the engine's cache slots)."""
         self.metrics = metrics
         self.max_queue = max_queue
+        self.parallel = parallel
         self.pending: queue.Queue[Job | None] = queue.Queue()  # bounded by admission: see admit
         self.held = 0  # places taken: requests waiting for the engine
         self._places = threading.Lock()
-        self.running: Job | None = None
+        self.running: dict[int, Stream] = {}  # the jobs generating now, by their sequence's id
+        self.batch: Batch | None = None
         self.mean_request_s = 5.0  # moving average, for Retry-After
         made = threading.Event()
         failed: list[BaseException] = []
@@ -176,76 +183,128 @@ class EngineWorker:
             if job is not None:
                 job.cancel()
                 job.put(Cancelled())
-        if self.running is not None:
-            self.running.cancel()
+        for stream in list(self.running.values()):
+            stream.job.cancel()
         self.pending.put(None)
         self.thread.join(timeout=30)
 
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        while (job := self.pending.get()) is not None:
-            job.ticket.release()  # running now: its place in the queue is free
-            started = time.perf_counter()
-            self.metrics.queue_time.observe(started - job.submitted)
-            if job.cancelled:  # the client left while waiting: its handler still awaits an end
-                self.metrics.finished.labels("cancelled").inc()
-                job.put(Cancelled())
+        """Admit waiting jobs while the batch has room (first come, first served), step every running one together,
+        hand each its events; block for a job only while none runs."""
+        batch = self.batch = Batch(self.engine, self.parallel)
+        stopping = False
+        while True:
+            while not stopping and batch.room():
+                try:
+                    job = self.pending.get(block=not batch.active)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                self._admit(job, batch)
+            if not batch.active:
+                if stopping:
+                    return
                 continue
-            self.running = job
-            self.metrics.running.set(1)
             try:
-                self._generate(job)
-            except ConstraintError as e:  # the request's constraint, not us
-                job.put(Failed(str(e), 400, "response_format"))
-            except Exception as e:  # a bug of ours: this request fails, the server goes on
-                log.exception("generation failed")
-                job.put(Failed(f"generation failed: {type(e).__name__}: {e}"))
-            finally:
-                self.running = None
-                self.metrics.running.set(0)
-                self.metrics.e2e.observe(time.perf_counter() - job.submitted)
-                self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * (time.perf_counter() - started)
+                batch.step(self._deliver)
+            except Exception:  # a bug of ours outside any one sequence: fail what runs, go on serving
+                log.exception("a step failed")
+                for s in list(batch.active):
+                    batch._fail(s, RuntimeError("the engine's step failed"), self._deliver)
+            self.metrics.running.set(len(batch.active))
+            self.metrics.batch_rows.observe(batch.last_rows)
 
-    def _generate(self, job: Job) -> None:
-        stops = StopMatcher(job.stops)
-        n = 0
+    def _admit(self, job: Job, batch: Batch) -> None:
+        job.ticket.release()  # running now: its place in the queue is free
+        job.started = time.perf_counter()
+        self.metrics.queue_time.observe(job.started - job.submitted)
+        if job.cancelled:  # the client left while waiting: its handler still awaits an end
+            self.metrics.finished.labels("cancelled").inc()
+            job.put(Cancelled())
+            return
+        try:
+            s = batch.add(job.prompt, job.params, job.speculation, job.halt, job.constraint, job.reuse)
+        except Exception as e:  # noqa: BLE001 -- the request's (a context the handler did not check): it fails alone
+            job.put(Failed(str(e), 400 if isinstance(e, QuickdraftError) else 500))
+            return
+        self.running[id(s)] = Stream(job, self.engine.target.tokenizer)
+        self.metrics.running.set(len(batch.active))
+
+    def _deliver(self, s, item) -> None:
+        """A sequence's event (or the exception it failed with), to its job."""
+        stream = self.running[id(s)]
+        job = stream.job
+        if isinstance(item, BaseException):
+            del self.running[id(s)]
+            if isinstance(item, ConstraintError):  # the request's constraint, not us
+                job.put(Failed(str(item), 400, "response_format"))
+            else:  # a bug of ours: this request fails, the server goes on
+                log.error("generation failed", exc_info=item)
+                job.put(Failed(f"generation failed: {type(item).__name__}: {item}"))
+            self._ended(job)
+            return
+        done = stream.push(item)
+        if done is not None:
+            del self.running[id(s)]
+            self.metrics.record_generation(done.finish_reason, done.completion_n, done.timings, done.stats)
+            job.put(done)
+            self._ended(job)
+
+    def _ended(self, job: Job) -> None:
+        now = time.perf_counter()
+        self.metrics.e2e.observe(now - job.submitted)
+        self.mean_request_s = 0.8 * self.mean_request_s + 0.2 * (now - job.started) / max(self.parallel, 1)
+
+
+class Stream:
+    """A running job's events turned into what its handler gets: text pieces with stop strings matched (a match
+    halts the sequence), log-probabilities and origins per token, and Done at the end."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job, self.tokenizer, self.stops, self.n = job, tokenizer, StopMatcher(job.stops), 0
         # entries not yet handed over: log-probabilities and origins of the tokens since the last piece
-        scored = [] if job.params.logprobs is not None else None
-        traced = [] if job.trace else None
-        for event in self.engine.generate(job.prompt, job.params, job.speculation, job.halt, job.constraint,
-                                          job.reuse):
-            if event.token is not None and not stops.matched:
-                if scored is not None:
-                    scored.append(self._entry(event))
-                if traced is not None:
-                    traced.append(_traced(event))
-            text = stops.push(event.text)
-            if stops.matched and job.halt.reason is None:
-                job.halt.reason = "stop"
-            if text:
-                job.put(Piece(text, scored, traced))
-                scored, traced = _fresh(scored), _fresh(traced)
-            if event.token is not None:
-                n += 1
-                continue
-            tail = stops.flush()
-            if tail:
-                job.put(Piece(tail, scored, traced))
-                scored, traced = _fresh(scored), _fresh(traced)
-            self.metrics.record_generation(event.finish_reason, n, event.timings, event.stats)
-            job.put(Done(event.finish_reason, n, event.timings, event.stats, scored or None, traced or None))
+        self.scored = [] if job.params.logprobs is not None else None
+        self.traced = [] if job.trace else None
 
-    def _entry(self, event) -> dict:
-        """A token's log-probabilities as OpenAI gives them: token text, its UTF-8 bytes, and the alternatives."""
-        tokenizer = self.engine.target.tokenizer
+    def push(self, event) -> Done | None:
+        """Hand over what the event completes; the Done (also handed over) once it is the last."""
+        job, stops = self.job, self.stops
+        if event.token is not None and not stops.matched:
+            if self.scored is not None:
+                self.scored.append(_entry(self.tokenizer, event))
+            if self.traced is not None:
+                self.traced.append(_traced(event))
+        text = stops.push(event.text)
+        if stops.matched and job.halt.reason is None:
+            job.halt.reason = "stop"
+        if text:
+            self._piece(text)
+        if event.token is not None:
+            self.n += 1
+            return None
+        tail = stops.flush()
+        if tail:
+            self._piece(tail)
+        return Done(event.finish_reason, self.n, event.timings, event.stats, self.scored or None, self.traced or None)
 
-        def one(token: int, logprob: float) -> dict:
-            raw = tokenizer.token_bytes(token)
-            return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw), "id": token}
+    def _piece(self, text: str) -> None:
+        self.job.put(Piece(text, self.scored, self.traced))
+        self.scored, self.traced = _fresh(self.scored), _fresh(self.traced)
 
-        return {**one(event.token, event.logprob),
-                "top_logprobs": [one(t, lp) for t, lp in event.top_logprobs or []]}
+
+def _entry(tokenizer, event) -> dict:
+    """A token's log-probabilities as OpenAI gives them: token text, its UTF-8 bytes, and the alternatives."""
+
+    def one(token: int, logprob: float) -> dict:
+        raw = tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw), "id": token}
+
+    return {**one(event.token, event.logprob),
+            "top_logprobs": [one(t, lp) for t, lp in event.top_logprobs or []]}
 
 
 def _fresh(entries: list | None) -> list | None:

@@ -59,6 +59,7 @@ class AdaptivePolicy:
         self.rounds_since_plain = 0
         self.probe_after: dict[str, int] = {}  # source -> plain steps before its next probe (backing off)
         self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
+        self.t_pass: dict[int, float] = {}  # rows -> seconds of a batched pass over several sequences (Batch)
 
     def begin(self) -> None:
         """A new generation: its text may draft better or worse than the last one's, so probing starts over at
@@ -91,6 +92,19 @@ class AdaptivePolicy:
         self.plain_since_round += 1
         self.rounds_since_plain = 0
 
+    def record_pass(self, rows: int, seconds: float) -> None:
+        """A batched pass (engine.Batch) of `rows` rows over several sequences took `seconds`."""
+        t = self._timed(("pass", rows), seconds)
+        if t is not None:
+            self.t_pass[rows] = t
+
+    def record_drafts(self, source: str, drafted: int, accepted: int, draft_s: float) -> None:
+        """A round of one sequence in a batched step: its acceptance and drafting cost (its pass is the batch's)."""
+        t = self._timed(("draft", source), draft_s / max(drafted, 1))
+        if t is not None:
+            self.t_draft[source] = t
+        self._record_acceptance(source, drafted, accepted)
+
     def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float,
                      catch_up_s: float = 0.0) -> None:
         """draft_s: the drafting passes; catch_up_s: feeding the drafter first what it missed (not in draft_s)."""
@@ -108,6 +122,9 @@ class AdaptivePolicy:
         t = self._timed(("draft", source), draft_s / max(drafted, 1))
         if t is not None:
             self.t_draft[source] = t
+        self._record_acceptance(source, drafted, accepted)
+
+    def _record_acceptance(self, source: str, drafted: int, accepted: int) -> None:
         tried = self.tried.setdefault(source, [])
         acc = self.accepted.setdefault(source, [])
         for i in range(len(tried)):
@@ -155,6 +172,46 @@ class AdaptivePolicy:
         return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.t_draft.get(source, 0.0),
                           self.t_catch_up.get(source, 0.0))
 
+    def pass_seconds(self, rows: int) -> float | None:
+        """Measured seconds of a batched pass of `rows` rows, else interpolated linearly between measured row
+        counts, else extrapolated from the last two (before a second point: each row beyond costs what one more
+        verified token costs a sequence alone, else 10% of a plain step); None before any batched pass."""
+        if rows in self.t_pass or not self.t_pass:
+            return self.t_pass.get(rows)
+        points = sorted(self.t_pass.items())
+        below = [p for p in points if p[0] < rows]
+        above = [p for p in points if p[0] > rows]
+        if below and above:
+            (r0, t0), (r1, t1) = below[-1], above[0]
+            return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        if len(points) >= 2:
+            (ra, ta), (rb, tb) = (points[-2], points[-1]) if below else (points[0], points[1])
+            slope = max((tb - ta) / (rb - ra), 0.0)
+        elif self.t_plain and self.t_verify:
+            k, t = max(self.t_verify.items())
+            slope = max((t - self.t_plain) / k, 0.0)
+        else:
+            slope = 0.1 * (self.t_plain or points[0][1] / points[0][0])
+        r0, t0 = below[-1] if below else above[0]
+        return max(t0 + slope * (rows - r0), 1e-9)
+
+    def k_in_batch(self, source: str, cfg: SpeculationConfig, plan: "BatchPlan", limit: int) -> int:
+        """The k for one sequence of a batched step, given what the sequences planned before it draft (plan): the
+        one that maximises the step's expected tokens per second over the whole batch, 0 included (a step of
+        plain decoding for every sequence when the batch already fills the compute). A source whose drafting has
+        not been timed yet drafts nothing here: the steps of a sequence alone measure it."""
+        top = min(cfg.draft_max, limit)
+        if not cfg.adaptive or cfg.draft_min > 0:
+            return max(0, min(cfg.draft_max if not cfg.adaptive else cfg.draft_min, limit))
+        if top <= 0 or source not in self.t_draft or plan.seconds(0, 0.0) is None:
+            return 0
+        best, best_rate = 0, plan.tokens / plan.seconds(0, 0.0)
+        for k in range(1, top + 1):
+            rate = (plan.tokens + self.expected_length(source, k) - 1) / plan.seconds(k, k * self.t_draft[source])
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
     # ---- the decision -----------------------------------------------------------------------
 
     def k_for(self, source: str, cfg: SpeculationConfig | None = None) -> int:
@@ -195,3 +252,37 @@ class AdaptivePolicy:
 
 def _ema(old: float, new: float, weight: float) -> float:
     return (1 - weight) * old + weight * new
+
+
+class BatchPlan:
+    """The rows of one batched step as its sequences are planned in turn (engine.Batch): each sequence's k is chosen
+    by AdaptivePolicy.k_in_batch given the choices made before it (the rows of every sequence count from the start:
+    one each, and a prefilling sequence's chunk)."""
+
+    def __init__(self, policy: AdaptivePolicy, rows: int, sequences: int, max_rows: int):
+        self.policy, self.max_rows = policy, max_rows
+        self.base_rows, self.base_tokens = rows, float(sequences)
+        self.choices: dict[int, tuple[int, float, float]] = {}  # sequence -> (k, expected extra tokens, draft s)
+
+    @property
+    def rows(self) -> int:
+        return self.base_rows + sum(k for k, _, _ in self.choices.values())
+
+    @property
+    def tokens(self) -> float:
+        return self.base_tokens + sum(gain for _, gain, _ in self.choices.values())
+
+    def seconds(self, extra_rows: int, extra_draft_s: float) -> float | None:
+        t = self.policy.pass_seconds(self.rows + extra_rows)
+        return None if t is None else t + sum(d for _, _, d in self.choices.values()) + extra_draft_s
+
+    def k_for(self, key: int, cfg: SpeculationConfig, budget: int):
+        """The KFor of the sequence `key` (its drafter asks per source; its last answer is the one that counts)."""
+        def choose(source: str) -> int:
+            self.choices.pop(key, None)
+            k = self.policy.k_in_batch(source, cfg, self, min(budget, self.max_rows - self.rows))
+            if k > 0:
+                self.choices[key] = (k, self.policy.expected_length(source, k) - 1,
+                                     k * self.policy.t_draft.get(source, 0.0))
+            return k
+        return choose

@@ -60,6 +60,14 @@ class LoadedModel:
             return logits[:, S - 1:S] if last_only else logits[:, :S]
         return self.model(tokens, cache, last_only, head)
 
+    def forward_segments(self, feeds: list[torch.Tensor], caches: list, last_only: list[bool]) -> list[torch.Tensor]:
+        """Several sequences' passes as one (Transformer.forward_segments): per sequence its logits (S_i, V), or
+        (1, V) where last_only. On CUDA, where a pass's shape decides its arithmetic (rows), each runs as its own
+        pass: the same output, without the batch's saving."""
+        if self.rows is None and isinstance(self.model, Transformer):
+            return self.model.forward_segments(feeds, caches, last_only)
+        return [self.forward(f[None], c, last)[0] for f, c, last in zip(feeds, caches, last_only)]
+
     def prefill(self, tokens: torch.Tensor, cache, head=None) -> torch.Tensor:
         """Run tokens (1, S) in passes of at most `chunk` tokens: the logits (1, 1, V) of the last. Every row goes
         through the kernels a decoding step uses, so each position's keys and values are the same bits however the

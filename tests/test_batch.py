@@ -1,0 +1,205 @@
+"""Continuous batching: several sequences stepped in one target pass (Transformer.forward_segments, engine.Batch).
+
+Every sequence's output must be the one it gets alone, token for token (greedy and seeded), whatever runs beside it:
+the rows of a batched pass are computed as each sequence's own pass computes them."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from quickdraft.config import EngineConfig
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.weights.loader import load_model
+from tests.helpers import save_hf_dir, tiny_hf_model
+from tests.test_prefix_reuse import build
+
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)
+PROMPTS = [[(5 * i + j) % 300 + 3 for i in range(n)] for j, n in enumerate((9, 70, 23))]
+
+
+def _caches(model, prompts):
+    """A cache per prompt, each filled by that prompt's prefill (in row-wise chunks, as the engine prefills)."""
+    caches = []
+    for p in prompts:
+        cache = KVCache.for_model(model, 256)
+        for i in range(0, len(p), 64):
+            model(torch.tensor([p[i:i + 64]]), cache)
+        caches.append(cache)
+    return caches
+
+
+def _state(cache):
+    n = cache.length
+    kv = [t[:, :, :n].clone() for t in cache.tensors()]
+    return kv + [s.ssm.clone() for s in cache.recurrent] + [s.conv.clone() for s in cache.recurrent]
+
+
+def _check_segments_equal_alone(model, feeds_per_step):
+    alone, batched = _caches(model, PROMPTS), _caches(model, PROMPTS)
+    for feeds in feeds_per_step:
+        last = [len(f) > 3 for f in feeds]  # some sequences want every row's logits, some their last
+        got = model.forward_segments([torch.tensor(f) for f in feeds], batched, last)
+        for f, cache, want_last, logits in zip(feeds, alone, last, got):
+            ref = model(torch.tensor([f]), cache, last_only=want_last)[0]
+            assert torch.equal(ref, logits)
+    for a, b in zip(alone, batched):
+        assert a.length == b.length
+        assert all(torch.equal(x, y) for x, y in zip(_state(a), _state(b)))
+
+
+STEPS = [[[4], [7, 8, 9, 10, 11], [12, 13, 14]], [[5, 6], [15], [16, 17, 18, 19, 20, 21, 22, 23, 24]],
+         [[25], [26], [27]]]
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "gemma3", "gemma4", "phi3", "qwen3_5",
+                                  "qwen3_5_moe"])
+def test_a_batched_pass_gives_each_sequence_its_own_logits_bit_for_bit(tmp_path, name):
+    lm = load_model(str(build(name, tmp_path / name)), BF16, False)
+    with torch.inference_mode():
+        _check_segments_equal_alone(lm.model, STEPS)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_batched_pass_on_the_cpu_kernels_equals_each_alone(tmp_path, weights):
+    """On quickdraft's kernels (int4/int8 linears, a decoder layer as one call alone, decode attention), sizes they
+    take: the batched pass runs the layers module by module, and must still match each sequence's fused step."""
+    hf = tiny_hf_model("qwen2", seed=3, vocab=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2)
+    lm = load_model(str(save_hf_dir(hf, tmp_path / "m")), dataclasses.replace(BF16, weights=weights), False)
+    if lm.plan.get("fused_layers", 0) == 0:
+        pytest.skip(f"quickdraft's fused kernels do not run here: {lm.plan}")
+    with torch.inference_mode():
+        _check_segments_equal_alone(lm.model, STEPS)
+
+
+def test_a_batched_pass_is_refused_past_its_rows(tmp_path):
+    lm = load_model(str(build("llama3", tmp_path / "m")), BF16, False)
+    caches = _caches(lm.model, PROMPTS[:2])
+    with pytest.raises(ValueError, match="rows"):
+        lm.model.forward_segments([torch.ones(40, dtype=torch.long)] * 2, caches, [True, True])
+
+
+# ---- the engine: Batch ---------------------------------------------------------------------------------------
+
+from quickdraft.config import SamplingParams, SpeculationConfig  # noqa: E402
+from quickdraft.engine import Batch, Engine, Halt  # noqa: E402
+from quickdraft.grammar import Grammar  # noqa: E402
+from quickdraft.speculative.ngram import NgramDrafter  # noqa: E402
+from tests.helpers import add_noise, drafter, write_gguf_from_hf  # noqa: E402
+
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batch")
+    hf = tiny_hf_model("llama", seed=3, logit_scale=4)
+    target = load_model(str(write_gguf_from_hf(hf, d / "t.gguf", eos=True)), BF16, False)
+    add_noise(hf)  # a draft that agrees with the target often but not always
+    return target, load_model(str(write_gguf_from_hf(hf, d / "d.gguf", eos=True)), BF16, False)
+
+
+def requests(target, sampled: bool):
+    """Mixed prompts (one long enough to prefill in several chunks beside the others), lengths, speculation settings
+    and a constraint."""
+    enc = target.tokenizer.encode
+    spec_off, spec_fixed = SpeculationConfig(draft_max=0), SpeculationConfig(draft_max=4, adaptive=False)
+
+    def params(n, seed):
+        if not sampled:
+            return SamplingParams(max_tokens=n, stop_at_eos=False)
+        return SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=n, stop_at_eos=False)
+
+    return [
+        dict(prompt=enc("the cat sat on the mat; the cat sat on the"), params=params(24, 1), speculation=None),
+        dict(prompt=enc("abcabcabc " * 14), params=params(30, 2), speculation=spec_fixed),
+        dict(prompt=enc("x"), params=params(9, 3), speculation=spec_off),
+        dict(prompt=enc("answer: "), params=params(20, 4), speculation=spec_fixed,
+             grammar=Grammar("regex", r"[a-c]{2,5}@(x|yz)\.(com|org)")),
+        dict(prompt=enc("one two three four one two three"), params=params(16, 5), speculation=None),
+    ]
+
+
+def make_drafter(kind, target, draft):
+    if kind == "ngram":
+        return NgramDrafter()
+    return drafter(kind, target, draft) if kind != "none" else None
+
+
+def alone(target, draft, kind, request):
+    engine = Engine(target, CTX, make_drafter(kind, target, draft), SpeculationConfig(draft_max=4))
+    grammar = request.get("grammar")
+    events = list(engine.generate(request["prompt"], request["params"], request["speculation"],
+                                  constraint=engine.constraint(grammar) if grammar else None))
+    return [e.token for e in events if e.token is not None], events[-1].finish_reason
+
+
+def batched(target, draft, kind, reqs, parallel=3, cancel_after=None):
+    """Run reqs through a Batch of `parallel` sequences, each arriving once there is room (late arrivals):
+    {request index: (tokens, finish reason)}; request cancel_after[0] is cancelled after cancel_after[1] tokens."""
+    engine = Engine(target, CTX, make_drafter(kind, target, draft), SpeculationConfig(draft_max=4),
+                    slots=parallel + 1)
+    batch = Batch(engine, parallel)
+    out, index, waiting, rows, drafted = {}, {}, list(range(len(reqs))), [], []
+
+    def deliver(s, event):
+        i = index[id(s)]
+        assert not isinstance(event, Exception), event
+        tokens, _ = out.setdefault(i, ([], None))
+        if event.token is not None:
+            tokens.append(event.token)
+            if together:
+                drafted.append(event.k)
+            if cancel_after and cancel_after[0] == i and len(tokens) == cancel_after[1]:
+                s.halt.reason = "cancelled"
+        else:
+            out[i] = (tokens, event.finish_reason)
+
+    steps = 0
+    while waiting or batch.active:
+        while waiting and batch.room() and (steps > 0 or len(batch.active) < 2):  # two first, the rest later
+            r = reqs[waiting.pop(0)]
+            grammar = r.get("grammar")
+            s = batch.add(r["prompt"], r["params"], r["speculation"], Halt(),
+                          engine.constraint(grammar) if grammar else None)
+            index[id(s)] = len(reqs) - len(waiting) - 1
+        together = len(batch.active) > 1
+        batch.step(deliver)
+        rows.append(batch.last_rows)
+        steps += 1
+    return out, rows, drafted
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft", "combined"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_every_sequence_of_a_batch_gets_what_it_gets_alone(pair, kind, sampled):
+    target, draft = pair
+    reqs = requests(target, sampled)
+    want = [alone(target, draft, kind, r) for r in reqs]
+    got, rows, drafted = batched(target, draft, kind, reqs)
+    assert [got[i] for i in range(len(reqs))] == want
+    assert max(rows) > 8  # passes held several sequences' rows (a prefill chunk beside decoding ones)
+    assert kind in ("none", "ngram") or max(drafted) > 0  # and their drafts (lookup's depend on the text)
+
+
+def test_hybrid_sequences_roll_back_their_own_recurrent_states_in_a_batch(tmp_path):
+    """qwen3.5's linear-attention layers: each sequence's recurrent state advances over its rows of the batched
+    pass and returns to its last accepted draft, whatever the others accept."""
+    target = load_model(str(build("qwen3_5", tmp_path / "m")), BF16, False)
+    spec = SpeculationConfig(draft_max=5, adaptive=False)
+    params = SamplingParams(max_tokens=24, stop_at_eos=False)
+    reqs = [dict(prompt=p, params=params, speculation=spec) for p in ([4, 5, 6, 4, 5, 6, 4, 5], PROMPTS[1], [9] * 12)]
+    want = [alone(target, None, "ngram", r) for r in reqs]
+    got, _, drafted = batched(target, None, "ngram", reqs)
+    assert [got[i] for i in range(len(reqs))] == want
+    assert max(drafted) > 0
+
+
+def test_a_cancelled_sequence_ends_at_once_and_the_others_go_on(pair):
+    target, draft = pair
+    reqs = requests(target, False)
+    want = [alone(target, draft, "combined", r) for r in reqs]
+    got, _, _ = batched(target, draft, "combined", reqs, cancel_after=(1, 5))
+    assert got[1] == (want[1][0][:5], "cancelled")
+    assert [got[i] for i in (0, 2, 3, 4)] == [want[i] for i in (0, 2, 3, 4)]

@@ -509,6 +509,25 @@ class Batch:
         elif self.active:
             self._together(deliver)
 
+    def run(self, requests: list[dict]) -> list[list[Event]]:
+        """Generate every request (a dict of add's arguments), each starting as soon as there is room (first come,
+        first served): the events of each, in order. What a request fails with is raised."""
+        out: list[list[Event]] = [[] for _ in requests]
+        index: dict[int, int] = {}
+        waiting = list(range(len(requests)))
+
+        def deliver(s: Sequence, event) -> None:
+            if isinstance(event, Exception):
+                raise event
+            out[index[id(s)]].append(event)
+
+        while waiting or self.active:
+            while waiting and self.room():
+                i = waiting.pop(0)
+                index[id(self.add(**requests[i]))] = i
+            self.step(deliver)
+        return out
+
     def _alone(self, s: Sequence, deliver) -> None:
         try:
             step = self.engine._step(s)

@@ -193,3 +193,58 @@ def test_a_probe_that_wins_keeps_the_next_one_close():
     assert wait_for_probe() == 2 * every
     policy.record_round("draft", 2, 2, 0.1, 1.1)  # won: 3 tokens in 1.2 seconds
     assert wait_for_probe() == every
+
+
+# ---- batched steps (engine.Batch): the k of each sequence chosen for the step as a whole -------------------------
+
+def batch_policy(acceptance: float, pass_cost, rows=(4, 8, 16, 32), draft_cost: float = 0.0):
+    """A policy that measured batched passes of these rows at pass_cost(rows) seconds, and n-gram drafts accepted
+    with probability `acceptance`."""
+    from quickdraft.speculative.policy import BatchPlan  # noqa: F401 (the plan these tests drive)
+
+    policy = trained(acceptance, verify_slope=0.1, draft_cost=draft_cost)
+    policy.t_draft["ngram"] = draft_cost
+    policy.tried["ngram"], policy.accepted["ngram"] = [60.0] * 8, [60.0 * acceptance] * 8
+    for r in rows:
+        for _ in range(2):
+            policy.record_pass(r, pass_cost(r))
+    return policy
+
+
+def plan_ks(policy, sequences: int, cfg=SpeculationConfig(draft_max=8), budget=8):
+    from quickdraft.speculative.policy import BatchPlan
+
+    plan = BatchPlan(policy, sequences, sequences, 64)
+    return [plan.k_for(i, cfg, budget)("ngram") for i in range(sequences)]
+
+
+def test_pass_costs_are_interpolated_and_extrapolated_from_what_was_measured():
+    policy = batch_policy(0.5, lambda r: 1.0 + 0.05 * r, rows=(4, 8))
+    assert policy.pass_seconds(4) == pytest.approx(1.2)
+    assert policy.pass_seconds(6) == pytest.approx(1.3)
+    assert policy.pass_seconds(20) == pytest.approx(2.0)  # the slope of the last two points
+    assert AdaptivePolicy(SpeculationConfig()).pass_seconds(4) is None
+
+
+def test_a_batch_drafts_where_rows_are_nearly_free_and_not_where_they_are_not():
+    flat = batch_policy(0.8, lambda r: 1.0 + 0.01 * r)  # memory-bound: a row costs 1% of a pass
+    assert all(k >= 4 for k in plan_ks(flat, 4))
+    saturated = batch_policy(0.8, lambda r: 0.3 * r)  # compute-bound: a pass costs as its rows
+    assert plan_ks(saturated, 4) == [0, 0, 0, 0]
+
+
+def test_a_batch_spends_its_rows_where_drafts_are_accepted_and_within_its_rows():
+    policy = batch_policy(0.1, lambda r: 1.0 + 0.04 * r)  # drafts rarely kept: not worth a row
+    assert plan_ks(policy, 4) == [0, 0, 0, 0]
+    cheap = batch_policy(0.9, lambda r: 1.0 + 0.001 * r)
+    ks = plan_ks(cheap, 8, budget=16, cfg=SpeculationConfig(draft_max=16))
+    assert sum(ks) + 8 <= 64 and max(ks) > 0
+
+
+def test_fixed_k_is_kept_in_a_batch_and_an_untimed_source_waits():
+    policy = batch_policy(0.5, lambda r: 0.3 * r)
+    assert plan_ks(policy, 3, cfg=SpeculationConfig(draft_max=4, adaptive=False)) == [4, 4, 4]
+    from quickdraft.speculative.policy import BatchPlan
+
+    plan = BatchPlan(policy, 2, 2, 64)
+    assert plan.k_for(0, SpeculationConfig(draft_max=4), 4)("never-timed") == 0

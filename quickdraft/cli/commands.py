@@ -355,6 +355,15 @@ def cmd_bench(args) -> int:
     configs = bench.parse_configs(args.configs or bench.default_configs(draft), draft)
     llm = load(args, NONE)
     prompts = _prompts(args, llm.tokenizer)
+    if args.concurrency > 1:  # streams at once (engine.Batch), beside the same one by one
+        with progress_bar("benchmarking", len(configs) * args.runs, unit="items") as update:
+            result = bench.concurrent(llm, configs, prompts, args.max_tokens, args.concurrency, args.runs,
+                                      speculation_config(args), _counter(update))
+        result.update(target=llm.target.name, draft=str(draft))
+        print(bench.concurrent_table(result))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
+        return 0
     with progress_bar("benchmarking", len(prompts) * len(configs) * args.runs, unit="items") as update:
         result = bench.run(llm, configs, prompts, args.max_tokens, args.runs, args.warmup, speculation_config(args),
                            _counter(update))
@@ -387,6 +396,7 @@ def cmd_doctor(args) -> int:
     apply_profile(args)
     draft = draft_of(args)
     available = int(args.device_memory * 2**30) if args.device_memory else None
+    args.cache_slots = max(args.cache_slots, args.parallel)  # as serve: each running request holds a slot
     plan = memory.for_load(args.model, draft, engine_config(args), available, slots=args.cache_slots)
     planned = doctor.memory_plan(plan)
     cuda_absent = plan.device_type == "cuda" and not torch.cuda.is_available()

@@ -328,8 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a server's Prometheus metrics (e.g. vLLM's http://HOST:8000/metrics), read before and after "
                         "for its spec_decode counters; one per --url, in order")
     r.add_argument("--concurrency", type=int, default=1, metavar="N",
-                   help="streams at once per request (default: %(default)s): per-stream and aggregate tok/s, to see "
-                        "where speculation stops paying under batching")
+                   help="streams at once (default: %(default)s), each a different prompt: per-stream and aggregate "
+                        "tok/s, to see where speculation stops paying under batching; without --url, the model "
+                        "here runs them batched, beside the same streams one by one")
     _remote_args(r)
     _common(b)
 
@@ -345,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "card or machine)")
     dr.add_argument("--cache-slots", type=int, default=4, metavar="N",
                     help="plan for N kept sequences, as `serve --cache-slots N` keeps (default: %(default)s)")
+    dr.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
+                    help="plan for N requests generating at once, as `serve --parallel N` runs them: each holds a "
+                         "cache slot (default: %(default)s)")
     dr.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     _common(dr)
 

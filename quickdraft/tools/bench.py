@@ -11,6 +11,7 @@ position as measured, and the speed-up they predict, beside the speed-up measure
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -121,6 +122,55 @@ def run(llm, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, 
     return {"n": n, "runs": runs, "warmup": warmup, "prompts": list(prompts), "configs": [c.name for c in configs],
             "rows": rows, "summary": _summary(rows, configs),
             "graphs_off": graphs.disabled if graphs is not None else None}
+
+
+def concurrent(llm, configs: list[BenchConfig], prompts: dict[str, list[int]], n: int, concurrency: int, runs: int,
+               speculation: SpeculationConfig = SpeculationConfig(), progress=None) -> dict:
+    """Each configuration with `concurrency` streams at once (engine.Batch: the prompts in a cycle, each stream a
+    different one, every run from empty caches), beside the same streams one after another on the same engine (the
+    reference): aggregate tok/s of both, each stream's own decode tok/s and TTFT, and whether every stream's tokens
+    were those it got alone."""
+    from quickdraft.engine import Batch
+
+    texts = list(prompts.values())
+    params = SamplingParams(max_tokens=n, stop_at_eos=False)
+    rows = []
+    for c in configs:
+        engine = llm.engine_for(c.draft, _speculation(c, speculation))
+        engine.slots.count = max(engine.slots.count, concurrency)
+        list(engine.generate(texts[0], SamplingParams(max_tokens=min(n, 16), stop_at_eos=False)))  # warm-up
+        requests = [dict(prompt=texts[i % len(texts)], params=params, reuse=False) for i in range(concurrency)]
+        alone, together, same = [], [], True
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            one_by_one = [list(engine.generate(**r)) for r in requests]
+            alone.append(concurrency * n / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            batched = Batch(engine, concurrency).run(requests)
+            wall = time.perf_counter() - t0
+            together.append(sum(e[-1].timings.n_decoded + 1 for e in batched) / wall)
+            same &= [[e.token for e in x] for x in one_by_one] == [[e.token for e in x] for x in batched]
+            if progress:
+                progress(1)
+        finals = [e[-1] for e in batched]
+        rows.append({"config": c.name, "streams": concurrency, "aggregate_tok_s": statistics.median(together),
+                     "one_by_one_tok_s": statistics.median(alone),
+                     "stream_decode_tok_s": statistics.median(f.timings.decode_tok_s for f in finals),
+                     "stream_ttft_s": statistics.median(f.timings.ttft_s for f in finals),
+                     "k_mean": statistics.mean(f.stats.k_mean for f in finals), "same_as_alone": same})
+    return {"n": n, "runs": runs, "concurrency": concurrency, "rows": rows}
+
+
+def concurrent_table(result: dict) -> str:
+    lines = [f"{result['concurrency']} streams at once of {result['n']} greedy tokens, the prompts in a cycle; "
+             f"medians of {result['runs']} runs, each beside the same streams one by one",
+             f"{'config':24} {'aggregate tok/s':>16} {'one by one':>11} {'gain':>6} {'per stream':>11} "
+             f"{'TTFT s':>7} {'k mean':>7} {'same':>5}"]
+    for r in result["rows"]:
+        lines.append(f"{r['config']:24} {r['aggregate_tok_s']:16.2f} {r['one_by_one_tok_s']:11.2f} "
+                     f"{r['aggregate_tok_s'] / r['one_by_one_tok_s']:5.2f}x {r['stream_decode_tok_s']:11.2f} "
+                     f"{r['stream_ttft_s']:7.2f} {r['k_mean']:7.2f} {'yes' if r['same_as_alone'] else 'NO':>5}")
+    return "\n".join(lines)
 
 
 def _row(prompt: str, c: BenchConfig, measured, plain_tokens, engine) -> dict:

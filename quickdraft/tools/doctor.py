@@ -164,8 +164,10 @@ def memory(target, drafts: list, engine, available: int) -> Finding:
     kv = slots * (kv_bytes(engine.cache) + (engine.drafter.cache_bytes() if engine.drafter is not None else 0))
     cfg = target.config
     k = engine.speculation.draft_max + 1
-    # a prefill of the whole context (hidden states, the MLP's widest tensors) and a round's logits (float32)
-    activations = engine.context * (cfg.dim + 2 * cfg.ffn_dim) * 4 + 3 * k * cfg.vocab_size * 4
+    # a prefill of the whole context (hidden states, the MLP's widest tensors) and a pass's logits (float32): a
+    # round's, or a batched pass's rows (serve --parallel: at most a prefill chunk's)
+    rows = max(k, target.chunk) if slots > 1 else k
+    activations = engine.context * (cfg.dim + 2 * cfg.ffn_dim) * 4 + 3 * rows * cfg.vocab_size * 4
     total = weights + kv + activations
     share = total / available
     figures = {"weights_bytes": weights, "kv_cache_bytes": kv, "activation_bytes": activations,

@@ -54,6 +54,7 @@ class Endpoint:
     sends_ignore_eos: bool = True  # turned off when the server refuses the field
     sends_logprobs: bool = True
     sends_cache_prompt: bool = True
+    extra: dict | None = None  # fields added to every request's body (e.g. quickdraft's {"speculative": ...})
 
     @property
     def base(self) -> str:
@@ -95,6 +96,7 @@ class Endpoint:
                 "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
         if seed is not None:
             body["seed"] = seed
+        body.update(self.extra or {})
         if fixed_length and self.sends_ignore_eos:
             body["ignore_eos"] = True  # llama-server's, vLLM's and quickdraft's: every run decodes max_tokens
         if logprobs and self.sends_logprobs:
@@ -206,7 +208,9 @@ class Cell:
 
 def bench(endpoints: list[Endpoint], prompts: dict[str, str], n: int, runs: int, warmup: int = 1,
           concurrency: int = 1, progress=lambda n: None) -> dict:
-    """The prompts on every endpoint, interleaved (run by run, prompt by prompt, endpoint by endpoint)."""
+    """The prompts on every endpoint, interleaved (run by run, prompt by prompt, endpoint by endpoint). With
+    concurrency N, each prompt's cell sends N streams at once: that prompt and the N - 1 after it (in a cycle), so
+    that the streams are different requests, as an agent's are."""
     for e in endpoints:
         e.check()
     if concurrency < 1:
@@ -217,13 +221,15 @@ def bench(endpoints: list[Endpoint], prompts: dict[str, str], n: int, runs: int,
         for _ in range(warmup):
             e.complete(first, min(n, 16))
     before = {e.url: e.spec_counters() for e in endpoints}
+    texts = list(prompts.values())
     for _ in range(runs):
-        for name, prompt in prompts.items():
+        for index, name in enumerate(prompts):
+            streams = [texts[(index + i) % len(texts)] for i in range(concurrency)]
             for e in endpoints:
                 cell = cells[(e.url, name)]
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
-                    replies = list(pool.map(lambda _: e.complete(prompt, n), range(concurrency)))
+                    replies = list(pool.map(lambda text: e.complete(text, n), streams))
                 wall = time.perf_counter() - t0
                 cell.aggregate.append(sum(r.n for r in replies) / wall)
                 for r in replies:

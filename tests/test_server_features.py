@@ -312,3 +312,38 @@ def test_a_chats_next_turn_reuses_its_history_and_cache_prompt_false_prefills_it
     assert warm["timings"]["cache_n"] + warm["timings"]["prompt_n"] == warm["usage"]["prompt_tokens"]
     assert cold["timings"]["cache_n"] == 0 and cold["timings"]["prompt_n"] == cold["usage"]["prompt_tokens"]
     assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+
+
+# ---- several requests at once (--parallel, default 4) ----------------------------------------------------------
+
+def test_requests_at_once_get_what_each_gets_alone(server):
+    """Streamed and not, greedy and seeded, with and without speculation, a constraint among them, arriving together
+    and stepped in one batch: each answer is the one the request gets alone, and the passes held several requests'
+    rows (the batch_rows histogram)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"prompt": f"story {i}: once upon a time", "max_tokens": 24 + 4 * i, "temperature": 0,
+               "ignore_eos": True} for i in range(3)]
+    bodies += [{"prompt": "seeded", "max_tokens": 20, "temperature": 0.8, "seed": 11, "ignore_eos": True},
+               {"prompt": "plain", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                "speculative": {"draft_max": 0}},
+               {"prompt": "pick", "max_tokens": 12, "temperature": 0, "regex": "(yes|no)( (yes|no))*"}]
+
+    def text(body):
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def rows_counted():
+        metrics = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
+        return {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("quickdraft_batch_rows_")}
+
+    start = rows_counted()["quickdraft_batch_rows_count"]
+    alone = [text(b) for b in bodies]
+    middle = rows_counted()["quickdraft_batch_rows_count"]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(text, bodies))
+    assert together == alone
+    passes_alone, passes_together = middle - start, rows_counted()["quickdraft_batch_rows_count"] - middle
+    assert passes_together < 0.7 * passes_alone, (passes_alone, passes_together)  # they shared passes

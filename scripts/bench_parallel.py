@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Several requests at once against llama.cpp, on the same GGUF files and machine, in one run.
+
+For 1, 2, 4 and 8 concurrent streams (each a different bundled prompt, as an agent's sub-requests are; greedy, a
+fixed number of tokens each): quickdraft serve (the default pair, --parallel 8) with speculation on (its default:
+the 0.5B draft and n-gram, k chosen per step) and off (the request's {"speculative": {"draft_max": 0}}), and
+llama-server -np N plain and with the 0.5B draft (-md). Prints aggregate tok/s (all tokens / wall time) and each
+stream's own decode tok/s, medians over the cells (a cell: N streams started together; --cells of them per N).
+
+    .venv/bin/python scripts/bench_parallel.py [-n 256] [--cells 2] [--streams 1,2,4,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from quickdraft.tools import llamacpp, prompts as bundled, remote  # noqa: E402
+from quickdraft.tools.servers import LlamaServer, ServerProcess  # noqa: E402
+from quickdraft.weights import hub  # noqa: E402
+
+
+def cells(endpoint: remote.Endpoint, texts: list[str], n: int, streams: int, count: int) -> dict:
+    """`count` cells of `streams` streams at once, the prompts in a cycle from a different start each cell."""
+    aggregate, decode, ttft = [], [], []
+    for c in range(count):
+        batch = [texts[(c * streams + i) % len(texts)] for i in range(streams)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(streams) as pool:
+            replies = list(pool.map(lambda text: endpoint.complete(text, n), batch))
+        aggregate.append(sum(r.n for r in replies) / (time.perf_counter() - t0))
+        decode += [r.decode_tok_s for r in replies]
+        ttft += [r.ttft_s for r in replies]
+    return {"aggregate": statistics.median(aggregate), "stream": statistics.median(decode),
+            "ttft": statistics.median(ttft)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=256, help="greedy tokens a stream (default: %(default)s)")
+    ap.add_argument("--cells", type=int, default=2, help="cells per stream count (default: %(default)s)")
+    ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--skip-llama", action="store_true")
+    args = ap.parse_args()
+    counts = [int(x) for x in args.streams.split(",")]
+    target, draft = (hub.model_path(a) for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT))
+    texts = [bundled.text(name) for name in bundled.PROMPTS]
+    started = time.perf_counter()
+    results: dict[tuple[str, int], dict] = {}
+
+    def measure(name: str, endpoint: remote.Endpoint, only: list[int]) -> None:
+        endpoint.check()
+        endpoint.complete("Hello", 4)  # warm-up: one-off setup outside the measurement
+        for streams in only:
+            results[(name, streams)] = r = cells(endpoint, texts, args.n, streams, args.cells)
+            print(f"bench_parallel: {name}, {streams} streams: aggregate {r['aggregate']:.2f} tok/s, per stream "
+                  f"{r['stream']:.2f}", file=sys.stderr, flush=True)
+
+    server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "4096", "--parallel", str(max(counts)),
+                           startup_timeout=600)
+    try:
+        measure("quickdraft spec on", remote.Endpoint(server.base_url), counts)
+        measure("quickdraft spec off", remote.Endpoint(server.base_url, extra={"speculative": {"draft_max": 0}}),
+                counts)
+    finally:
+        server.stop()
+    names = ["quickdraft spec on", "quickdraft spec off"]
+    if not args.skip_llama:
+        binary = llamacpp.server_binary()
+        for name, flags in (("llama-server plain", ()), ("llama-server -md 0.5B", ("-md", str(draft), "--spec-type", "draft-simple"))):
+            names.append(name)
+            for streams in counts:
+                llama = LlamaServer(binary, "-m", str(target), "-c", str(2048 * streams), "-np", str(streams), *flags)
+                try:
+                    measure(name, remote.Endpoint(llama.url), [streams])
+                finally:
+                    llama.stop()
+    print(f"\n{args.n} greedy tokens a stream, each stream a different bundled prompt; medians over {args.cells} "
+          "cells per count; aggregate = all streams' tokens / wall time; per stream = a stream's own decode tok/s")
+    print(f"{'deployment':24}" + "".join(f" {f'{s} streams: agg / each':>24}" for s in counts))
+    for name in names:
+        print(f"{name:24}" + "".join(f" {results[(name, s)]['aggregate']:12.2f} / {results[(name, s)]['stream']:8.2f}"
+                                     if (name, s) in results else f" {'-':>24}" for s in counts))
+    base = results.get(("quickdraft spec off", 1))
+    if base:
+        best = {s: max(results[(n, s)]["aggregate"] for n in names if (n, s) in results and n.startswith("quickdraft"))
+                for s in counts}
+        print("quickdraft's best aggregate over its own single-stream plain speed: "
+              + ", ".join(f"{s} streams {best[s] / base['aggregate']:.2f}x" for s in counts))
+        for s in counts:
+            theirs = [results[(n, s)]["aggregate"] for n in names if (n, s) in results and n.startswith("llama")]
+            if theirs:
+                print(f"{s} streams: quickdraft's best {best[s]:.2f} against llama-server's best {max(theirs):.2f} "
+                      f"tok/s ({best[s] / max(theirs):.2f}x)")
+    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

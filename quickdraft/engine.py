@@ -18,7 +18,7 @@ from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import Slot, Slots
 from quickdraft.speculative.accept import accept_greedy, accept_sampled
 from quickdraft.speculative.base import Drafter, KFor, Proposal
-from quickdraft.speculative.policy import AdaptivePolicy, BatchPlan
+from quickdraft.speculative.policy import Acceptance, AdaptivePolicy, BatchPlan
 from quickdraft.speculative.stats import SpeculationStats
 
 if TYPE_CHECKING:  # the engine runs whatever model it is given; it does not load one
@@ -143,6 +143,7 @@ class Sequence:
     first: float | None = None  # when its first token was chosen
     drafting: bool = False  # its drafter has taken in the prompt (after the first token)
     work: "Work | None" = None  # the current step's drafts, between planning the pass and concluding it
+    acceptance: Acceptance = field(default_factory=Acceptance)  # its own, per source (how a batch plans its k)
     finish: str | None = None  # why it ended (Event.finish_reason), once it has
 
     @property
@@ -308,12 +309,12 @@ class Engine:
         budget = draft_budget(s.params.max_tokens, s.generated, self.context - len(s.tokens))
         return min(budget, self.max_draft) if self.max_draft is not None else budget
 
-    def _plan(self, s: Sequence, k_for: KFor) -> torch.Tensor:
+    def _plan(self, s: Sequence, k_for: KFor, batched: bool = False) -> torch.Tensor:
         """Draft (with k_for saying how many tokens) and return the rows of the sequence's next target pass: its
         last token, then the drafts. Under a constraint the drafts' masks are computed on another thread while the
         target runs (llguidance releases the GIL)."""
-        if s.drafter is not None and not s.drafting:  # the draft takes in the prompt once the
-            self._begin_drafting(s)  # first token is out: the wait for the first token is the target's prefill alone
+        if s.drafter is not None and not s.drafting:  # the draft takes in the prompt once the first token is out:
+            self._begin_drafting(s, prefill=not batched)  # the wait for it is the target's prefill alone
         proposal, draft_s = Proposal([], "none"), 0.0
         if s.drafter is not None and self._budget(s) > 0:
             t0 = time.perf_counter()
@@ -348,6 +349,7 @@ class Engine:
         tokens, accepted, scores = self._verify(s, proposal, logits, work.masks)
         verify_s = time.perf_counter() - t0
         k = len(proposal.tokens)
+        s.acceptance.record(proposal.source, k, accepted)
         if batched:
             self.policy.record_drafts(proposal.source, k, accepted, draft_s - proposal.catch_up_s)
         else:
@@ -402,9 +404,9 @@ class Engine:
             s.stats.mask_s, s.stats.masks_computed = s.constraint.seconds, s.constraint.masks_computed
         return Event(None, s.detok.flush(), finish_reason=s.finish, timings=t, stats=s.stats)
 
-    def _begin_drafting(self, s: Sequence) -> None:
+    def _begin_drafting(self, s: Sequence, prefill: bool = True) -> None:
         t0 = time.perf_counter()
-        s.drafter.begin(s.prompt)
+        s.drafter.begin(s.prompt, prefill)
         s.drafting = True
         self.policy.begin()
         s.timings.draft_prefill_s = time.perf_counter() - t0
@@ -548,7 +550,9 @@ class Batch:
         feeds: dict[int, torch.Tensor] = {}
         for i, s in enumerate(decoding):
             try:
-                feeds[id(s)] = engine._plan(s, plan.k_for(i, s.speculation, engine._budget(s)))
+                lag = (lambda source, s=s: s.drafter.lag(s.tokens, source)) if s.drafter is not None else None
+                k_for = plan.k_for(i, s.speculation, engine._budget(s), s.acceptance, lag or (lambda source: 0))
+                feeds[id(s)] = engine._plan(s, k_for, batched=True)
             except Exception as e:  # noqa: BLE001 -- its drafter or constraint: that sequence fails
                 self._fail(s, e, deliver)
         room = self.max_rows - sum(len(f) for f in feeds.values())

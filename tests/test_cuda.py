@@ -90,6 +90,26 @@ def test_cuda_greedy_speculative_equals_plain(models, kind, spec):
     graphs_on(target)
 
 
+def test_cuda_requests_batched_get_what_each_gets_alone(models):
+    """engine.Batch on CUDA (each sequence's rows a pass of the graphs' width): greedy and seeded requests with
+    speculation, together, each as alone."""
+    from quickdraft.engine import Batch
+
+    target, draft = models
+    greedy = SamplingParams(max_tokens=24, stop_at_eos=False)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=24, stop_at_eos=False)
+    requests = [dict(prompt=PROMPT[:n], params=p) for n, p in ((20, greedy), (7, seeded), (30, greedy))]
+
+    def engine():
+        return Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256),
+                      SpeculationConfig(draft_max=4, adaptive=False), slots=3)
+
+    alone = [[e.token for e in engine().generate(**r)] for r in requests]
+    together = [[e.token for e in events] for events in Batch(engine(), 3).run(requests)]
+    assert together == alone
+    graphs_on(target)
+
+
 def test_cuda_seeded_sampling_equals_plain(models):
     target, draft = models
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, stop_at_eos=False)

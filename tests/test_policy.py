@@ -247,4 +247,4 @@ def test_fixed_k_is_kept_in_a_batch_and_an_untimed_source_waits():
     from quickdraft.speculative.policy import BatchPlan
 
     plan = BatchPlan(policy, 2, 2, 64)
-    assert plan.k_for(0, SpeculationConfig(draft_max=4), 4)("never-timed") == 0
+    assert plan.k_for(0, SpeculationConfig(draft_max=4), 4, lag=lambda source: 30)("never-timed") == 0

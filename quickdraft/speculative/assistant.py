@@ -88,7 +88,7 @@ class AssistantDrafter(DraftModelDrafter):
     def forget(self) -> None:
         self.first = self.keys = self.hidden = None
 
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int], prefill: bool = True) -> None:
         self.first = self.keys = self.hidden = None  # nothing of its own to prefill
 
     @torch.inference_mode()

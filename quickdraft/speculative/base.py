@@ -99,9 +99,16 @@ class Drafter:
         """Drop what it holds of its slot's sequence: the slot forgot its tokens (a new conversation, or a pass
         that stopped half way). Nothing to drop by default."""
 
-    def begin(self, prompt: list[int]) -> None:
+    def lag(self, seq: list[int], source: str) -> int:
+        """Tokens of seq that drafting from `source` now would first have to take in (a draft model that skipped
+        plain steps, or was begun without its prefill); 0 for a drafter that reads the sequence as it is."""
+        return 0
+
+    def begin(self, prompt: list[int], prefill: bool = True) -> None:
         """Start a generation: take in the prompt (a draft model prefills it, keeping what its cache already holds
-        of it from this slot's last generation)."""
+        of it from this slot's last generation). prefill False: only start; what it needs of the prompt it takes
+        in when it first drafts (engine.Batch: a draft model's prefill would stall every sequence beside it, and
+        the batch may never ask it to draft)."""
 
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
                 generator: torch.Generator, constraint=None) -> Proposal:

@@ -42,9 +42,12 @@ class CombinedDrafter(Drafter):
     def cut_head(self) -> bool:
         return self.draft.cut_head
 
-    def begin(self, prompt: list[int]) -> None:
+    def lag(self, seq: list[int], source: str) -> int:
+        return self.draft.lag(seq, source)
+
+    def begin(self, prompt: list[int], prefill: bool = True) -> None:
         self.ngram.begin(prompt)
-        self.draft.begin(prompt)
+        self.draft.begin(prompt, prefill)
 
     def propose(self, seq, k_for: KFor, params, generator, constraint=None) -> Proposal:
         proposal = self.ngram.propose(seq, k_for, params, generator, constraint)

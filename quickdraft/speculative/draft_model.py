@@ -85,7 +85,10 @@ class DraftModelDrafter(Drafter):
         self.tokens, self.matched = [], 0
 
     @torch.inference_mode()
-    def begin(self, prompt: list[int]) -> None:
+    def lag(self, seq: list[int], source: str) -> int:
+        return max(0, len(seq) - 1 - len(self.tokens)) if source == "draft" else 0
+
+    def begin(self, prompt: list[int], prefill: bool = True) -> None:
         """Prefill the prompt now, so that a round's draft time is the cost of drafting alone. What the cache holds
         of it already (this slot's last generation: the conversation so far) is kept; a recurrent draft keeps it
         only where its state can return to."""
@@ -98,7 +101,7 @@ class DraftModelDrafter(Drafter):
         if self.subset is not None:
             self.subset.reset(prompt)
             self.seen = len(prompt)
-        if len(prompt) > n:
+        if len(prompt) > n and prefill:
             self._logits(prompt[n:])
 
     def _sync(self, seq: list[int]) -> list[int]:

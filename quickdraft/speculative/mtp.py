@@ -79,14 +79,14 @@ class MtpDrafter(DraftModelDrafter):
         self.target_cache = cache
 
     @torch.inference_mode()
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int], prefill: bool = True) -> None:
         """Take in the prompt's pairs now (the engine has run the target's prefill): a round's draft time is then
         the cost of drafting alone. Pairs of the slot's last generation that the prompt begins with are kept (the
         target's hidden states there are kept too)."""
         self.cache.rollback(min(self.cache.length, max(common_prefix(self.seen, prompt) - 1, 0)))
         self.seen = list(prompt)
         hidden = self.target_cache.hidden if self.target_cache is not None else None
-        if self.cache.length < len(prompt) - 1 and hidden is not None:
+        if self.cache.length < len(prompt) - 1 and hidden is not None and prefill:
             self._pairs(prompt, len(prompt) - 1)
 
     def _pairs(self, seq: list[int], end: int):

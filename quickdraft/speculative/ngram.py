@@ -27,7 +27,7 @@ class NgramDrafter(Drafter):
     def fork(self) -> "NgramDrafter":
         return NgramDrafter(self.min_n, self.max_n)
 
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int], prefill: bool = True) -> None:
         self.index: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # continuation starts < indexed are in the index
 

@@ -40,6 +40,12 @@ PROBE_SHORT = 2
 REFRESH = 64
 REFRESH_NEAR = 8
 MARGIN = 1.15
+# In a batched step (BatchPlan): a sequence's own acceptance of a source weighs against the policy's pooled estimate
+# (n-gram lookup's acceptance varies most from one text to another) as if the pooled one were OWN_PRIOR rounds; and
+# a drafter that must first take in tokens it missed pays a pass over them, each row of which costs about
+# PREFILL_ROW of a one-token step (a 64-row pass took 12x a one-row one on this machine's kernels).
+OWN_PRIOR = 2.0
+PREFILL_ROW = 0.2
 
 
 class AdaptivePolicy:
@@ -195,19 +201,27 @@ class AdaptivePolicy:
         r0, t0 = below[-1] if below else above[0]
         return max(t0 + slope * (rows - r0), 1e-9)
 
-    def k_in_batch(self, source: str, cfg: SpeculationConfig, plan: "BatchPlan", limit: int) -> int:
+    def k_in_batch(self, source: str, cfg: SpeculationConfig, plan: "BatchPlan", limit: int,
+                   own: "Acceptance | None" = None, lag: int = 0) -> int:
         """The k for one sequence of a batched step, given what the sequences planned before it draft (plan): the
         one that maximises the step's expected tokens per second over the whole batch, 0 included (a step of
         plain decoding for every sequence when the batch already fills the compute). A source whose drafting has
-        not been timed yet drafts nothing here: the steps of a sequence alone measure it."""
+        not been timed yet drafts here only where it has nothing to take in first (n-gram lookup; a draft model is
+        timed by the steps of a sequence alone). own: this sequence's
+        acceptance of the source so far (weighed against the pooled estimate); lag: tokens the drafter must take
+        in before it drafts (a pass over them)."""
         top = min(cfg.draft_max, limit)
         if not cfg.adaptive or cfg.draft_min > 0:
             return max(0, min(cfg.draft_max if not cfg.adaptive else cfg.draft_min, limit))
-        if top <= 0 or source not in self.t_draft or plan.seconds(0, 0.0) is None:
+        if top <= 0 or (source not in self.t_draft and lag > 0) or plan.seconds(0, 0.0) is None:
             return 0
+        t_draft = self.t_draft.get(source, 0.0)  # untimed with nothing to take in (n-gram lookup): tried, then timed
+        pooled = self.acceptance(source, top)
+        rates = own.rates(source, pooled) if own is not None else pooled
+        catch_up = lag * PREFILL_ROW * t_draft
         best, best_rate = 0, plan.tokens / plan.seconds(0, 0.0)
         for k in range(1, top + 1):
-            rate = (plan.tokens + self.expected_length(source, k) - 1) / plan.seconds(k, k * self.t_draft[source])
+            rate = (plan.tokens + speed.expected_length(rates[:k]) - 1) / plan.seconds(k, k * t_draft + catch_up)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -276,13 +290,44 @@ class BatchPlan:
         t = self.policy.pass_seconds(self.rows + extra_rows)
         return None if t is None else t + sum(d for _, _, d in self.choices.values()) + extra_draft_s
 
-    def k_for(self, key: int, cfg: SpeculationConfig, budget: int):
-        """The KFor of the sequence `key` (its drafter asks per source; its last answer is the one that counts)."""
+    def k_for(self, key: int, cfg: SpeculationConfig, budget: int, own: "Acceptance | None" = None,
+              lag=lambda source: 0):
+        """The KFor of the sequence `key` (its drafter asks per source; its last answer is the one that counts): own,
+        its acceptance so far; lag(source), what that source's drafter must take in first."""
         def choose(source: str) -> int:
             self.choices.pop(key, None)
-            k = self.policy.k_in_batch(source, cfg, self, min(budget, self.max_rows - self.rows))
+            behind = lag(source)
+            k = self.policy.k_in_batch(source, cfg, self, min(budget, self.max_rows - self.rows), own, behind)
             if k > 0:
-                self.choices[key] = (k, self.policy.expected_length(source, k) - 1,
-                                     k * self.policy.t_draft.get(source, 0.0))
+                rates = self.policy.acceptance(source, k)
+                rates = own.rates(source, rates) if own is not None else rates
+                t_draft = self.policy.t_draft.get(source, 0.0)
+                self.choices[key] = (k, speed.expected_length(rates) - 1, (k + behind * PREFILL_ROW) * t_draft)
             return k
         return choose
+
+
+class Acceptance:
+    """One sequence's own acceptance per source and draft position (decayed as the policy's), for BatchPlan."""
+
+    def __init__(self):
+        self.tried: dict[str, list[float]] = {}
+        self.accepted: dict[str, list[float]] = {}
+
+    def record(self, source: str, drafted: int, accepted: int) -> None:
+        tried, acc = self.tried.setdefault(source, []), self.accepted.setdefault(source, [])
+        for i in range(len(tried)):
+            tried[i] *= DECAY
+            acc[i] *= DECAY
+        while len(tried) < drafted:
+            tried.append(0.0)
+            acc.append(0.0)
+        for i in range(min(drafted, accepted + 1)):
+            tried[i] += 1
+            acc[i] += i < accepted
+
+    def rates(self, source: str, pooled: list[float]) -> list[float]:
+        """Per position: this sequence's rate, weighed against the pooled estimate (OWN_PRIOR rounds' worth)."""
+        tried, acc = self.tried.get(source, []), self.accepted.get(source, [])
+        return [(acc[i] + OWN_PRIOR * p) / (tried[i] + OWN_PRIOR) if i < len(tried) else p
+                for i, p in enumerate(pooled)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SamplingParams
-from quickdraft.engine import Engine
+from quickdraft.engine import Batch, Engine
 from quickdraft.perplexity import perplexity
 from quickdraft.tools.quality import TEXT as QUALITY_TEXT
 from quickdraft.weights.loader import load_model
@@ -115,11 +115,14 @@ def test_bfloat16_perplexity_agrees_with_reference(recorded, real_model_path, al
 
 
 def test_greedy_output_matches_reference(recorded, fp32):
+    """The recorded prompts' greedy tokens, generated together (engine.Batch: the cases share each pass, a float32
+    pass costing the same for their few rows as for one)."""
     alias, lm = fp32
-    engine = Engine(lm)
-    for case in recorded["models"][alias]["greedy"]:
-        prompt = prompt_ids(lm.tokenizer, case["prompt"])
-        events = engine.generate(prompt, SamplingParams(max_tokens=case["n"], stop_at_eos=False))
+    cases = recorded["models"][alias]["greedy"]
+    engine = Engine(lm, slots=len(cases))
+    requests = [dict(prompt=prompt_ids(lm.tokenizer, case["prompt"]),
+                     params=SamplingParams(max_tokens=case["n"], stop_at_eos=False)) for case in cases]
+    for case, events in zip(cases, Batch(engine).run(requests)):
         ours = [e.token for e in events if e.token is not None]
         assert ours == case["tokens"], lm.tokenizer.decode(ours)
 

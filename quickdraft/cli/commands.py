@@ -486,8 +486,12 @@ def cmd_serve(args) -> int:
                         strict_model_name=args.strict_model_name, cors_origins=cors,
                         special_tokens_in_messages=args.special_tokens_in_messages)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-    print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}) at {url}/v1",
-          flush=True)
+    parallel = min(args.parallel, engine.slots.count)  # the memory plan may have kept fewer slots
+    if parallel < args.parallel:
+        print(f"warning: {engine.slots.count} cache slots fit: {parallel} requests generate at once, not "
+              f"{args.parallel} (--parallel); lower --ctx to fit more", file=sys.stderr)
+    print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}, {parallel} "
+          f"request{'s' if parallel > 1 else ''} in parallel) at {url}/v1", flush=True)
     print(f"chat page: {url}/", flush=True)
     auth = ' -H "Authorization: Bearer $QUICKDRAFT_API_KEY"' if api_key else ""  # the key itself is never printed
     print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "

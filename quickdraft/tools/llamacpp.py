@@ -6,6 +6,7 @@ the programs are built once with cmake). The benchmarks against llama.cpp and th
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -100,23 +101,60 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", *flags: str, pre: str
     """A Hugging Face directory as llama.cpp's converter writes it to GGUF (flags: more of its options, e.g.
     --no-mtp). pre: the BPE pre-tokenizer to write for a tiny byte-level BPE tokenizer, which the converter cannot
     recognise (it knows a tokenizer by the hash of its tokens for a test text, a real model's); only that one
-    function is replaced, the tensors and the rest of the metadata are the converter's own."""
-    script = str(tree() / "convert_hf_to_gguf.py")
-    command = [sys.executable, script]
-    if pre is not None:
-        command = [sys.executable, "-c", _NAMED_PRE, script, pre]
-    result = subprocess.run([*command, str(hf_dir), "--outfile", str(out), "--outtype", outtype, *flags],
-                            capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    function is replaced, the tensors and the rest of the metadata are the converter's own.
+
+    The converter runs in a process of its own, kept for the next conversion: its imports (torch, transformers,
+    its model classes) take seconds, each conversion of a small model a fraction of one."""
+    global _converter
+    if _converter is None or _converter.poll() is not None:
+        _converter = subprocess.Popen([sys.executable, "-c", _CONVERTER, str(tree() / "convert_hf_to_gguf.py")],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    job = {"argv": [str(hf_dir), "--outfile", str(out), "--outtype", outtype, *flags], "pre": pre}
+    _converter.stdin.write(json.dumps(job) + "\n")
+    _converter.stdin.flush()
+    reply = _converter.stdout.readline()
+    assert reply, "llama.cpp's converter process ended"
+    failed = json.loads(reply)["error"]
+    assert failed is None, failed
     return out
 
 
-_NAMED_PRE = """
-import runpy, sys
-script, pre = sys.argv[1], sys.argv[2]
-sys.path[:0] = [str(__import__("pathlib").Path(script).parent), str(__import__("pathlib").Path(script).parent / "gguf-py")]
-from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
-sys.argv = [script, *sys.argv[3:]]
-runpy.run_path(script, run_name="__main__")
+_converter: subprocess.Popen | None = None
+# The converter's process: a job per line on stdin ({"argv": [...], "pre": name or null}), a reply per line on stdout
+# ({"error": null, or the converter's last log lines}); each job runs in a fork of it, its output kept apart.
+_CONVERTER = r"""
+import io, json, logging, os, runpy, sys, traceback
+from pathlib import Path
+script = sys.argv[1]
+sys.path[:0] = [str(Path(script).parent), str(Path(script).parent / "gguf-py")]
+from conversion import base  # the converter's model classes, with torch and transformers: imported once
+for line in sys.stdin:  # each job in a fork: options the converter sets on its classes (--no-mtp) stay there
+    job = json.loads(line)
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        if job["pre"] is not None:
+            base.TextModel.get_vocab_base_pre = lambda self, tokenizer, p=job["pre"]: p
+        log = io.StringIO()
+        sys.stdout = sys.stderr = log
+        error = None
+        try:
+            sys.argv = [script, *job["argv"]]
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                error = f"exit {e.code}: " + log.getvalue()[-3000:]
+        except BaseException:
+            error = traceback.format_exc()[-2000:] + log.getvalue()[-1000:]
+        os.write(w, json.dumps({"error": error}).encode())
+        os._exit(0)
+    os.close(w)
+    reply = b""
+    while chunk := os.read(r, 65536):
+        reply += chunk
+    os.close(r)
+    os.wait()
+    sys.stdout.write((reply.decode() or json.dumps({"error": "the converter died"})) + "\n")
+    sys.stdout.flush()
 """

@@ -220,8 +220,11 @@ class AdaptivePolicy:
         rates = own.rates(source, pooled) if own is not None else pooled
         catch_up = lag * PREFILL_ROW * t_draft
         best, best_rate = 0, plan.tokens / plan.seconds(0, 0.0)
+        expected, run = plan.tokens, 1.0
         for k in range(1, top + 1):
-            rate = (plan.tokens + speed.expected_length(rates[:k]) - 1) / plan.seconds(k, k * t_draft + catch_up)
+            run *= rates[k - 1]
+            expected += run  # the batch's tokens if this sequence drafts k
+            rate = expected / plan.seconds(k, k * t_draft + catch_up)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -277,6 +280,7 @@ class BatchPlan:
         self.policy, self.max_rows = policy, max_rows
         self.base_rows, self.base_tokens = rows, float(sequences)
         self.choices: dict[int, tuple[int, float, float]] = {}  # sequence -> (k, expected extra tokens, draft s)
+        self.passes: dict[int, float | None] = {}  # rows -> the policy's estimate of a pass, asked once a step
 
     @property
     def rows(self) -> int:
@@ -287,7 +291,10 @@ class BatchPlan:
         return self.base_tokens + sum(gain for _, gain, _ in self.choices.values())
 
     def seconds(self, extra_rows: int, extra_draft_s: float) -> float | None:
-        t = self.policy.pass_seconds(self.rows + extra_rows)
+        rows = self.rows + extra_rows
+        if rows not in self.passes:  # the plan asks for the same few row counts for every sequence of the step
+            self.passes[rows] = self.policy.pass_seconds(rows)
+        t = self.passes[rows]
         return None if t is None else t + sum(d for _, _, d in self.choices.values()) + extra_draft_s
 
     def k_for(self, key: int, cfg: SpeculationConfig, budget: int, own: "Acceptance | None" = None,

@@ -117,7 +117,7 @@ class Detokenizer:
         return text[len(before):] if len(text) > len(before) else ""
 
 
-@dataclass
+@dataclass(eq=False)  # one generation is itself: two with the same prompt are two
 class Sequence:
     """Everything one generation owns (DESIGN: a sequence is an object): its tokens, the slot whose cache holds them
     (and whose drafter speaks for them), how to sample and with which generators, its constraint, its statistics,
@@ -280,9 +280,11 @@ class Engine:
     def release(self, s: Sequence) -> None:
         """The sequence has ended: its slot keeps the tokens of its cache (the step's tokens not yet taken in
         included) for the next prompt that begins with them, and is free again."""
-        s.slot.tokens[:] = (s.tokens + s.pending)[:s.slot.cache.length]
-        s.slot.checkpoint()
-        s.slot.busy = False
+        try:
+            s.slot.tokens[:] = (s.tokens + s.pending)[:s.slot.cache.length]
+            s.slot.checkpoint()
+        finally:
+            s.slot.busy = False
 
     # ---- the pieces of a step ---------------------------------------------------------------
 
@@ -476,8 +478,9 @@ class Batch:
 
     def __init__(self, engine: Engine, parallel: int | None = None):
         self.engine = engine
-        self.parallel = parallel or engine.slots.count
         self.max_rows = engine.target.chunk  # a batched pass is row-wise: its rows in all, as a prefill chunk's
+        # every decoding sequence has a row in each pass, and a newcomer's prefill one at least
+        self.parallel = min(parallel or engine.slots.count, self.max_rows - 1)
         self.active: list[Sequence] = []
         self.passes = 0  # target passes run
         self.last_rows = 0  # rows of the latest pass
@@ -501,6 +504,7 @@ class Batch:
         """One step of every active sequence: deliver(s, event) for each of its events in order (a halt set by
         deliver ends the sequence at that token), the last one it gets being its final Event, or the exception it
         failed with. Ended sequences leave the batch, their slots kept for reuse."""
+        self.last_rows = 0
         for s in list(self.active):
             if s.finish is None and s.halt.reason is not None:  # cancelled between steps: it ends now
                 s.finish = s.halt.reason
@@ -523,11 +527,17 @@ class Batch:
                 raise event
             out[index[id(s)]].append(event)
 
-        while waiting or self.active:
-            while waiting and self.room():
-                i = waiting.pop(0)
-                index[id(self.add(**requests[i]))] = i
-            self.step(deliver)
+        try:
+            while waiting or self.active:
+                while waiting and self.room():
+                    i = waiting.pop(0)
+                    index[id(self.add(**requests[i]))] = i
+                self.step(deliver)
+        finally:  # a request failed: the others end here, their slots free
+            for s in list(self.active):
+                self.active.remove(s)
+                s.slot.forget()
+                self.engine.release(s)
         return out
 
     def _alone(self, s: Sequence, deliver) -> None:
@@ -574,6 +584,8 @@ class Batch:
                 self._fail(s, e, deliver)
             return
         rows = sum(len(feeds[id(s)]) for s in order)
+        if logits[-1].is_cuda:  # the pass's time, not its launch's
+            torch.cuda.synchronize(logits[-1].device)
         engine.policy.record_pass(rows, time.perf_counter() - t0)
         self.passes, self.last_rows = self.passes + 1, rows
         for s, row_logits in zip(order, logits):
@@ -593,7 +605,10 @@ class Batch:
     def _end(self, s: Sequence, deliver) -> None:
         self.active.remove(s)
         self.engine.release(s)
-        deliver(s, self.engine._final(s))
+        try:
+            deliver(s, self.engine._final(s))
+        except Exception as e:  # noqa: BLE001 -- its statistics, or handing them over: that sequence fails alone
+            deliver(s, e)
 
     def _fail(self, s: Sequence, error: Exception, deliver) -> None:
         s.slot.forget()  # a pass may have stopped half way: nothing the cache holds is known

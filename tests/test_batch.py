@@ -203,3 +203,23 @@ def test_a_cancelled_sequence_ends_at_once_and_the_others_go_on(pair):
     got, _, _ = batched(target, draft, "combined", reqs, cancel_after=(1, 5))
     assert got[1] == (want[1][0][:5], "cancelled")
     assert [got[i] for i in (0, 2, 3, 4)] == [want[i] for i in (0, 2, 3, 4)]
+
+
+def test_a_request_that_fails_leaves_no_slot_running(pair):
+    """Batch.run raises what a request fails with (here a prompt past the context), and every other sequence of the
+    batch ends with it: its slot free again, the engine serving the next request."""
+    from quickdraft.errors import QuickdraftError
+
+    target, draft = pair
+    engine = Engine(target, CTX, make_drafter("combined", target, draft), SpeculationConfig(draft_max=4), slots=3)
+    params = SamplingParams(max_tokens=8, stop_at_eos=False)
+    ok = dict(prompt=target.tokenizer.encode("hello there"), params=params, speculation=None)
+    with pytest.raises(QuickdraftError, match="context"):
+        Batch(engine, 3).run([ok, ok, dict(prompt=[5] * CTX, params=params)])
+    assert engine.slots.free() == 3
+    assert [e.token for e in engine.generate(**ok)][:-1] == alone(target, draft, "combined", ok)[0]
+
+
+def test_a_batch_keeps_a_row_for_each_sequence_and_a_newcomer(pair):
+    engine = Engine(pair[0], CTX, slots=100)
+    assert Batch(engine, 100).parallel == engine.target.chunk - 1

@@ -196,14 +196,18 @@ class EngineWorker:
         batch = self.batch = Batch(self.engine, self.parallel)
         stopping = False
         while True:
-            while not stopping and batch.room():
-                try:
+            while not stopping and (batch.room() or not batch.active):
+                try:  # nothing running: wait for a job (whatever room says, so that a stop is always seen)
                     job = self.pending.get(block=not batch.active)
                 except queue.Empty:
                     break
                 if job is None:
                     stopping = True
                     break
+                if not batch.room():  # no slot free with nothing running: a bug of ours, said rather than hung
+                    job.ticket.release()
+                    job.put(Failed("no cache slot is free"))
+                    continue
                 self._admit(job, batch)
             if not batch.active:
                 if stopping:
@@ -216,7 +220,8 @@ class EngineWorker:
                 for s in list(batch.active):
                     batch._fail(s, RuntimeError("the engine's step failed"), self._deliver)
             self.metrics.running.set(len(batch.active))
-            self.metrics.batch_rows.observe(batch.last_rows)
+            if batch.last_rows:
+                self.metrics.batch_rows.observe(batch.last_rows)
 
     def _admit(self, job: Job, batch: Batch) -> None:
         job.ticket.release()  # running now: its place in the queue is free

@@ -84,10 +84,10 @@ class DraftModelDrafter(Drafter):
         self.cache.reset()
         self.tokens, self.matched = [], 0
 
-    @torch.inference_mode()
     def lag(self, seq: list[int], source: str) -> int:
         return max(0, len(seq) - 1 - len(self.tokens)) if source == "draft" else 0
 
+    @torch.inference_mode()
     def begin(self, prompt: list[int], prefill: bool = True) -> None:
         """Prefill the prompt now, so that a round's draft time is the cost of drafting alone. What the cache holds
         of it already (this slot's last generation: the conversation so far) is kept; a recurrent draft keeps it

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
 import tarfile
@@ -113,6 +114,9 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", *flags: str, pre: str
     job = {"argv": [str(hf_dir), "--outfile", str(out), "--outtype", outtype, *flags], "pre": pre}
     _converter.stdin.write(json.dumps(job) + "\n")
     _converter.stdin.flush()
+    if not select.select([_converter.stdout], [], [], 600)[0]:  # as the one-process-a-file converter's limit
+        _converter.kill()
+        raise AssertionError(f"llama.cpp's converter took more than 600 s on {hf_dir}")
     reply = _converter.stdout.readline()
     assert reply, "llama.cpp's converter process ended"
     failed = json.loads(reply)["error"]
@@ -134,6 +138,9 @@ for line in sys.stdin:  # each job in a fork: options the converter sets on its 
     r, w = os.pipe()
     if os.fork() == 0:
         os.close(r)
+        quiet = os.open(os.devnull, os.O_WRONLY)  # what it writes to the descriptors themselves goes nowhere:
+        os.dup2(quiet, 1)  # the parent's replies on 1 stay whole
+        os.dup2(quiet, 2)
         if job["pre"] is not None:
             base.TextModel.get_vocab_base_pre = lambda self, tokenizer, p=job["pre"]: p
         log = io.StringIO()

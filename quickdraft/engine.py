@@ -482,8 +482,7 @@ class Batch:
         # every decoding sequence has a row in each pass, and a newcomer's prefill one at least
         self.parallel = min(parallel or engine.slots.count, self.max_rows - 1)
         self.active: list[Sequence] = []
-        self.passes = 0  # target passes run
-        self.last_rows = 0  # rows of the latest pass
+        self.last_rows = 0  # rows of the latest pass (0: the step ran none)
 
     def room(self) -> int:
         """How many more sequences may start now."""
@@ -541,10 +540,17 @@ class Batch:
         return out
 
     def _alone(self, s: Sequence, deliver) -> None:
+        def step():
+            out = self.engine._step(s)
+            self.last_rows = self.engine.last_rows
+            return out
+
+        self._advance(s, step, deliver)
+
+    def _advance(self, s: Sequence, conclude: Callable[[], tuple], deliver) -> None:
+        """Hand over the events of the step conclude() gives the sequence; it fails alone, or ends there."""
         try:
-            step = self.engine._step(s)
-            self.passes, self.last_rows = self.passes + 1, self.engine.last_rows
-            for event in self.engine._emit(s, *step):
+            for event in self.engine._emit(s, *conclude()):
                 deliver(s, event)
         except Exception as e:  # noqa: BLE001 -- that sequence fails, the batch goes on
             self._fail(s, e, deliver)
@@ -587,20 +593,13 @@ class Batch:
         if logits[-1].is_cuda:  # the pass's time, not its launch's
             torch.cuda.synchronize(logits[-1].device)
         engine.policy.record_pass(rows, time.perf_counter() - t0)
-        self.passes, self.last_rows = self.passes + 1, rows
+        self.last_rows = rows
         for s, row_logits in zip(order, logits):
-            try:
-                if s in prefilling:
-                    s.prefilled += len(feeds[id(s)])
-                    if s.prefilled < len(s.prompt):
-                        continue
-                for event in engine._emit(s, *engine._conclude(s, row_logits, t0, batched=True)):
-                    deliver(s, event)
-            except Exception as e:  # noqa: BLE001 -- that sequence fails, the batch goes on
-                self._fail(s, e, deliver)
-                continue
-            if s.finish is not None:
-                self._end(s, deliver)
+            if s in prefilling:
+                s.prefilled += len(feeds[id(s)])
+                if s.prefilled < len(s.prompt):
+                    continue
+            self._advance(s, lambda: engine._conclude(s, row_logits, t0, batched=True), deliver)
 
     def _end(self, s: Sequence, deliver) -> None:
         self.active.remove(s)

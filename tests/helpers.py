@@ -267,6 +267,17 @@ def target_and_noisy_draft(directory: Path, config):
     return target, load_model(str(save_hf_dir(draft_hf, directory / "d")), config, False)
 
 
+def byte_level_pair(directory: Path, config):
+    """A tiny llama target with a byte-level vocabulary and an end-of-text token, as GGUF (text in, text out:
+    constraints and chat prompts work), and a draft that agrees with it often but not always."""
+    from quickdraft.weights.loader import load_model
+
+    hf = tiny_hf_model("llama", seed=3, logit_scale=4)
+    target = load_model(str(write_gguf_from_hf(hf, directory / "t.gguf", eos=True)), config, False)
+    add_noise(hf)
+    return target, load_model(str(write_gguf_from_hf(hf, directory / "d.gguf", eos=True)), config, False)
+
+
 def check_speedups(rows, row):
     """The row's speed-ups follow from its own measurements (no speed is asserted: these machines are shared):
     measured = its tok/s over plain's on the prompt; predicted = E[L] / (v(k) + k r), E[L] within 1 .. k + 1."""

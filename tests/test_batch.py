@@ -86,18 +86,14 @@ from quickdraft.config import SamplingParams, SpeculationConfig  # noqa: E402
 from quickdraft.engine import Batch, Engine, Halt  # noqa: E402
 from quickdraft.grammar import Grammar  # noqa: E402
 from quickdraft.speculative.ngram import NgramDrafter  # noqa: E402
-from tests.helpers import add_noise, drafter, write_gguf_from_hf  # noqa: E402
+from tests.helpers import byte_level_pair, drafter  # noqa: E402
 
 CTX = 256
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("batch")
-    hf = tiny_hf_model("llama", seed=3, logit_scale=4)
-    target = load_model(str(write_gguf_from_hf(hf, d / "t.gguf", eos=True)), BF16, False)
-    add_noise(hf)  # a draft that agrees with the target often but not always
-    return target, load_model(str(write_gguf_from_hf(hf, d / "d.gguf", eos=True)), BF16, False)
+    return byte_level_pair(tmp_path_factory.mktemp("batch"), BF16)
 
 
 def requests(target, sampled: bool):

@@ -17,8 +17,7 @@ from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.tools.verify import chi_square
-from quickdraft.weights.loader import load_model
-from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import byte_level_pair
 
 BF16 = EngineConfig(device="cpu", dtype="bfloat16", max_context=256)
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["color", "ok", "n"],
@@ -30,12 +29,7 @@ GBNF = 'root ::= "(" item (", " item)* ")"\nitem ::= [0-9] | "yes" | "no"\n'
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grammar")
-    hf = tiny_hf_model("llama", seed=3, logit_scale=4)
-    target = load_model(str(write_gguf_from_hf(hf, d / "t.gguf", eos=True)), BF16, False)
-    add_noise(hf)  # a draft that agrees with the target often but not always
-    draft = load_model(str(write_gguf_from_hf(hf, d / "d.gguf", eos=True)), BF16, False)
-    return target, draft
+    return byte_level_pair(tmp_path_factory.mktemp("grammar"), BF16)
 
 
 def drafter(kind, target, draft):

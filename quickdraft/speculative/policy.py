@@ -131,17 +131,7 @@ class AdaptivePolicy:
         self._record_acceptance(source, drafted, accepted)
 
     def _record_acceptance(self, source: str, drafted: int, accepted: int) -> None:
-        tried = self.tried.setdefault(source, [])
-        acc = self.accepted.setdefault(source, [])
-        for i in range(len(tried)):
-            tried[i] *= DECAY
-            acc[i] *= DECAY
-        while len(tried) < drafted:
-            tried.append(0.0)
-            acc.append(0.0)
-        for i in range(min(drafted, accepted + 1)):  # positions past the first rejection were not judged
-            tried[i] += 1
-            acc[i] += i < accepted
+        count_round(self.tried.setdefault(source, []), self.accepted.setdefault(source, []), drafted, accepted)
 
     # ---- estimates --------------------------------------------------------------------------
 
@@ -267,6 +257,20 @@ class AdaptivePolicy:
         }
 
 
+def count_round(tried: list[float], accepted: list[float], drafted: int, kept: int) -> None:
+    """A round's drafts into decayed counts per position: each count forgets DECAY of itself, then every position up
+    to the first rejection was judged (tried) and those before it kept."""
+    for i in range(len(tried)):
+        tried[i] *= DECAY
+        accepted[i] *= DECAY
+    while len(tried) < drafted:
+        tried.append(0.0)
+        accepted.append(0.0)
+    for i in range(min(drafted, kept + 1)):  # positions past the first rejection were not judged
+        tried[i] += 1
+        accepted[i] += i < kept
+
+
 def _ema(old: float, new: float, weight: float) -> float:
     return (1 - weight) * old + weight * new
 
@@ -322,16 +326,7 @@ class Acceptance:
         self.accepted: dict[str, list[float]] = {}
 
     def record(self, source: str, drafted: int, accepted: int) -> None:
-        tried, acc = self.tried.setdefault(source, []), self.accepted.setdefault(source, [])
-        for i in range(len(tried)):
-            tried[i] *= DECAY
-            acc[i] *= DECAY
-        while len(tried) < drafted:
-            tried.append(0.0)
-            acc.append(0.0)
-        for i in range(min(drafted, accepted + 1)):
-            tried[i] += 1
-            acc[i] += i < accepted
+        count_round(self.tried.setdefault(source, []), self.accepted.setdefault(source, []), drafted, accepted)
 
     def rates(self, source: str, pooled: list[float]) -> list[float]:
         """Per position: this sequence's rate, weighed against the pooled estimate (OWN_PRIOR rounds' worth)."""

@@ -60,7 +60,7 @@ def main() -> int:
         for streams in only:
             results[(name, streams)] = r = cells(endpoint, texts, args.n, streams, args.cells)
             print(f"bench_parallel: {name}, {streams} streams: aggregate {r['aggregate']:.2f} tok/s, per stream "
-                  f"{r['stream']:.2f}", file=sys.stderr, flush=True)
+                  f"{r['stream']:.2f}, TTFT {r['ttft']:.2f} s", file=sys.stderr, flush=True)
 
     server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "4096", "--parallel", str(max(counts)),
                            startup_timeout=600)

@@ -189,6 +189,7 @@ class Engine:
         self.max_draft = min(reach) if reach else None
         self.speculation = speculation
         self.policy = AdaptivePolicy(speculation)  # its timings describe this machine: kept across generations
+        self.policy.per_round.update(drafter.per_round if drafter is not None else ())
         self.grammars = GrammarCompiler(target.tokenizer, target.config.vocab_size)
         self._masker: ThreadPoolExecutor | None = None  # computes verification masks during the target pass
         self.last = first  # the slot of the latest generation

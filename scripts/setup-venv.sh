@@ -23,3 +23,8 @@ if ! "$py" -c "import torch" 2>/dev/null; then
     pip_install "torch==2.13.0"
 fi
 pip_install -e ".${extras:+[$extras]}"
+# The DFlash drafters' reference implementation (tests/test_dflash.py), without the dataset and benchmark packages
+# its wheel pins (its model code needs torch and transformers alone).
+if [[ ",$extras," == *",test,"* ]]; then
+    pip_install --no-deps "dflash==0.1.0"
+fi

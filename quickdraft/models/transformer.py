@@ -689,11 +689,18 @@ class Transformer(Decoder):
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[layer.attention.kind]
             x = layer(x, cos, sin, segments, i, None, None if ple is None else ple[:, :, i])
+            offset = 0
+            for cache, n in zip(caches, sizes):
+                if i in cache.feature_layers and i < len(self.layers) - 1:  # a drafter reads them (dflash)
+                    cache.store_feature(i, x[0, offset:offset + n])
+                offset += n
         x = self.norm(x)[0]
         wanted, offset = [], 0
         for cache, n, last in zip(caches, sizes, last_only):
+            if len(self.layers) - 1 in cache.feature_layers:  # the last layer's, as transformers gives it: normed
+                cache.store_feature(len(self.layers) - 1, x[offset:offset + n])
             if cache.hidden is not None:  # a drafter reads the hidden states (mtp)
-                cache.hidden[cache.length:cache.length + n] = x[offset:offset + n]
+                cache.store_hidden(x[offset:offset + n])
             wanted.append(torch.arange(offset + n - 1 if last else offset, offset + n))
             cache.length += n
             offset += n
@@ -727,13 +734,17 @@ class Transformer(Decoder):
              rows: int | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         ple = self._per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
+        kept = getattr(cache, "feature_layers", None)  # layers whose outputs a drafter reads (dflash)
         for i, layer in enumerate(self.layers):
             cos, sin = rotary[layer.attention.kind]
             x = layer(x, cos, sin, cache, i, masks[layer.attention.kind], None if ple is None else ple[:, :, i], rows)
-        hidden = getattr(cache, "hidden", None)
-        if hidden is not None:  # a drafter reads the hidden states (the `mtp` drafter): every row's, normed
+            if kept and i in kept and i < len(self.layers) - 1:
+                cache.store_feature(i, x[0])
+        if kept and len(self.layers) - 1 in kept:  # the last layer's, as transformers gives it: normed
+            cache.store_feature(len(self.layers) - 1, self.norm(x)[0])
+        if getattr(cache, "hidden", None) is not None:  # a drafter reads the hidden states (mtp): every row's, normed
             x = self.norm(x)
-            hidden[cache.length:cache.length + x.shape[1]] = x[0]
+            cache.store_hidden(x[0])
             x = x[:, -1:] if last_only else x
         else:
             x = self.norm(x[:, -1:] if last_only else x)

@@ -95,6 +95,8 @@ class KVCache:
         self.states = [None if s is None else RecurrentState(batch, *s, dtype=dtype, device=device)
                        for s in (states or [])]
         self.hidden: torch.Tensor | None = None  # (capacity, dim): every position's final hidden state (keep_hidden)
+        self.features: torch.Tensor | None = None  # (capacity, n * dim): some layers' outputs (keep_features)
+        self.feature_layers: dict[int, tuple[int, ...]] = {}  # layer -> its column blocks in features
         self.recurrent = [s for s in self.states if s is not None]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -124,6 +126,26 @@ class KVCache:
         """Keep every position's final hidden state (normed) from now on, for a drafter that reads them (mtp)."""
         if self.hidden is None:
             self.hidden = torch.zeros(self.capacity, dim, dtype=self.k[0].dtype, device=self.k[0].device)
+
+    def keep_features(self, layers: list[int], dim: int) -> None:
+        """Keep every position's outputs of these layers (before the final norm; the last layer's after it, as
+        transformers gives them), side by side in that order (a layer may come twice), from now on, for a drafter
+        that reads them (dflash)."""
+        if self.features is None:
+            self.features = torch.zeros(self.capacity, len(layers) * dim, dtype=self.k[0].dtype,
+                                        device=self.k[0].device)
+            self.feature_layers = {layer: tuple(j for j, other in enumerate(layers) if other == layer)
+                                   for layer in layers}
+
+    def store_hidden(self, rows: torch.Tensor) -> None:
+        """A pass's final hidden states (S, dim), at its positions [length, length + S)."""
+        self.hidden[self.length:self.length + rows.shape[0]] = rows
+
+    def store_feature(self, layer: int, rows: torch.Tensor) -> None:
+        """A pass's outputs (S, dim) of a kept layer, at its positions [length, length + S)."""
+        dim = rows.shape[-1]
+        for j in self.feature_layers[layer]:
+            self.features[self.length:self.length + rows.shape[0], j * dim:(j + 1) * dim] = rows
 
     @property
     def capacity(self) -> int:
@@ -188,6 +210,8 @@ class KVCache:
             mine[:, :, :n].copy_(theirs[:, :, :n])
         if self.hidden is not None and other.hidden is not None:
             self.hidden[:n].copy_(other.hidden[:n])
+        if self.features is not None and other.features is not None:
+            self.features[:n].copy_(other.features[:n])
         self.length = n
 
 
@@ -209,6 +233,22 @@ class PositionedWrites:
 
     def __init__(self, cache: KVCache, positions: torch.Tensor, span: int):
         self.cache, self.positions, self.span = cache, positions, span
+
+    @property
+    def hidden(self):
+        return self.cache.hidden
+
+    @property
+    def feature_layers(self) -> dict[int, int]:
+        return self.cache.feature_layers
+
+    def store_hidden(self, rows: torch.Tensor) -> None:
+        self.cache.hidden.index_copy_(0, self.positions, rows)
+
+    def store_feature(self, layer: int, rows: torch.Tensor) -> None:
+        c, dim = self.cache, rows.shape[-1]
+        for j in c.feature_layers[layer]:
+            c.features[:, j * dim:(j + 1) * dim].index_copy_(0, self.positions, rows)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         c = self.cache

@@ -258,7 +258,8 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
     specs = [spec_from_source("target", target, quant.resolve(engine.weights, device, dtype))]
     draft = draft.resolve(target)
     drafter = draft.drafter_class
-    if draft.model is not None:  # a draft model (or an assistant): its weights, where they share the target's card
+    if draft.model is not None and draft.kind != "dflash":  # a draft model (or an assistant): its weights, where
+        # they share the target's card
         draft_device = torch.device(draft.device) if draft.device else device
         if draft_device == device or (draft_device.type == device.type and device.index in (None, 0)
                                       and draft_device.index in (None, 0)):  # the same card
@@ -269,10 +270,17 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
     # the draft's caches are what its kind says they are (a draft model's KV cache, an MTP layer's, the target's hidden
     # states an assistant reads), beside the target's caches, before the activations
     out.items = [i for i in out.items if i.what != "draft KV cache"]
-    own = drafter.planned_cache(specs[0].cfg, specs[1].cfg if len(specs) > 1 else None, context) \
-        if drafter is not None else None
+    draft_cfg = specs[1].cfg if len(specs) > 1 else None
+    at = next(n for n, i in enumerate(out.items) if i.what == "activations")
+    if draft.kind == "dflash":  # layers over the target's states, on its device, not a model of its own
+        from quickdraft.models import dflash
+
+        path = Path(draft.model).expanduser()
+        draft_cfg = dflash.read_config(path)
+        out.items.insert(at, Item("draft weights", dflash.weight_bytes(path), f"{path.name}, at most bf16"))
+        at += 1
+    own = drafter.planned_cache(specs[0].cfg, draft_cfg, context) if drafter is not None else None
     if own is not None:
-        at = next(n for n, i in enumerate(out.items) if i.what == "activations")
         out.items.insert(at, Item("draft KV cache", *own))
     if slots > 1:  # each kept sequence has caches of its own
         out.items = [Item(i.what, i.nbytes * slots, f"{i.detail}, x {slots} kept sequences") if "KV cache" in i.what

@@ -55,6 +55,7 @@ class Drafter:
     device: torch.device | None = None
     samples: bool = False  # proposes from distributions (q_draft) when sampling, rather than deterministically
     reads_hidden: bool = False  # reads the target's hidden states (the engine's cache keeps them: attach)
+    per_round: tuple[str, ...] = ()  # sources whose round costs one pass whatever it drafts (a DFlash block)
 
     @classmethod
     def load(cls, draft, target, load_model) -> list:

@@ -10,6 +10,7 @@ class CombinedDrafter(Drafter):
     def __init__(self, ngram: NgramDrafter, draft: Drafter):
         self.ngram, self.draft = ngram, draft
         self.sources = ngram.sources + draft.sources
+        self.per_round = ngram.per_round + draft.per_round
         self.device = draft.device
         self.samples = draft.samples
         self.name = f"ngram+{draft.name}"

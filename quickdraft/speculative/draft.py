@@ -9,7 +9,8 @@ The spellings, one for each kind:
     mtp           the target's own multi-token-prediction layers (Qwen3.5+), fed its hidden states
     MODEL         a draft model: an alias, a .gguf file or a Hugging Face directory; a directory holding a Gemma 4
                   assistant (config.json: gemma4_assistant) is the assistant kind, fed the target's hidden states
-                  and keys and values
+                  and keys and values; one holding a DFlash or DFlash2 drafter (config.json: DFlashDraftModel,
+                  DFlash2DraftModel) is the dflash kind, fed the target's hidden states of several layers
     ngram+MODEL   prompt lookup where it has a match, the draft model otherwise (ngram+mtp likewise)
 
 A new kind of drafter is its own module (a Drafter subclass: speculative/base.py), an entry in KINDS and its
@@ -25,22 +26,24 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.assistant import AssistantDrafter, is_assistant
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.combined import CombinedDrafter
+from quickdraft.speculative.dflash import DFlashDrafter, is_dflash
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
 KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
-                                   "assistant": AssistantDrafter}
+                                   "assistant": AssistantDrafter, "dflash": DFlashDrafter}
 SPELLINGS = ("none, auto, ngram, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
-             "directory, a Gemma 4 assistant's too), or ngram+MODEL / ngram+mtp")
+             "directory, a Gemma 4 assistant's or a DFlash drafter's too), or ngram+MODEL / ngram+mtp")
 
 
 @dataclass(frozen=True)
 class Draft:
     """What drafts for a target."""
 
-    kind: str = "none"  # none | auto | one of KINDS (ngram, model, mtp, assistant)
-    model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory; "assistant": its directory
+    kind: str = "none"  # none | auto | one of KINDS (ngram, model, mtp, assistant, dflash)
+    model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory; "assistant", "dflash":
+    # its directory
     ngram: bool = False  # prompt lookup first, the kind's drafter where it has no match (not for "ngram")
     device: str | None = None  # where a draft model runs (None: the target's device)
     weights: str = "auto"  # a draft model's weight format (quant.FORMATS; auto: int4 on the CPU kernels)
@@ -64,7 +67,8 @@ class Draft:
             return cls("auto", ngram=ngram, device=device, weights=weights)
         if text == "mtp":
             return cls("mtp", ngram=ngram)
-        return cls("assistant" if is_assistant(text) else "model", text, ngram, device, weights)
+        kind = "assistant" if is_assistant(text) else "dflash" if is_dflash(text) else "model"
+        return cls(kind, text, ngram, device, weights)
 
     @property
     def drafter_class(self) -> type[Drafter] | None:
@@ -74,7 +78,7 @@ class Draft:
     def __str__(self) -> str:
         if self.kind in ("none", "ngram"):
             return self.kind
-        body = self.model if self.kind in ("model", "assistant") else self.kind
+        body = self.model if self.kind in ("model", "assistant", "dflash") else self.kind
         return f"ngram+{body}" if self.ngram else body
 
     def resolve(self, target_source: str) -> "Draft":
@@ -141,6 +145,10 @@ class DraftBuilder:
         dtype = str(self.target.model.dtype).removeprefix("torch.")
         weights = quant.resolve(draft.weights, device, getattr(torch, dtype), role="draft")
         key = (str(Path(source).expanduser()), device, weights)
+        if key not in self.loaded and draft.kind == "dflash":  # not a model of its own: layers over the target's
+            from quickdraft.speculative.dflash import load_drafter
+
+            self.loaded[key] = load_drafter(source, self.target, getattr(torch, dtype), weights, self.capacity)
         if key not in self.loaded:
             config = replace(self.engine, device=device, dtype=dtype, weights=weights, max_context=self.capacity)
             self.loaded[key] = load_model(source, config, self.progress)

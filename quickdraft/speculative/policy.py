@@ -53,7 +53,8 @@ class AdaptivePolicy:
         self.cfg = cfg
         self.t_plain: float | None = None
         self.t_verify: dict[int, float] = {}  # k -> seconds to verify k drafts (k + 1 tokens)
-        self.t_draft: dict[str, float] = {}  # source -> seconds per drafted token
+        self.t_draft: dict[str, float] = {}  # source -> seconds per drafted token (per round: per_round)
+        self.per_round: set[str] = set()  # sources whose round is one pass whatever its k (a DFlash block)
         # source -> mean seconds per round spent feeding the drafter what it missed while another source drafted
         # (a draft model after n-gram rounds: one pass over their tokens); paid once per round, whatever its k
         self.t_catch_up: dict[str, float] = {}
@@ -106,10 +107,19 @@ class AdaptivePolicy:
 
     def record_drafts(self, source: str, drafted: int, accepted: int, draft_s: float) -> None:
         """A round of one sequence in a batched step: its acceptance and drafting cost (its pass is the batch's)."""
-        t = self._timed(("draft", source), draft_s / max(drafted, 1))
+        t = self._timed(("draft", source), self._unit(source, draft_s, drafted))
         if t is not None:
             self.t_draft[source] = t
         self._record_acceptance(source, drafted, accepted)
+
+    def _unit(self, source: str, draft_s: float, drafted: int) -> float:
+        """What t_draft counts of a round's drafting time: its share per drafted token, or the round's own."""
+        return draft_s if source in self.per_round else draft_s / max(drafted, 1)
+
+    def draft_seconds(self, source: str, k: int) -> float:
+        """The estimated seconds of drafting k tokens from source (0 where not timed yet)."""
+        t = self.t_draft.get(source, 0.0)
+        return (t if k > 0 else 0.0) if source in self.per_round else k * t
 
     def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float,
                      catch_up_s: float = 0.0) -> None:
@@ -125,7 +135,7 @@ class AdaptivePolicy:
         t = self._timed(("verify", drafted), verify_s)
         if t is not None:
             self.t_verify[drafted] = t
-        t = self._timed(("draft", source), draft_s / max(drafted, 1))
+        t = self._timed(("draft", source), self._unit(source, draft_s, drafted))
         if t is not None:
             self.t_draft[source] = t
         self._record_acceptance(source, drafted, accepted)
@@ -165,7 +175,7 @@ class AdaptivePolicy:
     def predicted_rate(self, source: str, k: int) -> float:
         if k == 0:
             return 1.0 / self.t_plain
-        return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.t_draft.get(source, 0.0),
+        return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.draft_seconds(source, k) / k,
                           self.t_catch_up.get(source, 0.0))
 
     def pass_seconds(self, rows: int) -> float | None:
@@ -214,7 +224,7 @@ class AdaptivePolicy:
         for k in range(1, top + 1):
             run *= rates[k - 1]
             expected += run  # the batch's tokens if this sequence drafts k
-            rate = expected / plan.seconds(k, k * t_draft + catch_up)
+            rate = expected / plan.seconds(k, self.draft_seconds(source, k) + catch_up)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -313,7 +323,8 @@ class BatchPlan:
                 rates = self.policy.acceptance(source, k)
                 rates = own.rates(source, rates) if own is not None else rates
                 t_draft = self.policy.t_draft.get(source, 0.0)
-                self.choices[key] = (k, speed.expected_length(rates) - 1, (k + behind * PREFILL_ROW) * t_draft)
+                self.choices[key] = (k, speed.expected_length(rates) - 1,
+                                     self.policy.draft_seconds(source, k) + behind * PREFILL_ROW * t_draft)
             return k
         return choose
 

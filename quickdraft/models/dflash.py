@@ -1,0 +1,391 @@
+"""DFlash and DFlash2 block drafters (z-lab's `dflash` package: DFlashDraftModel, DFlash2DraftModel), as tensor math.
+
+A DFlash drafter is a few Qwen3-style decoder layers that draft a whole block in one pass. Its context is the
+target's own hidden states: the outputs of several target layers (`target_layer_ids`) at each committed position,
+concatenated, projected by `fc` and normed (`hidden_norm`). Its queries are a block of B rows at the positions from
+the pending token on: the target's raw embedding of the pending token (times `input_embedding_scale`), then B - 1
+rows of the embedding of the mask token. Each layer's keys and values are those of the context rows (kept in its own
+cache: a context row's keys depend only on the target's hidden state there) and of the block's rows (dropped after
+the pass); the block attends to all of them, without a causal mask (a sliding layer: causal within its window). The
+block's rows 1 .. B - 1, normed, go through the target's output head (times `output_multiplier`, soft-capped where
+the drafter says) and guess the B - 1 tokens after the pending one, all at once.
+
+DFlash2 adds to every layer a grouped dynamic causal convolution over the block's rows before and after attention
+and before and after the MLP (`GroupedDynamicCausalConv`), and chooses its tokens with a candidate selector: at each
+position the top `selector_top_k` tokens of the head, rescored by a low-rank term that pairs the token chosen before
+(the pending token first) with each candidate, so the chain of choices is conditional as a draft model's is.
+
+The arithmetic is the reference's (dflash/model.py, checked in tests/test_dflash.py against it on random weights);
+the keys and values of the context live in a KVCache of the drafter's own (speculative/dflash.py drives it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.models import rope as ropes
+from quickdraft.models.transformer import Linear, RMSNorm, apply_rotary
+from quickdraft.runtime.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float
+    bias: bool
+    rope: ropes.RopeConfig
+    vocab_size: int
+    target_layers: tuple[int, ...]  # the target layers whose outputs it reads, in order
+    block_size: int
+    mask_token: int
+    layer_types: tuple[str, ...]  # "full" or "sliding" per layer
+    sliding_window: int | None = None
+    causal: bool | None = None  # the config's is_causal; None: causal only in sliding layers
+    embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    softcap: float | None = None
+    conv_kernel: int = 0  # DFlash2: its convolutions' kernel size (0: DFlash)
+    conv_group: int = 0
+    selector_rank: int = 0  # DFlash2: the candidate selector's rank and candidates per position
+    selector_top_k: int = 0
+    kind: str = "dflash"  # dflash | dflash2
+
+
+def is_dflash(source: str) -> bool:
+    """Whether source is a directory holding a DFlash or DFlash2 drafter (config.json names the architecture, or
+    has a dflash_config)."""
+    try:
+        return _kind(_read(Path(source).expanduser() / "config.json")) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise OSError(path)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _kind(d: dict) -> str | None:
+    arch = " ".join(d.get("architectures") or [])
+    if "DFlash2" in arch:
+        return "dflash2"
+    if "DFlash" in arch or isinstance(d.get("dflash_config"), dict):
+        return "dflash2" if _value(d, "selector_top_k") else "dflash"
+    return None
+
+
+def _value(d: dict, name: str, default=None):
+    """As the reference reads its settings: dflash_config first, the config's own key after."""
+    inner = d.get("dflash_config") or {}
+    return inner.get(name, d.get(name, default))
+
+
+def target_layer_ids(n_target: int, n_draft: int) -> list[int]:
+    """The target layers a drafter reads when its config does not list them (the reference's default): the middle
+    one for a single layer, else evenly from layer 1 to layer n_target - 3."""
+    if n_draft == 1:
+        return [n_target // 2]
+    start, end = 1, n_target - 3
+    return [round(start + i * (end - start) / (n_draft - 1)) for i in range(n_draft)]
+
+
+def read_config(path: Path) -> DFlashConfig:
+    d = _read(path / "config.json")
+    kind = _kind(d)
+    if kind is None:
+        raise QuickdraftError(f"{path} holds no DFlash drafter (config.json names no DFlash architecture)")
+    from quickdraft.weights.hf_config import _ropes
+
+    try:
+        heads, dim, n_layers = d["num_attention_heads"], d["hidden_size"], d["num_hidden_layers"]
+        head_dim = d.get("head_dim") or dim // heads
+        layers = _value(d, "target_layer_ids") or target_layer_ids(int(d["num_target_layers"]), n_layers)
+        mask = _value(d, "mask_token_id")
+        if mask is None:
+            raise KeyError("mask_token_id")
+        types = d.get("layer_types") or ["full_attention"] * n_layers
+        softcap = _value(d, "final_logit_softcapping")
+        cfg = DFlashConfig(
+            dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=head_dim, ffn_dim=d["intermediate_size"], norm_eps=d.get("rms_norm_eps", 1e-6),
+            bias=bool(d.get("attention_bias", False)), rope=_ropes("qwen3", d, head_dim)[0],
+            vocab_size=d["vocab_size"], target_layers=tuple(int(i) for i in layers),
+            block_size=int(_value(d, "block_size", 16)), mask_token=int(mask),
+            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+            sliding_window=d.get("sliding_window"),
+            causal=None if d.get("is_causal") is None else bool(d["is_causal"]),
+            embedding_scale=float(_value(d, "input_embedding_scale", 1.0)),
+            output_multiplier=float(_value(d, "output_multiplier", 1.0)),
+            softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None, kind=kind)
+        if kind == "dflash2":
+            cfg = _dflash2(cfg, d)
+    except KeyError as e:
+        raise QuickdraftError(f"{path}/config.json lacks {e.args[0]!r}, which a DFlash drafter needs") from None
+    if cfg.block_size < 2:
+        raise QuickdraftError(f"{path}/config.json: block_size {cfg.block_size} drafts nothing (it must be 2 or more)")
+    return cfg
+
+
+def _dflash2(cfg: DFlashConfig, d: dict) -> DFlashConfig:
+    from dataclasses import replace
+
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if _value(d, name) is None:
+            raise KeyError(name)
+    return replace(cfg, conv_kernel=int(_value(d, "conv_kernel_size")), conv_group=int(_value(d, "conv_group_size")),
+                   selector_rank=int(_value(d, "selector_rank")), selector_top_k=int(_value(d, "selector_top_k")))
+
+
+class DynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution over the block's rows: each output row is the sum over the
+    kernel's offsets of (a fixed kernel + a kernel computed from the row's own input) times the row `offset` before,
+    per group of channels; rows before the block's first count as zero. `prepare` convolves with the first pair and
+    returns the second dynamic kernel, which `finish` applies to what the layer's part made of it."""
+
+    def __init__(self, dim: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel, dim))
+        self.kernel_projection = Linear(dim, 2 * kernel * (dim // group), bias=False)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = x.shape[-1] // self.group
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel, groups)
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(x, dynamic, self.base_kernel[1])
+
+    def _convolve(self, x, dynamic, base):
+        B, L, D = x.shape
+        groups = D // self.group
+        blocks = x.view(B, L, groups, self.group)
+        dynamic = dynamic.reshape(B, L, self.kernel, groups, 1)
+        out = torch.zeros_like(blocks)
+        for offset in range(self.kernel):
+            shifted = blocks if offset == 0 else F.pad(blocks[:, :-offset], (0, 0, 0, 0, offset, 0))
+            out = out + base[offset].view(1, 1, groups, self.group).to(x.dtype) * shifted
+            out = torch.addcmul(out, dynamic[:, :, offset], shifted)
+        return out.view_as(x)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, index: int):
+        super().__init__()
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = H, Hkv, D
+        self.kind = cfg.layer_types[index]
+        self.window = cfg.sliding_window if self.kind == "sliding" else None
+        self.causal = self.kind == "sliding" if cfg.causal is None else cfg.causal
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.q_proj = Linear(cfg.dim, H * D, bias=cfg.bias)
+        self.k_proj = Linear(cfg.dim, Hkv * D, bias=cfg.bias)
+        self.v_proj = Linear(cfg.dim, Hkv * D, bias=cfg.bias)
+        self.o_proj = Linear(H * D, cfg.dim, bias=cfg.bias)
+        self.q_norm = RMSNorm(D, cfg.norm_eps)
+        self.k_norm = RMSNorm(D, cfg.norm_eps)
+        self.gate_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        conv = cfg.kind == "dflash2"
+        self.attention_conv = DynamicConv(cfg.dim, cfg.conv_kernel, cfg.conv_group) if conv else None
+        self.mlp_conv = DynamicConv(cfg.dim, cfg.conv_kernel, cfg.conv_group) if conv else None
+
+    def forward(self, x, context, cos, sin, cache: KVCache, index: int) -> torch.Tensor:
+        """x (1, B, dim): the block's rows; context (1, C, dim): the new context rows, whose keys and values go into
+        the cache at cache.length on, the block's after them (the caller drops those). cos, sin: (C + B, R)."""
+        h = self.input_layernorm(x)
+        dynamic = None
+        if self.attention_conv is not None:
+            h, dynamic = self.attention_conv.prepare(h)
+        h = self._attention(h, context, cos, sin, cache, index)
+        if dynamic is not None:
+            h = self.attention_conv.finish(h, dynamic)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, dynamic = self.mlp_conv.prepare(h)
+        h = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if self.mlp_conv is not None:
+            h = self.mlp_conv.finish(h, dynamic)
+        return x + h
+
+    def _attention(self, x, context, cos, sin, cache: KVCache, index: int) -> torch.Tensor:
+        B, D = x.shape[1], self.head_dim
+        both = torch.cat([context, x], dim=1)
+        q = self.q_norm(self.q_proj(x).view(1, B, self.n_heads, D)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(both).view(1, -1, self.n_kv_heads, D)).transpose(1, 2)
+        v = self.v_proj(both).view(1, -1, self.n_kv_heads, D).transpose(1, 2)
+        q = apply_rotary(q, cos[-B:], sin[-B:])
+        k = apply_rotary(k, cos, sin)
+        k, v = cache.write(index, k, v)
+        mask = None
+        if self.causal or self.window:
+            queries = torch.arange(k.shape[2] - B, k.shape[2], device=x.device)[:, None]
+            keys = torch.arange(k.shape[2], device=x.device)[None, :]
+            mask = torch.ones(B, k.shape[2], dtype=torch.bool, device=x.device)
+            if self.causal:
+                mask &= keys <= queries
+            if self.window:
+                mask &= queries - keys < self.window
+                if not self.causal:
+                    mask &= keys - queries < self.window
+        repeat = self.n_heads // self.n_kv_heads
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1),
+                                             attn_mask=mask, scale=D ** -0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(1, B, -1))
+
+
+class Selector(nn.Module):
+    """DFlash2's candidate selector: scores(position, candidate) = the head's logit + <pred[previous token] *
+    proj(hidden at position), succ[candidate]>."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.hidden_projection = Linear(cfg.dim, cfg.selector_rank, bias=False)
+
+    def candidates(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple:
+        """hidden (P, dim), logits (P, V) -> (unary scores (P, top_k), candidates (P, top_k), projected (P, rank))."""
+        unary, candidates = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1, sorted=False)
+        return unary, candidates, self.hidden_projection(hidden)
+
+    def scores(self, unary, candidates, projected, position: int, previous: torch.Tensor) -> torch.Tensor:
+        """The candidates' scores (top_k,) at `position` after the token `previous` (a 0-d or (1,) id tensor)."""
+        pairing = self.predecessor_codebook(previous.view(-1))[0] * projected[position]
+        return unary[position] + self.successor_codebook(candidates[position]) @ pairing
+
+
+class DFlash(nn.Module):
+    def __init__(self, cfg: DFlashConfig, target_dim: int, max_context: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.n_layers))
+        self.fc = Linear(len(cfg.target_layers) * target_dim, cfg.dim, bias=False)
+        self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.candidate_selector = Selector(cfg) if cfg.kind == "dflash2" else None
+        cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context + cfg.block_size)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def max_context(self) -> int:
+        return self.rope_cos.shape[0] - self.cfg.block_size
+
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        return [(self.cfg.n_kv_heads, self.cfg.head_dim, i) for i in range(self.cfg.n_layers)]
+
+    def plan(self, kernels: bool) -> None:
+        for norm in self.modules():
+            if isinstance(norm, RMSNorm):
+                norm.plan(kernels)
+
+    def block(self, features: torch.Tensor, embedded: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One drafting pass: features (C, n * target dim), the target's hidden states of the C context positions
+        from cache.length on, taken into the cache; embedded (B, dim), the block's input rows at the positions
+        after them. Returns the block's normed hidden states (B, dim); the cache holds the context after it."""
+        C, B = features.shape[0], embedded.shape[0]
+        start = cache.length
+        if start + C + B > cache.capacity:
+            raise ValueError(f"positions up to {start + C + B} exceed the drafter's context of {cache.capacity}")
+        context = self.hidden_norm(self.fc(features.to(self.dtype)[None]))
+        cos, sin = self.rope_cos[start:start + C + B], self.rope_sin[start:start + C + B]
+        x = embedded.to(self.dtype)[None]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context, cos, sin, cache, i)
+        cache.length = start + C  # the block's keys and values are this pass's alone
+        return self.norm(x)[0]
+
+
+def load(path: Path, target_dim: int, max_context: int, dtype: torch.dtype, device: torch.device,
+         weights: str = "bf16") -> DFlash:
+    """The drafter in `path` (config.json and safetensors) for a target `target_dim` wide, its linear layers in
+    `weights` (quant.FORMATS: int8 / int4 where their kernels take the shape)."""
+    from safetensors.torch import load_file
+
+    from quickdraft.quant import placement
+
+    cfg = read_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QuickdraftError(f"{path} has no .safetensors weights for its DFlash drafter")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            name = name.removeprefix("model.")
+            if name.startswith("candidate_selector.") and name.endswith("_codebook"):
+                name += ".weight"  # the reference's checkpoints name the codebooks without .weight
+            tensors[name] = t
+    tensors = {_our_name(n): t for n, t in tensors.items()}
+    with torch.device("meta"):
+        model = DFlash(cfg, target_dim, max_context)
+    params = {n for n, _ in model.named_parameters()}
+    missing, unexpected = sorted(params - set(tensors)), sorted(set(tensors) - params)
+    if missing or unexpected:
+        raise QuickdraftError(f"{path}: the weights do not match a {cfg.kind} drafter of its config for a target "
+                              f"{target_dim} wide (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    modules = dict(model.named_modules())
+    for owner, module in modules.items():
+        own = {leaf: tensors[f"{owner}.{leaf}" if owner else leaf] for leaf, p in module._parameters.items()
+               if p is not None}
+        if not own:
+            continue
+        for leaf, w in own.items():
+            want = tuple(module._parameters[leaf].shape)
+            if tuple(w.shape) != want:
+                raise QuickdraftError(f"{path}: {owner}.{leaf} has shape {tuple(w.shape)}, its config makes it {want}")
+        kind = placement.linear_kind(weights, owner, {})
+        if isinstance(module, Linear) and kind != placement.FLOAT:
+            layer = placement.layer(kind, own["weight"].to(dtype), own.get("bias"), device)
+            if layer is not None:
+                parent, _, attr = owner.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, layer)
+                continue
+        for leaf, w in own.items():
+            module._parameters[leaf] = nn.Parameter(w.to(device, dtype), requires_grad=False)
+    cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context + cfg.block_size)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _our_name(name: str) -> str:
+    """The reference's parameter names -> ours (attention's and the MLP's projections sit in the layer itself)."""
+    return name.replace(".self_attn.", ".").replace(".mlp.", ".")
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of the drafter's weights in bf16 (from the safetensors headers: nothing else is read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as opened:
+            for name in opened.keys():
+                total += 2 * math.prod(opened.get_slice(name).get_shape())
+    return total

@@ -1,0 +1,290 @@
+"""DFlash and DFlash2 block drafters (`--draft DIR`, DIR holding z-lab's drafter: config.json names DFlashDraftModel
+or DFlash2DraftModel): a whole block of drafts from one pass of a few layers over the target's hidden states.
+
+The engine's cache keeps, at every position the target has run, the outputs of the target layers the drafter reads
+(KVCache.keep_features). A round: the context rows the drafter has not taken in yet (the positions committed since
+its last round, all of the prompt's at first) go into its own cache in the same pass that drafts the block, the
+pending token and B - 1 mask tokens at the positions from the pending one on (models/dflash.py). Its rows 1 .. B - 1
+through the target's head are the guesses for the next B - 1 tokens. DFlash's guesses are independent of each other
+(the block is one pass); DFlash2's candidate selector chooses each from its candidates given the token chosen before
+it, so its chain is drawn position by position.
+
+Drafting and verification are the draft model's (DraftModelDrafter._draft: greedy, seeded, or drawn from the
+drafter's own distribution at each position, masked by a grammar, stopped early below --draft-p-min): exactness is
+the engine's, whatever the drafts. A round costs one pass whatever k (`per_round`): the policy counts it so.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.models import dflash as model_dflash
+from quickdraft.models.transformer import linear
+from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.runtime.slots import common_prefix
+from quickdraft.speculative.base import Offer, Proposal
+from quickdraft.speculative.draft_model import DraftModelDrafter
+
+is_dflash = model_dflash.is_dflash
+
+
+class DFlashModel:
+    """A loaded DFlash drafter: its module and where it came from (what DraftBuilder loads once per target)."""
+
+    def __init__(self, name: str, model: model_dflash.DFlash):
+        self.name, self.model = name, model
+        self.device = model.device
+
+    @property
+    def config(self) -> model_dflash.DFlashConfig:
+        return self.model.cfg
+
+
+class DFlashDrafter(DraftModelDrafter):
+    kind = "dflash"
+    sources = ("dflash",)
+    per_round = ("dflash",)
+    samples = True
+    reads_hidden = True
+
+    def __init__(self, drafter: DFlashModel, target, capacity: int, p_min: float = 0.0):
+        """drafter: the loaded DFlash drafter; target: the LoadedModel it drafts for."""
+        cfg, tcfg = drafter.config, target.config
+        check_target(cfg, drafter.name, target)
+        if drafter.device != target.device:
+            raise QuickdraftError(f"a DFlash drafter reads the target's hidden states: it runs on the target's device "
+                                  f"({target.device}), not {drafter.device}")
+        self.drafter, self.target = drafter, target
+        self.lm = drafter  # what DraftModelDrafter's helpers call the model
+        self.device = target.device
+        self.name = drafter.name
+        self.target_vocab = self.shared = tcfg.vocab_size
+        self.p_min = p_min
+        self.capacity = capacity
+        self.cache = KVCache(drafter.model.kv_layout(), capacity + cfg.block_size, dtype=drafter.model.dtype,
+                             device=self.device)
+        self.target_cache: KVCache | None = None
+        self.seen: list[int] = []  # the sequence whose context rows its cache holds
+        self.logits: torch.Tensor | None = None  # the round's block: (B - 1, V) logits of its guesses
+        self.selection = None  # DFlash2: (unary scores, candidates, projected hidden states) of the round's block
+        self.position = 0  # the round's next guess
+
+    def fork(self) -> "DFlashDrafter":
+        return DFlashDrafter(self.drafter, self.target, self.capacity, self.p_min)
+
+    @classmethod
+    def load(cls, draft, target, load_model) -> list:
+        return [load_model(draft.model)]
+
+    @classmethod
+    def build(cls, draft, target, models, capacity, speculation) -> "DFlashDrafter":
+        (drafter,) = models
+        return cls(drafter, target, capacity, speculation.p_min)
+
+    @property
+    def models(self) -> tuple:
+        return ()  # not a LoadedModel: its bytes are counted as its cache's neighbour (cache_bytes)
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.config.block_size
+
+    def attach(self, cache: KVCache) -> None:
+        cache.keep_features(list(self.drafter.config.target_layers), self.target.config.dim)
+        self.target_cache = cache
+
+    def adopt(self, other: "DFlashDrafter", n: int) -> None:
+        """Its context row p is the target's hidden states at p: those of the first n tokens are other's."""
+        self.cache.copy_prefix(other.cache, min(other.cache.length, n))
+        self.seen = list(other.seen[:n])
+
+    def forget(self) -> None:
+        self.cache.reset()
+        self.seen = []
+
+    def lag(self, seq: list[int], source: str) -> int:
+        return 0  # the context rows it has not taken in ride along the drafting pass
+
+    def begin(self, prompt: list[int], prefill: bool = True) -> None:
+        """Nothing to prefill: the prompt's context rows go in with the first block. Rows of the slot's last
+        generation that the prompt begins with are kept."""
+        self.cache.rollback(min(self.cache.length, common_prefix(self.seen, prompt)))
+        self.seen = list(prompt)
+
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k_for, params, generator, constraint=None) -> Proposal:
+        if self.target_cache is None or self.target_cache.features is None:
+            raise QuickdraftError("a DFlash drafter reads the target's hidden states: build its engine with it "
+                                  "(Engine(target, context, drafter))")
+        k = min(k_for("dflash"), self.block_size - 1)
+        committed = len(seq) - 1  # the target has run positions 0 .. committed - 1; seq[committed] is pending
+        if k <= 0 or committed < 1:
+            return Proposal([], "dflash")
+        self.cache.rollback(min(self.cache.length, common_prefix(self.seen, seq), committed))
+        self.seen = list(seq)
+        self._block(seq[-1], committed)
+        tokens, q_rows = [], []
+        try:
+            self._draft(seq, k, [seq[-1]], params, generator, constraint, tokens, q_rows)
+        finally:
+            if constraint is not None:
+                constraint.pop(len(tokens))
+        return Proposal(tokens, "dflash", torch.stack(q_rows) if q_rows else None)
+
+    def _block(self, pending: int, committed: int) -> None:
+        """The drafting pass: the context rows up to `committed` taken in, the block from the pending token on."""
+        cfg = self.drafter.config
+        start = self.cache.length
+        ids = torch.tensor([pending] + [cfg.mask_token] * (cfg.block_size - 1), device=self.device)
+        embedded = self.target.model.tok_embeddings(ids)
+        if cfg.embedding_scale != 1.0:
+            embedded = embedded * cfg.embedding_scale
+        hidden = self.drafter.model.block(self.target_cache.features[start:committed], embedded, self.cache)[1:]
+        self.logits = self._head(hidden)
+        selector = self.drafter.model.candidate_selector
+        self.selection = selector.candidates(hidden, self.logits) if selector is not None else None
+        self.position = 0
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's output head over the block's rows (float32 (P, V)), as the drafter scales and caps it (not
+        the target's own soft cap: the reference uses the head's weights alone)."""
+        model, cfg = self.target.model, self.drafter.config
+        logits = (linear(hidden, model.tok_embeddings.weight) if model.output is None else model.output(hidden)).float()
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.softcap:
+            logits = torch.tanh(logits / cfg.softcap) * cfg.softcap
+        return logits
+
+    def _logits(self, feed) -> torch.Tensor:
+        """The next guess's logits (V,): the block's row for DFlash; DFlash2's selector scores of its candidates
+        after the token fed (the pending one first, then each drawn), every other token -inf."""
+        i = self.position
+        self.position += 1
+        if self.selection is None:
+            return self.logits[i].clone()
+        unary, candidates, projected = self.selection
+        previous = self._ids(feed)[0, -1]
+        scores = self.drafter.model.candidate_selector.scores(unary, candidates, projected, i, previous)
+        out = torch.full((self.target_vocab,), float("-inf"), device=scores.device)
+        return out.scatter_(0, candidates[i], scores.float())
+
+    # ---- self-description ---------------------------------------------------------------------------------
+
+    @property
+    def max_draft(self) -> int | None:
+        return self.block_size - 1
+
+    @property
+    def cut_head(self) -> bool:
+        return False
+
+    @classmethod
+    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
+        """draft_cfg: the drafter's DFlashConfig. Its keys and values of the context, and the target's hidden
+        states of the layers it reads, in bf16."""
+        kv = draft_cfg.n_layers * 2 * draft_cfg.n_kv_heads * draft_cfg.head_dim * 2
+        features = len(draft_cfg.target_layers) * target_cfg.dim * 2
+        return context * (kv + features), (f"{context} positions: its keys and values, the target's hidden states "
+                                           f"of {len(draft_cfg.target_layers)} layers")
+
+    def cache_bytes(self) -> int:
+        features = self.target_cache.features if self.target_cache is not None else None
+        return self.cache.nbytes() + (features.numel() * features.element_size() if features is not None else 0)
+
+    @torch.inference_mode()
+    def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:
+        """Median seconds of one drafting pass (a block after the prompt's context)."""
+        from quickdraft.runtime.timing import median_seconds
+
+        n = len(prompt)
+        cache = KVCache(self.drafter.model.kv_layout(), n + self.block_size + 1, dtype=self.drafter.model.dtype,
+                        device=self.device)
+        features = torch.zeros(n, self.target_cache.features.shape[1] if self.target_cache is not None else
+                               len(self.drafter.config.target_layers) * self.target.config.dim,
+                               dtype=self.drafter.model.dtype, device=self.device)
+        self.drafter.model.block(features[:-1], self._embedded(prompt[-1]), cache)
+
+        def one():
+            self.drafter.model.block(features[-1:], self._embedded(prompt[-1]), cache)
+            self._head(torch.zeros(self.block_size - 1, self.target.config.dim, dtype=self.drafter.model.dtype,
+                                   device=self.device))
+
+        return median_seconds(one, self.device, reps, lambda: cache.rollback(n - 1))
+
+    def _embedded(self, pending: int) -> torch.Tensor:
+        cfg = self.drafter.config
+        ids = torch.tensor([pending] + [cfg.mask_token] * (cfg.block_size - 1), device=self.device)
+        return self.target.model.tok_embeddings(ids) * cfg.embedding_scale
+
+    @torch.inference_mode()
+    def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
+        """Greedy replay: the target's hidden states of the known sequence (one teacher-forced pass), then at each
+        position t the block a round would draft there, counting how many of its guesses the output has."""
+        seq = prompt + output
+        target = KVCache.for_model(self.target.model, len(seq))
+        self.attach_to(target)
+        self.target.model(torch.tensor([seq[:-1]], device=self.device), target)
+        cache = KVCache(self.drafter.model.kv_layout(), len(seq) + self.block_size, dtype=self.drafter.model.dtype,
+                        device=self.device)
+        out = [Offer("", 0, 0)]
+        kmax = min(kmax, self.block_size - 1)
+        saved = self.target_cache, self.cache
+        try:
+            self.target_cache, self.cache = target, cache
+            for t in range(1, len(output)):
+                committed = len(prompt) + t - 1
+                self._block(seq[committed], committed)
+                span, kept, token = min(kmax, len(output) - t), 0, seq[committed]
+                for i in range(span):
+                    token = int(self._logits([token]).argmax())
+                    if token != output[t + i]:
+                        break
+                    kept += 1
+                out.append(Offer("dflash", kmax, kept))
+        finally:
+            self.target_cache, self.cache = saved
+        return out
+
+    def attach_to(self, cache: KVCache) -> None:
+        cache.keep_features(list(self.drafter.config.target_layers), self.target.config.dim)
+
+    @staticmethod
+    def replay_round(source: str, drafted: int, stopped_early: bool, kept: int, behind: int) -> tuple[int, int]:
+        """One drafting pass per round, whatever it drafts; it takes in what it missed along, so it is never
+        behind."""
+        if source != "dflash":
+            return 0, 0
+        return 1, 0
+
+
+def check_target(cfg: model_dflash.DFlashConfig, name: str, target) -> None:
+    """QuickdraftError, naming the fix, where the drafter was made for another target than `target` (a
+    LoadedModel): another width, vocabulary, or layers it does not have."""
+    tcfg = target.config
+    if cfg.vocab_size != tcfg.vocab_size or cfg.dim != tcfg.dim:
+        raise QuickdraftError(f"{name} was made for a target of {cfg.dim} wide with {cfg.vocab_size} tokens; "
+                              f"{target.name} is {tcfg.dim} wide with {tcfg.vocab_size}: give the DFlash drafter made "
+                              "for this target")
+    if max(cfg.target_layers) >= tcfg.n_layers or min(cfg.target_layers) < 0:
+        raise QuickdraftError(f"{name} reads target layers {list(cfg.target_layers)}; {target.name} has "
+                              f"{tcfg.n_layers}: give the DFlash drafter made for this target")
+
+
+def load_drafter(source: str, target, dtype: torch.dtype, weights: str, capacity: int) -> DFlashModel:
+    """The DFlash drafter in directory `source`, for `target` (a LoadedModel), on the target's device."""
+    from pathlib import Path
+
+    path = Path(source).expanduser()
+    check_target(model_dflash.read_config(path), path.name, target)
+    t0 = time.perf_counter()
+    model = model_dflash.load(path, target.config.dim, capacity, dtype, target.device, weights)
+    from quickdraft.runtime.plan import kernels_apply
+
+    model.plan(kernels_apply(model))
+    loaded = DFlashModel(path.name, model)
+    loaded.load_seconds = time.perf_counter() - t0
+    return loaded

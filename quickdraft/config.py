@@ -255,6 +255,9 @@ class SpeculationConfig:
     probe_every: int = 16  # while plain decoding wins, try one round after this many plain steps
     constrain_draft: bool = True  # under a grammar, mask the draft too (False: blind drafts, as llama.cpp)
     draft_vocab: int = 0  # a draft model scores its first this many ids and the text's (speculative/subset.py); 0: all
+    # tree verification: up to this many candidates at the chain's least sure position, verified in the same pass
+    # (1: chains alone); adaptive, the policy verifies a tree only while it measures faster than the chain
+    tree: int = 1
 
     def __post_init__(self):
         if not 0 <= self.draft_min <= self.draft_max:
@@ -263,6 +266,8 @@ class SpeculationConfig:
             raise QuickdraftError(f"--draft-max above {MAX_DRAFT} is never useful: rounds that long are rejected early")
         if not 0 <= self.p_min < 1:
             raise QuickdraftError("--draft-p-min must be in [0, 1)")
+        if not 1 <= self.tree <= 8:
+            raise QuickdraftError("--draft-tree must be 1 (chains alone) to 8 candidates at a position")
         if self.draft_vocab < 0:
             raise QuickdraftError("--draft-vocab must be 0 (the whole vocabulary) or a number of ids, e.g. 32768")
 

@@ -14,9 +14,9 @@ from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint, GrammarCompiler
 from quickdraft.grammar import Grammar
-from quickdraft.runtime.kv_cache import KVCache
+from quickdraft.runtime.kv_cache import KVCache, TreeRows
 from quickdraft.runtime.slots import Slot, Slots
-from quickdraft.speculative.accept import accept_greedy, accept_sampled
+from quickdraft.speculative.accept import accept_greedy, accept_sampled, accept_tree_greedy, accept_tree_sampled
 from quickdraft.speculative.base import Drafter, KFor, Proposal
 from quickdraft.speculative.policy import Acceptance, AdaptivePolicy, BatchPlan
 from quickdraft.speculative.stats import SpeculationStats
@@ -301,7 +301,11 @@ class Engine:
         feed = self._plan(s, self._k_alone(s))
         self.last_rows = len(feed)
         t0 = time.perf_counter()
-        logits = self.target.forward(feed[None], s.cache)[0]
+        proposal = s.work.proposal
+        if proposal.parents is not None:  # a tree: each row over its own path
+            logits = self.target.forward_tree(feed, _depths(proposal), 1 + proposal.chain, s.cache)
+        else:
+            logits = self.target.forward(feed[None], s.cache)[0]
         return self._conclude(s, logits, t0)
 
     def _k_alone(self, s: Sequence) -> KFor:
@@ -321,10 +325,13 @@ class Engine:
         proposal, draft_s = Proposal([], "none"), 0.0
         if s.drafter is not None and self._budget(s) > 0:
             t0 = time.perf_counter()
-            # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
-            proposal = s.drafter.propose(s.tokens, k_for, s.params,
-                                         s.generators.on(s.drafter.device or self.target.device),
-                                         s.constraint if s.speculation.constrain_draft else None)
+            generator = s.generators.on(s.drafter.device or self.target.device)
+            if self._trees(s, batched):  # alternatives emit no more tokens than the chain beside them could
+                proposal = s.drafter.propose(s.tokens, k_for, s.params, generator, None,
+                                             lambda source, k: self.policy.branches(source, k, s.speculation))
+            else:  # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
+                proposal = s.drafter.propose(s.tokens, k_for, s.params, generator,
+                                             s.constraint if s.speculation.constrain_draft else None)
             draft_s = time.perf_counter() - t0
         masks = None
         if s.constraint is not None and proposal.tokens:
@@ -333,6 +340,13 @@ class Engine:
             masks = self._masker.submit(s.constraint.lookahead_bitmasks, proposal.tokens)
         s.work = Work(proposal, draft_s, masks)
         return torch.tensor(s.tokens[-1:] + proposal.tokens, device=self.target.device)
+
+    def _trees(self, s: Sequence, batched: bool) -> bool:
+        """Whether this round may propose a tree (--draft-tree): a sequence alone, its drafter able to, a target
+        whose tree passes are its chain passes bit for bit (the CPU's row-wise kernels, no recurrent layers), no
+        constraint and no log-probabilities asked for (both are per position of a chain)."""
+        return (s.speculation.tree > 1 and not batched and s.drafter.trees and self.target.trees
+                and s.constraint is None and s.params.logprobs is None)
 
     def _conclude(self, s: Sequence, logits: torch.Tensor, t0: float, batched: bool = False):
         """From the logits of the sequence's pass (started at t0): the tokens it adds to s.tokens, their scores and
@@ -349,6 +363,19 @@ class Engine:
                 self.policy.record_plain(seconds + draft_s)
             s.stats.record_plain(seconds + draft_s)
             return (*chosen, _TARGET)
+        if proposal.parents is not None:
+            tokens, path = self._verify_tree(s, proposal, logits)
+            accepted, k = len(path) - 1, len(proposal.tokens)
+            chain = sum(1 for row in path[1:] if row <= proposal.chain)  # the chain's drafts kept
+            verify_s = time.perf_counter() - t0
+            s.acceptance.record(proposal.source, proposal.chain, chain)
+            self.policy.record_round(proposal.source, proposal.chain, chain, draft_s - proposal.catch_up_s, verify_s,
+                                     proposal.catch_up_s, rows=k)
+            self.policy.record_tree(proposal.source, accepted - chain)
+            s.stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
+            s.stats.tree_rounds += 1
+            s.stats.tree_alternatives_kept += accepted - chain
+            return tokens, None, Origin(proposal.source, accepted, k)
         tokens, accepted, scores = self._verify(s, proposal, logits, work.masks)
         verify_s = time.perf_counter() - t0
         k = len(proposal.tokens)
@@ -358,6 +385,8 @@ class Engine:
         else:
             self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s,
                                      proposal.catch_up_s)
+            if s.drafter.trees and self._trees(s, batched):
+                self.policy.record_tree(proposal.source, None)  # a chain round where a tree could have run
         s.stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
         return tokens, scores, Origin(proposal.source, accepted, k)
 
@@ -456,6 +485,35 @@ class Engine:
                 tokens, accepted = accept_sampled(p_target, q_draft, drafts, s.generators.on(device))
         s.cache.rollback(len(seq) + accepted)  # keep the last token and the accepted drafts
         return tokens, accepted, scores
+
+    def _verify_tree(self, s: Sequence, proposal: Proposal, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Accept over a tree from the target's logits (1 + N, V) at its rows: each row scored as a plain step after
+        its own path would score it (the penalties' history is that path), the walk greedy, seeded or by recursive
+        rejection sampling; the kept path's keys and values put in place (TreeRows.commit). Returns (the emitted
+        tokens, the kept rows)."""
+        device, params, seq = self.target.device, s.params, s.tokens
+        paths = _paths(proposal)
+        depths = _depths(proposal)
+
+        def rows(fn):
+            return torch.cat([fn(logits[r:r + 1], sampling.history(seq, params, device, appended=paths[r]))
+                              for r in range(logits.shape[0])])
+
+        if params.greedy:
+            choices = rows(lambda x, h: sampling.penalize(x, params, h)).argmax(-1).tolist()
+            tokens, path = accept_tree_greedy(choices, proposal.tokens, proposal.parents)
+        else:
+            p_rows = rows(lambda x, h: sampling.process(x, params, h))
+            if params.seed is not None:  # the target's own seeded choice at each row's position
+                choices = [int(sampling.gumbel_choice(p_rows[r:r + 1], params.seed, len(seq) + d)[0])
+                           for r, d in enumerate(depths)]
+                tokens, path = accept_tree_greedy(choices, proposal.tokens, proposal.parents)
+            else:
+                q_rows = proposal.q_rows(self.vocab, device).to(device)
+                tokens, path = accept_tree_sampled(p_rows, q_rows, proposal.tokens, proposal.parents,
+                                                   s.generators.on(device))
+        TreeRows.commit(s.cache, len(seq) - 1, path)
+        return tokens, path
 
     @staticmethod
     def _per_position(logits, history, k, fn):
@@ -617,6 +675,22 @@ class Batch:
             self.active.remove(s)
         self.engine.release(s)
         deliver(s, error)
+
+
+def _depths(proposal: Proposal) -> list[int]:
+    """Each row's distance from the pending token (row 0) in a tree's pass."""
+    depths = [0]
+    for parent in proposal.parents:
+        depths.append(depths[parent + 1] + 1)
+    return depths
+
+
+def _paths(proposal: Proposal) -> list[list[int]]:
+    """Each row's drafted tokens from the pending token's on, itself included (row 0: none)."""
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(proposal.tokens, proposal.parents):
+        paths.append(paths[parent + 1] + [token])
+    return paths
 
 
 class Origin(NamedTuple):

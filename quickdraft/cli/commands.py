@@ -19,7 +19,7 @@ def speculation_config(args):
 
     return SpeculationConfig(draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min,
                              adaptive=not args.fixed_k, constrain_draft=not getattr(args, "blind_draft", False),
-                             draft_vocab=getattr(args, "draft_vocab", 0))
+                             draft_vocab=getattr(args, "draft_vocab", 0), tree=getattr(args, "draft_tree", 1))
 
 
 def grammar_of(args):

@@ -24,7 +24,7 @@ from torch import nn
 from quickdraft.config import ModelConfig
 from quickdraft.models import rope as ropes
 from quickdraft.quant.gpu import ROW_TILE
-from quickdraft.runtime.kv_cache import KVCache, RecurrentState, Segments
+from quickdraft.runtime.kv_cache import KVCache, RecurrentState, Segments, TreeRows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,7 +173,9 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, cache: KVCache | Segments, layer: int, mask, B: int, S: int, gate=None,
                 rows: int | None = None) -> torch.Tensor:
-        if isinstance(cache, Segments):  # each sequence's rows over its own cache, as its own pass would
+        if isinstance(cache, TreeRows):  # a tree's rows: each over its own path (TreeRows.attend)
+            out = cache.attend(self, q, k, v, layer)
+        elif isinstance(cache, Segments):  # each sequence's rows over its own cache, as its own pass would
             parts = [cache.split(t, 2) if t is not None else [None] * len(cache.sizes) for t in (q, k, v)]
             out = torch.cat([self._attention(*qkv, c, layer, None, n, None) for *qkv, c, n in
                              zip(*parts, cache.caches, cache.sizes)], dim=2)
@@ -706,6 +708,25 @@ class Transformer(Decoder):
             offset += n
         logits = self.head(x[torch.cat(wanted).to(x.device)][None])[0]
         return list(logits.split([len(w) for w in wanted]))
+
+    def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain: int, cache: KVCache) -> torch.Tensor:
+        """A tree's verification pass (tokens (S,)): rows 0 .. chain - 1 a chain from the pending token on (row i at
+        position cache.length + i), each further row a leaf whose parent is chain row depths[row] - 1 (at position
+        cache.length + depths[row]). Every row is computed as a pass over its own path would compute it (the chain's
+        as a chain pass, a leaf's as a one-row step after its parent: TreeRows), so its logits are bit for bit those.
+        Writes every row's keys and values (the leaves' after the chain's) and advances cache.length by S; the caller
+        keeps a path with TreeRows.commit. Returns float32 logits (S, V)."""
+        S = tokens.shape[0]
+        if S > ROWWISE_MAX or self.hybrid:
+            raise ValueError("a tree's pass takes at most ROWWISE_MAX rows, on a model without recurrent layers")
+        start = cache.length
+        if start + S > min(cache.capacity, self.max_context):
+            raise ValueError(f"positions up to {start + S} exceed the context of {cache.capacity}")
+        positions = torch.tensor([start + d for d in depths], device=tokens.device)
+        rotary = {kind: tuple(t[positions] for t in self._tables(kind)) for kind in self.kinds}
+        logits = self._run(tokens[None], rotary, TreeRows(cache, depths, chain), dict.fromkeys(self.kinds), False)
+        cache.length = start + S
+        return logits[0]
 
     def forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,
                    last_only: bool = False) -> torch.Tensor:

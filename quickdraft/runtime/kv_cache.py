@@ -227,6 +227,91 @@ class Segments:
         return list(t.split(self.sizes, dim=dim))
 
 
+class TreeRows:
+    """A cache seen by a tree's verification pass (Transformer.forward_tree): its S rows are written at [length,
+    length + S), a chain (the pending token and the drafts after it) first, then leaves, each a sibling of a chain
+    row: depths[r] is row r's distance from the pending token. The chain's rows attend as a chain pass's do; a leaf's
+    row at depth d attends to the positions before length + d and to itself, which attention reads contiguously: its
+    keys and values are put in the slot of the chain row at its depth for its own row's attention, then put back.
+    `commit` keeps one path: the chain up to a depth, or a leaf after the chain rows before it."""
+
+    def __init__(self, cache: KVCache, depths: list[int], chain: int):
+        self.cache, self.depths, self.chain = cache, depths, chain
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @property
+    def hidden(self):
+        return self.cache.hidden
+
+    @property
+    def feature_layers(self) -> dict:
+        return self.cache.feature_layers
+
+    def store_hidden(self, rows: torch.Tensor) -> None:
+        self.cache.store_hidden(rows)
+
+    def store_feature(self, layer: int, rows: torch.Tensor) -> None:
+        self.cache.store_feature(layer, rows)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        return self.cache.write(layer, k, v)
+
+    def read(self, layer: int, new: int):
+        return self.cache.read(layer, new)
+
+    def attend(self, attention, q, k, v, layer: int) -> torch.Tensor:
+        """The rows' attention (B, H, S, D) for one layer (attention: the layer's Attention module)."""
+        c, C, S = self.cache, self.chain, q.shape[2]
+        start = c.length
+        if k is not None:
+            c.write(layer, k, v)  # every row's, at [start, start + S)
+        source = attention.source
+        # the chain's rows: a chain pass's attention over the positions up to each (k None: read, not written)
+        parts = [attention._attention(q[:, :, :C], None, None, _Prefix(c, start), source, None, C, None)]
+        keys, values = c.k[source], c.v[source]
+        for r in range(C, S):
+            d = self.depths[r]
+            slot, own = start + d, start + r
+            kept = keys[:, :, slot].clone(), values[:, :, slot].clone()
+            keys[:, :, slot], values[:, :, slot] = keys[:, :, own], values[:, :, own]
+            try:
+                parts.append(attention._attention(q[:, :, r:r + 1], None, None, _Prefix(c, slot), source, None, 1,
+                                                  None))
+            finally:
+                keys[:, :, slot], values[:, :, slot] = kept
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def commit(cache: KVCache, start: int, path: list[int]) -> None:
+        """Keep the rows `path` (row indices of a tree pass that wrote from `start`: the pending token's row 0, then
+        one row per depth) as positions start .. start + len(path) - 1: the chain's rows are in place; a leaf's keys
+        and values (and kept hidden states) move to its depth's slot. cache.length becomes start + len(path)."""
+        for depth, row in enumerate(path):
+            if row == depth:
+                continue
+            src, dst = start + row, start + depth
+            for t in cache.tensors():
+                t[:, :, dst] = t[:, :, src]
+            for kept in (cache.hidden, cache.features):
+                if kept is not None:
+                    kept[dst] = kept[src]
+        cache.length = start + len(path)
+
+
+class _Prefix:
+    """A cache read as a pass of `new` rows at `at` reads it: the positions before at + new."""
+
+    def __init__(self, cache: KVCache, at: int):
+        self.cache, self.at = cache, at
+
+    def read(self, layer: int, new: int):
+        end = self.at + new
+        return self.cache.k[layer][:, :, :end], self.cache.v[layer][:, :, :end]
+
+
 class PositionedWrites:
     """A cache seen by one pass at given positions: writes go to those positions (index_copy_, no host
     value needed), reads give the first `span` positions, which the pass masks to each row's own."""

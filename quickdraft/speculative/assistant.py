@@ -42,6 +42,7 @@ class AssistantDrafter(DraftModelDrafter):
     sources = ("assistant",)
     samples = True
     reads_hidden = True
+    trees = False  # chains: its rounds do not offer alternatives yet
 
     def __init__(self, lm, target, p_min: float = 0.0):
         """lm: the assistant's LoadedModel; target: the LoadedModel it drafts for."""

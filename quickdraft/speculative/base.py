@@ -21,6 +21,10 @@ class Proposal:
     source: str  # which drafter proposed them ("draft", "ngram")
     q_draft: torch.Tensor | None = None  # (len(tokens), V) processed distributions; None: deterministic
     catch_up_s: float = 0.0  # time spent feeding tokens the drafter had not seen (not drafting proper)
+    # A tree (tree verification): node i's parent node (-1: the pending token); the first `chain` nodes are a chain,
+    # each further one a leaf beside the chain node at its depth (an alternative candidate). None: a chain.
+    parents: list[int] | None = None
+    chain: int = 0
 
     def q_rows(self, vocab: int, device) -> torch.Tensor:
         """The distributions the tokens were drawn from; one-hot rows for a deterministic proposal."""
@@ -40,6 +44,31 @@ class Offer:
 
 # How many tokens to draft now, asked per source: the engine's policy answers.
 KFor = Callable[[str], int]
+# How many candidates to propose at a chain's least sure position, asked per source with the chain's length (1: a
+# chain alone): the engine's policy answers where tree verification may run.
+Branches = Callable[[str, int], int]
+
+
+def branch(tokens: list[int], dists: list[torch.Tensor], q_rows: list, width: int) -> Proposal | None:
+    """A drafted chain with up to width - 1 alternatives beside it, at the position where the drafter was least sure
+    (its top probability lowest): the drafter's next most likely tokens there, deterministic candidates (one-hot q
+    rows) tried after the chain's own. dists: the drafter's distribution at each chain position; q_rows: the chain's
+    sampled distributions, or empty for deterministic drafts. None where there is nothing to add."""
+    n = len(tokens)
+    if width < 2 or n == 0 or len(dists) < n:
+        return None
+    j = min(range(n), key=lambda i: float(dists[i].max()))
+    ranked = dists[j].topk(min(width, dists[j].shape[-1])).indices.tolist()
+    alternatives = [t for t in ranked if t != tokens[j] and float(dists[j][t]) > 0][:width - 1]
+    if not alternatives:
+        return None
+    q = None
+    if q_rows:
+        one_hot = torch.zeros(len(alternatives), q_rows[0].shape[-1], dtype=q_rows[0].dtype, device=q_rows[0].device)
+        one_hot[torch.arange(len(alternatives)), torch.tensor(alternatives, device=one_hot.device)] = 1.0
+        q = torch.cat([torch.stack(q_rows[:n]), one_hot])
+    return Proposal(tokens + alternatives, "", q, parents=list(range(-1, n - 1)) + [j - 1] * len(alternatives),
+                    chain=n)
 
 
 class Drafter:
@@ -55,6 +84,7 @@ class Drafter:
     device: torch.device | None = None
     samples: bool = False  # proposes from distributions (q_draft) when sampling, rather than deterministically
     reads_hidden: bool = False  # reads the target's hidden states (the engine's cache keeps them: attach)
+    trees: bool = False  # proposes alternatives beside its chain when asked (propose's branches: tree verification)
     per_round: tuple[str, ...] = ()  # sources whose round costs one pass whatever it drafts (a DFlash block)
 
     @classmethod
@@ -112,11 +142,12 @@ class Drafter:
         the batch may never ask it to draft)."""
 
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
-                generator: torch.Generator, constraint=None) -> Proposal:
+                generator: torch.Generator, constraint=None, branches: Branches | None = None) -> Proposal:
         """Propose up to k_for(source) tokens to follow seq (prompt + tokens generated so far).
 
         constraint (a constraint.Constraint at the state after seq): propose only what it allows, and leave
-        its state as it was found.
+        its state as it was found. branches (a drafter with `trees` only, never with a constraint): how many
+        candidates to offer at the chain's least sure position (a tree: Proposal.parents).
         """
         raise NotImplementedError
 

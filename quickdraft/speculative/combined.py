@@ -50,10 +50,16 @@ class CombinedDrafter(Drafter):
         self.ngram.begin(prompt)
         self.draft.begin(prompt, prefill)
 
-    def propose(self, seq, k_for: KFor, params, generator, constraint=None) -> Proposal:
+    @property
+    def trees(self) -> bool:
+        return self.draft.trees
+
+    def propose(self, seq, k_for: KFor, params, generator, constraint=None, branches=None) -> Proposal:
         proposal = self.ngram.propose(seq, k_for, params, generator, constraint)
         if proposal.tokens:
             return proposal
+        if branches is not None:
+            return self.draft.propose(seq, k_for, params, generator, constraint, branches)
         return self.draft.propose(seq, k_for, params, generator, constraint)
 
     def cache_bytes(self) -> int:

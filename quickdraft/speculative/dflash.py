@@ -115,7 +115,7 @@ class DFlashDrafter(DraftModelDrafter):
         self.seen = list(prompt)
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], k_for, params, generator, constraint=None) -> Proposal:
+    def propose(self, seq: list[int], k_for, params, generator, constraint=None, branches=None) -> Proposal:
         if self.target_cache is None or self.target_cache.features is None:
             raise QuickdraftError("a DFlash drafter reads the target's hidden states: build its engine with it "
                                   "(Engine(target, context, drafter))")
@@ -127,12 +127,13 @@ class DFlashDrafter(DraftModelDrafter):
         self.seen = list(seq)
         self._block(seq[-1], committed)
         tokens, q_rows = [], []
+        self.dists = [] if branches is not None and constraint is None else None
         try:
             self._draft(seq, k, [seq[-1]], params, generator, constraint, tokens, q_rows)
         finally:
             if constraint is not None:
                 constraint.pop(len(tokens))
-        return Proposal(tokens, "dflash", torch.stack(q_rows) if q_rows else None)
+        return self._proposal(tokens, q_rows, "dflash", 0.0, branches)
 
     def _block(self, pending: int, committed: int) -> None:
         """The drafting pass: the context rows up to `committed` taken in, the block from the pending token on."""

@@ -11,7 +11,7 @@ from quickdraft import constraint as constraints, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
-from quickdraft.speculative.base import Drafter, KFor, Offer, Proposal
+from quickdraft.speculative.base import Branches, Drafter, KFor, Offer, Proposal, branch
 from quickdraft.speculative.subset import SubsetHead
 from quickdraft.speculative.vocab import check_compatible
 
@@ -30,6 +30,8 @@ class DraftModelDrafter(Drafter):
     kind = "model"
     sources = ("draft",)
     samples = True
+    trees = True
+    dists: list | None = None  # while a tree is drafted: the draft's distribution at each position
 
     def __init__(self, lm, target_vocab: int, capacity: int, p_min: float = 0.0, shared: int | None = None,
                  vocab: int = 0):
@@ -153,7 +155,7 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
-                generator: torch.Generator, constraint=None) -> Proposal:
+                generator: torch.Generator, constraint=None, branches: Branches | None = None) -> Proposal:
         k = k_for("draft")
         if k == 0:  # a plain step: nothing is fed now (the next round catches up in one pass, timed apart), so that
             self.skipped += 1  # decoding plainly costs what plain decoding costs
@@ -175,6 +177,7 @@ class DraftModelDrafter(Drafter):
             feed = feed[-1:]
             catch_up_s = time.perf_counter() - t0
         tokens, q_rows = [], []
+        self.dists = [] if branches is not None and constraint is None else None
         try:
             drawn = self._draft(seq, k, feed, params, generator, constraint, tokens, q_rows)
             self.tokens += drawn[:self.cache.length - len(self.tokens)]  # the drafts fed before they were read
@@ -184,8 +187,18 @@ class DraftModelDrafter(Drafter):
             if probe:
                 self.cache.rollback(kept)
                 del self.tokens[kept:]
-        q_draft = torch.stack(q_rows) if q_rows else None
-        return Proposal(tokens, "draft", q_draft, catch_up_s)
+        return self._proposal(tokens, q_rows, "draft", catch_up_s, branches)
+
+    def _proposal(self, tokens: list[int], q_rows: list, source: str, catch_up_s: float = 0.0,
+                  branches: Branches | None = None) -> Proposal:
+        """The round's proposal: its chain, with alternatives beside it where the engine asks for a tree."""
+        dists, self.dists = self.dists, None
+        if branches is not None and dists is not None and tokens:
+            tree = branch(tokens, dists, q_rows, branches(source, len(tokens)))
+            if tree is not None:
+                tree.source, tree.catch_up_s = source, catch_up_s
+                return tree
+        return Proposal(tokens, source, torch.stack(q_rows) if q_rows else None, catch_up_s)
 
     def _draft(self, seq, k, feed, params, generator, constraint, tokens: list[int], q_rows: list) -> list[int]:
         """Draft up to k tokens into tokens (and their distributions into q_rows), each masked by constraint at the
@@ -205,6 +218,8 @@ class DraftModelDrafter(Drafter):
             token, q, confident = self._choose(logits, params, history, generator, len(seq) + i)
             if q is not None:
                 q_rows.append(q[0])
+            if self.dists is not None:  # a tree's alternatives come from here
+                self.dists.append(q[0] if q is not None else logits[0].float().softmax(-1))
             if resident:
                 drawn.append(token)
                 sure.append(confident)

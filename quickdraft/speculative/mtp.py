@@ -30,6 +30,7 @@ class MtpDrafter(DraftModelDrafter):
     sources = ("mtp",)
     samples = True
     reads_hidden = True
+    trees = False  # chains: its rounds do not offer alternatives yet
 
     def __init__(self, target, capacity: int, p_min: float = 0.0):
         if target.model.mtp is None:

@@ -46,6 +46,10 @@ MARGIN = 1.15
 # PREFILL_ROW of a one-token step (a 64-row pass took 12x a one-row one on this machine's kernels).
 OWN_PRIOR = 2.0
 PREFILL_ROW = 0.2
+# Tree verification: the alternatives' kept share decays by this weight per tree round; while chains win, a tree is
+# tried again after TREE_PROBE chain rounds.
+TREE_EMA = 0.1
+TREE_PROBE = 32
 
 
 class AdaptivePolicy:
@@ -67,6 +71,11 @@ class AdaptivePolicy:
         self.probe_after: dict[str, int] = {}  # source -> plain steps before its next probe (backing off)
         self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
         self.t_pass: dict[int, float] = {}  # rows -> seconds of a batched pass over several sequences (Batch)
+        # tree verification (--draft-tree): drafted rows -> seconds of a tree's pass; per source, the alternatives
+        # kept per tree round (decayed), and the chain rounds since its last tree round
+        self.t_tree: dict[int, float] = {}
+        self.tree_gain: dict[str, float] = {}
+        self.since_tree: dict[str, int] = {}
 
     def begin(self) -> None:
         """A new generation: its text may draft better or worse than the last one's, so probing starts over at
@@ -122,8 +131,9 @@ class AdaptivePolicy:
         return (t if k > 0 else 0.0) if source in self.per_round else k * t
 
     def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                     catch_up_s: float = 0.0) -> None:
-        """draft_s: the drafting passes; catch_up_s: feeding the drafter first what it missed (not in draft_s)."""
+                     catch_up_s: float = 0.0, rows: int | None = None) -> None:
+        """draft_s: the drafting passes; catch_up_s: feeding the drafter first what it missed (not in draft_s);
+        rows: a tree's drafted rows (drafted and accepted are then its chain's), timed apart from chains."""
         if source in self.resuming:  # a probe, or the round resuming speculation: its catch-up over the plain
             self.resuming.discard(source)  # steps (or a probe's window) is the cost of switching, not of a round,
             catch_up_s = 0.0  # which counts as none (so that a catch-up measured before fades while it is off)
@@ -132,13 +142,44 @@ class AdaptivePolicy:
         self.t_catch_up[source] = _ema(self.t_catch_up.get(source, catch_up_s), catch_up_s, CATCH_UP_EMA)
         self.plain_since_round = 0
         self.rounds_since_plain += 1
-        t = self._timed(("verify", drafted), verify_s)
-        if t is not None:
-            self.t_verify[drafted] = t
+        if rows is not None:
+            t = self._timed(("tree", rows), verify_s)
+            if t is not None:
+                self.t_tree[rows] = t
+        else:
+            t = self._timed(("verify", drafted), verify_s)
+            if t is not None:
+                self.t_verify[drafted] = t
         t = self._timed(("draft", source), self._unit(source, draft_s, drafted))
         if t is not None:
             self.t_draft[source] = t
         self._record_acceptance(source, drafted, accepted)
+
+    def record_tree(self, source: str, kept: int | None) -> None:
+        """A round that could have verified a tree: kept, the alternatives a tree round kept (0 or 1); None for a
+        chain round."""
+        if kept is None:
+            self.since_tree[source] = self.since_tree.get(source, 0) + 1
+            return
+        self.since_tree[source] = 0
+        old = self.tree_gain.get(source)
+        self.tree_gain[source] = float(kept) if old is None else _ema(old, float(kept), TREE_EMA)
+
+    def branches(self, source: str, k: int, cfg: SpeculationConfig | None = None) -> int:
+        """Candidates at the chain's least sure position (1: a chain alone) for a round of k drafts: cfg.tree where
+        a tree measures faster than the chain, E[L](k) + the alternatives' kept share over the tree pass, and while
+        a tree has not been measured lately (one round in TREE_PROBE after chains)."""
+        cfg = cfg or self.cfg
+        if cfg.tree <= 1 or k < 1:
+            return 1
+        gain = self.tree_gain.get(source)
+        if not cfg.adaptive or gain is None or self.since_tree.get(source, 0) >= TREE_PROBE or self.t_plain is None:
+            return cfg.tree
+        rows = k + cfg.tree - 1
+        tree_s = self.t_tree.get(rows) or self.verify_seconds(rows)
+        cost = self.draft_seconds(source, k) + self.t_catch_up.get(source, 0.0)
+        tree_rate = (self.expected_length(source, k) + gain) / (tree_s + cost)
+        return cfg.tree if tree_rate > self.predicted_rate(source, k) else 1
 
     def _record_acceptance(self, source: str, drafted: int, accepted: int) -> None:
         count_round(self.tried.setdefault(source, []), self.accepted.setdefault(source, []), drafted, accepted)
@@ -264,6 +305,8 @@ class AdaptivePolicy:
             "r": {s: t / t1 for s, t in self.t_draft.items()} if t1 else {},
             "catch_up": {s: t / t1 for s, t in self.t_catch_up.items()} if t1 else {},
             "acceptance": {s: self.acceptance(s, len(self.tried[s])) for s in self.tried},
+            **({"v_tree": {n: t / t1 for n, t in sorted(self.t_tree.items())} if t1 else {},
+                "tree_gain": dict(self.tree_gain)} if self.tree_gain else {}),
         }
 
 

@@ -27,6 +27,8 @@ class SpeculationStats:
     constraint: str | None = None  # the kind of grammar the output followed, if any
     mask_s: float = 0.0  # time computing grammar masks (verification's overlaps the target pass)
     masks_computed: int = 0
+    tree_rounds: int = 0  # rounds that verified a tree (--draft-tree)
+    tree_alternatives_kept: int = 0  # of them, rounds that kept an alternative candidate
 
     def record_round(self, source: str, drafted: int, accepted: int, emitted: int,
                      draft_s: float, verify_s: float) -> None:

@@ -1,0 +1,207 @@
+"""Tree verification (--draft-tree): a chain with alternative candidates beside it, verified in one target pass.
+
+A tree pass must give each row the logits a pass over its own path gives (Transformer.forward_tree, bit for bit, on
+every family whose passes are row-wise), keep the accepted path's keys and values as that path's own pass would have
+left them, and accept exactly: greedy and seeded output identical to plain decoding, unseeded output distributed as
+the target's (recursive rejection sampling, chi-square), with a draft model and with a DFlash drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
+from quickdraft.engine import Engine
+from quickdraft.runtime.kv_cache import KVCache, TreeRows
+from quickdraft.speculative.accept import accept_tree_greedy, accept_tree_sampled
+from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.weights.loader import load_model
+from tests.helpers import PROMPT, add_noise, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.test_prefix_reuse import build
+
+BF16 = EngineConfig(device="cpu", dtype="bfloat16", weights="bf16", max_context=256)
+F32 = EngineConfig(device="cpu", dtype="float32", weights="bf16", max_context=256)
+# the pending token, a chain of 3, then leaves: two beside the chain's second node (depth 2), one beside its first
+TOKENS = [40, 41, 42, 43, 50, 51, 60]
+PARENTS = [-1, 0, 1, 0, 0, -1]  # of the drafted nodes (TOKENS[1:])
+DEPTHS = [0, 1, 2, 3, 2, 2, 1]
+
+
+def _path(row: int) -> list[int]:
+    path = [row]
+    while path[-1] != 0:
+        path.append(PARENTS[path[-1] - 1] + 1)
+    return path[::-1]
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "gemma3", "gemma4", "phi3", "qwen3_moe"])
+def test_each_row_of_a_tree_pass_is_its_paths_own_bit_for_bit(tmp_path, name):
+    """Every row's logits are those of a pass over its path alone (the chain's: a chain pass), and keeping a leaf's
+    path leaves the cache (keys, values, kept hidden states) as that path's pass leaves it."""
+    if name == "qwen3_moe":
+        from tests.test_moe import tiny_moe
+
+        path = save_hf_dir(tiny_moe(name, logit_scale=20), tmp_path / name)
+    else:
+        path = build(name, tmp_path / name)
+    lm = load_model(str(path), BF16, False)
+    model = lm.model
+    prompt = [(7 * i + 3) % 300 + 3 for i in range(20)]
+    with torch.inference_mode():
+        tree = KVCache.for_model(model, 64)
+        tree.keep_hidden(model.cfg.dim)
+        model(torch.tensor([prompt]), tree)
+        start = tree.length
+        logits = lm.forward_tree(torch.tensor(TOKENS), DEPTHS, 4, tree)
+        assert tree.length == start + len(TOKENS)
+        alone = KVCache.for_model(model, 64)
+        alone.keep_hidden(model.cfg.dim)
+        model(torch.tensor([prompt]), alone)
+        want = model(torch.tensor([TOKENS[:4]]), alone)[0]
+        assert torch.equal(logits[:4], want)
+        for row in range(4, len(TOKENS)):
+            path = _path(row)
+            alone.rollback(start)
+            want = model(torch.tensor([[TOKENS[r] for r in path]]), alone)[0, -1]
+            assert torch.equal(logits[row], want), (name, row)
+        path = _path(5)
+        TreeRows.commit(tree, start, path)
+        alone.rollback(start)
+        model(torch.tensor([[TOKENS[r] for r in path]]), alone)
+        n = alone.length
+        assert tree.length == n
+        assert all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(tree.tensors(), alone.tensors()))
+        assert torch.equal(tree.hidden[:n], alone.hidden[:n])
+
+
+def test_the_tree_walks():
+    """Greedy: the child matching the target's choice is followed; sampled: an accepted alternative's row is walked
+    next, and with every child rejected the last token comes from the residual."""
+    tokens, parents = [5, 6, 7, 8], [-1, 0, -1, 2]  # chain 5 -> 6, an alternative 7 at the root with a child 8
+    assert accept_tree_greedy([5, 6, 9, 0, 0], tokens, parents) == ([5, 6, 9], [0, 1, 2])
+    assert accept_tree_greedy([7, 0, 0, 8, 3], tokens, parents) == ([7, 8, 3], [0, 3, 4])
+    assert accept_tree_greedy([4, 0, 0, 0, 0], tokens, parents) == ([4], [0])
+    V = 10
+    p = torch.zeros(5, V)
+    p[0, 7] = 1.0  # the target wants 7 at the root, then 8, then 3
+    p[3, 8] = 1.0
+    p[4, 3] = 1.0
+    p[1:3] = 1.0 / V
+    q = torch.zeros(4, V)
+    q[torch.arange(4), torch.tensor(tokens)] = 1.0
+    assert accept_tree_sampled(p, q, tokens, parents, torch.Generator().manual_seed(0)) == ([7, 8, 3], [0, 3, 4])
+
+
+def test_recursive_rejection_sampling_gives_the_target_distribution():
+    """The root's candidates as a tree round makes them: one drawn from the draft's q, then the draft's next most
+    likely tokens other than it (deterministic candidates): the token emitted at the root is distributed as p
+    (chi-square over 20000 draws), and the alternatives are kept where the chain's draft alone would be rejected."""
+    from quickdraft.tools.verify import chi_square
+
+    V = 8
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(2 * torch.randn(V, generator=g), -1)
+    q = torch.softmax(p.log() + torch.randn(V, generator=g), -1)  # a draft near the target, not equal to it
+    counts = torch.zeros(V, dtype=torch.float64)
+    kept_alternative = 0
+    for _ in range(20000):
+        x = int(torch.multinomial(q, 1, generator=g))
+        alternatives = [t for t in q.argsort(descending=True).tolist() if t != x][:2]
+        tokens = [x] + alternatives
+        q_rows = torch.zeros(3, V)
+        q_rows[0] = q
+        q_rows[1, alternatives[0]] = q_rows[2, alternatives[1]] = 1.0
+        p_rows = torch.stack([p] + [torch.full((V,), 1.0 / V)] * 3)
+        out, path = accept_tree_sampled(p_rows, q_rows, tokens, [-1, -1, -1], g)
+        counts[out[0]] += 1
+        kept_alternative += len(path) > 1 and path[1] > 1
+    _, dof, p_value = chi_square(counts, p.double())
+    assert dof >= 3 and p_value > 1e-3, (counts / counts.sum(), p)
+    assert kept_alternative > 500
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny qwen2 target and a noisy copy as its draft (agreeing often, not always)."""
+    directory = tmp_path_factory.mktemp("tree")
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=8), directory / "t")), BF16, False)
+    draft = load_model(str(save_hf_dir(add_noise(tiny_hf_model("qwen2", seed=0, logit_scale=8), 0.3),
+                                       directory / "d")), BF16, False)
+    return target, draft
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_greedy_and_seeded_trees_equal_plain(pair, adaptive):
+    target, draft = pair
+    spec = SpeculationConfig(draft_max=4, adaptive=adaptive, tree=3, p_min=0.0)
+    kept = 0
+    for params in (SamplingParams(max_tokens=48, stop_at_eos=False),
+                   SamplingParams(max_tokens=48, stop_at_eos=False, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=48, stop_at_eos=False)):
+        plain, _ = run(Engine(target, 256), params)
+        drafter = DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0)
+        ours, final = run(Engine(target, 256, drafter, spec), params)
+        assert ours == plain
+        assert final.stats.tree_rounds > 0
+        kept += final.stats.tree_alternatives_kept
+    assert kept > 0 or adaptive  # fixed: the noisy draft's second choice is the target's often enough
+
+
+def test_sampled_trees_have_the_target_distribution(tmp_path):
+    """Unseeded at T = 0.7, k = 2 with up to 2 alternatives, over a vocabulary of 24: the second token emitted is
+    distributed as the target's two-step distribution (chi-square), and alternatives were kept."""
+    from quickdraft import sampling
+    from quickdraft.tools.verify import chi_square
+
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, vocab=24, logit_scale=2), tmp_path / "t")),
+                        F32, False)
+    draft = load_model(str(save_hf_dir(add_noise(tiny_hf_model("qwen2", seed=0, vocab=24, logit_scale=2), 0.3),
+                                       tmp_path / "d")), F32, False)
+    prompt, V = [1, 2, 3], 24
+    params = SamplingParams(temperature=0.7, max_tokens=3, stop_at_eos=False)
+    exact = torch.zeros(V, dtype=torch.float64)
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = sampling.process(target.forward(torch.tensor([prompt]), cache, last_only=True)[0], params)[0].double()
+        for t1 in range(V):
+            cache.rollback(len(prompt))
+            exact += p1[t1] * sampling.process(target.forward(torch.tensor([[t1]]), cache)[0], params)[0].double()
+    spec = SpeculationConfig(draft_max=2, adaptive=False, tree=3, p_min=0.0)
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16, 0.0), spec)
+    counts = torch.zeros(V, dtype=torch.float64)
+    torch.manual_seed(0)
+    kept = 0
+    for _ in range(600):
+        events = list(engine.generate(prompt, params))
+        counts[[e.token for e in events if e.token is not None][1]] += 1
+        kept += events[-1].stats.tree_alternatives_kept
+        assert events[-1].stats.tree_rounds == 1
+    _, dof, p_value = chi_square(counts, exact)
+    assert dof >= 3 and p_value > 1e-3, (counts / counts.sum(), exact)
+    assert kept > 0
+
+
+def test_a_dflash_drafter_proposes_trees(tmp_path):
+    from tests.test_dflash import reference_drafter
+    from quickdraft.speculative.draft import Draft, DraftBuilder
+
+    hf = tiny_hf_model("qwen3", layers=6, logit_scale=4)
+    tdir = save_hf_dir(hf, tmp_path / "t")
+    reference_drafter("dflash2", hf.config).save_pretrained(tmp_path / "d")
+    target = load_model(str(tdir), BF16, False)
+    spec = SpeculationConfig(draft_max=4, adaptive=False, tree=2, p_min=0.0)
+    for params in (SamplingParams(max_tokens=40, stop_at_eos=False),
+                   SamplingParams(temperature=0.8, seed=4, max_tokens=40, stop_at_eos=False)):
+        plain, _ = run(Engine(target, 256), params)
+        drafter = DraftBuilder(target, BF16, 256).drafter(Draft.parse(str(tmp_path / "d")), spec)
+        ours, final = run(Engine(target, 256, drafter, spec), params)
+        assert ours == plain and final.stats.tree_rounds > 0
+
+
+def test_trees_stay_off_where_they_cannot_be_exact_here(pair):
+    """A constraint, log-probabilities or a batch of several sequences verify chains."""
+    target, draft = pair
+    spec = SpeculationConfig(draft_max=4, adaptive=False, tree=3, p_min=0.0)
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0), spec)
+    _, final = run(engine, SamplingParams(max_tokens=20, stop_at_eos=False, logprobs=2), PROMPT)
+    assert final.stats.tree_rounds == 0 and final.stats.rounds > 0

@@ -336,3 +336,38 @@ def test_recognised_planned_replayed_and_refused(target_dir, drafter_dir, tmp_pa
     reference_drafter(kind, hf_target.config, width=48).save_pretrained(tmp_path)
     with pytest.raises(QuickdraftError, match="made for a target of 48 wide"):
         build(target, tmp_path, F32)
+
+
+def test_tune_ranks_the_drafter_and_exports_its_flags(target_dir, drafter_dir):
+    """tune measures the DFlash drafter beside n-gram lookup by replaying its blocks over the target's output, and a
+    profile that picks it exports each engine's DFlash method."""
+    import json
+    import shlex
+
+    import quickdraft
+    from quickdraft.tools import export, tune
+
+    _, tdir = target_dir
+    kind, _, path = drafter_dir
+    llm = quickdraft.load(str(tdir), "none", device="cpu", dtype="bfloat16", weights="bf16", context=256,
+                          progress=False)
+    prompts = {"a": PROMPT, "b": PROMPT[::-1]}
+    profile = tune.run(llm, [Draft.parse(str(path)), Draft.parse("ngram")], prompts, 4, 0.0, 16,
+                       log=lambda message: None, vocab=0)
+    (measured,) = [c for c in profile["candidates"] if c["name"] == str(path)]
+    assert len(measured["acceptance"]) == 4 and measured["r"] > 0 and measured["best_k"] in range(1, 5)
+    assert profile["draft_kind"] == (Draft.parse(profile["draft"]).kind if profile["draft"] != "none" else "none")
+    chosen = {**profile, "draft": str(path), "draft_kind": "dflash", "draft_max": 5}
+    for engine in export.ENGINES:
+        text = export.export(chosen, engine, "/models/t.gguf")
+        (command,) = [line for line in text.splitlines() if not line.startswith("#")]
+        argv = shlex.split(command)
+        flags = dict(zip(argv[1:], argv[2:]))
+        if engine == "llama-server":
+            assert flags["--spec-type"] == "draft-dflash" and flags["-md"] == f"{path}.gguf"
+            assert flags["--spec-draft-n-max"] == "5" and "convert_hf_to_gguf.py" in text
+        elif engine == "vllm":
+            assert json.loads(flags["--speculative-config"]) == {"method": "dflash", "model": str(path),
+                                                                 "num_speculative_tokens": 5}
+        else:
+            assert flags["--speculative-algorithm"] == "DFLASH" and flags["--speculative-draft-model-path"] == str(path)

@@ -298,6 +298,10 @@ class DFlash(nn.Module):
     def max_context(self) -> int:
         return self.rope_cos.shape[0] - self.cfg.block_size
 
+    @property
+    def hybrid(self) -> bool:
+        return False
+
     def kv_layout(self) -> list[tuple[int, int, int]]:
         return [(self.cfg.n_kv_heads, self.cfg.head_dim, i) for i in range(self.cfg.n_layers)]
 

@@ -32,11 +32,18 @@ is_dflash = model_dflash.is_dflash
 
 
 class DFlashModel:
-    """A loaded DFlash drafter: its module and where it came from (what DraftBuilder loads once per target)."""
+    """A loaded DFlash drafter: its module and where it came from (what DraftBuilder loads once per target), described
+    as doctor and bench describe a loaded model (weights format, kernel plan, load time; no tokenizer of its own: it
+    drafts in the target's vocabulary)."""
 
-    def __init__(self, name: str, model: model_dflash.DFlash):
-        self.name, self.model = name, model
+    tokenizer = None
+    graphs = None
+    kept_from = None
+
+    def __init__(self, name: str, model: model_dflash.DFlash, weights: str, plan: dict, load_seconds: float = 0.0):
+        self.name, self.model, self.weights, self.plan = name, model, weights, plan
         self.device = model.device
+        self.load_seconds = load_seconds
 
     @property
     def config(self) -> model_dflash.DFlashConfig:
@@ -279,13 +286,17 @@ def load_drafter(source: str, target, dtype: torch.dtype, weights: str, capacity
     """The DFlash drafter in directory `source`, for `target` (a LoadedModel), on the target's device."""
     from pathlib import Path
 
+    from collections import Counter
+
+    from quickdraft.runtime.plan import kernels_apply, layer_format
+
     path = Path(source).expanduser()
     check_target(model_dflash.read_config(path), path.name, target)
     t0 = time.perf_counter()
     model = model_dflash.load(path, target.config.dim, capacity, dtype, target.device, weights)
-    from quickdraft.runtime.plan import kernels_apply
-
-    model.plan(kernels_apply(model))
-    loaded = DFlashModel(path.name, model)
-    loaded.load_seconds = time.perf_counter() - t0
-    return loaded
+    kernels = kernels_apply(model)
+    model.plan(kernels)
+    linear = Counter(layer_format(m) for m in model.modules() if hasattr(m, "fused_operands")
+                     or isinstance(m, torch.nn.Linear))
+    plan = {"cpu_kernels": kernels, "layers": model.cfg.n_layers, "fused_layers": 0, "linear": dict(linear)}
+    return DFlashModel(str(path), model, weights, plan, time.perf_counter() - t0)

@@ -206,9 +206,9 @@ def tokenizers(target, draft) -> Finding:
     if draft is None:
         return Finding("tokenizer", "ok", "no draft model: n-gram lookup and built-in MTP layers draft in the "
                                           "target's own vocabulary")
-    if draft.tokenizer is None:  # a Gemma 4 assistant without one: it scores the target's tokens
+    if draft.tokenizer is None:  # a Gemma 4 assistant without one, a DFlash drafter: it scores the target's tokens
         level = "ok" if draft.config.vocab_size == target.config.vocab_size else "error"
-        return Finding("tokenizer", level, f"the assistant scores {draft.config.vocab_size} tokens of the target's "
+        return Finding("tokenizer", level, f"the drafter scores {draft.config.vocab_size} tokens of the target's "
                                            f"{target.config.vocab_size}" + ("" if level == "ok" else
                                                                              ": it was trained for another target"))
     try:

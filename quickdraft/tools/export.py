@@ -11,6 +11,11 @@ the predicted speed-up as comments. The flags:
   `--speculative-draft-model-path`, `--speculative-num-steps`, `--speculative-eagle-topk 1`,
   `--speculative-num-draft-tokens`; or `NGRAM` (CUDA only) with `--speculative-num-draft-tokens`.
 Neither vLLM nor SGLang puts n-gram lookup in front of a draft model: an "ngram+MODEL" profile exports its model.
+
+A DFlash drafter (z-lab's block drafters; a profile whose draft_kind is "dflash"): llama.cpp's `--spec-type
+draft-dflash` with `-md` (the drafter converted to GGUF by its convert_hf_to_gguf.py, llama.cpp #22105), vLLM's
+`"method": "dflash"` (0.20 and later), SGLang's `--speculative-algorithm DFLASH`. Tree verification (--draft-tree) has
+no flag in any of them: it is quickdraft's own.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
     if draft == "none":
         notes.append("speculation did not pay on the tuning machine: no speculative flags")
         return _comment(notes)
+    if model and profile.get("draft_kind") == "dflash":
+        return _dflash(engine, profile, notes, model, k, target_file, draft_file)
     if engine == "llama-server":
         flags = ["-m", target_file or profile["target"]]
         types = []
@@ -82,6 +89,27 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
         flags = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k)]
         notes.append("SGLang's NGRAM runs on CUDA only")
     return _comment(notes) + "\npython -m sglang.launch_server " + shlex.join(["--model-path", target, *flags])
+
+
+def _dflash(engine: str, profile: dict, notes: list[str], model: str, k: int, target_file: str | None,
+            draft_file: str | None) -> str:
+    """A DFlash drafter's flags (the draft directory as the profile names it)."""
+    if profile.get("draft", "").startswith("ngram+"):
+        notes.append(f"{engine} runs one method: the DFlash drafter (no n-gram lookup in front of it)")
+    if engine == "llama-server":
+        gguf = draft_file if draft_file and draft_file.endswith(".gguf") else f"{model.rstrip('/')}.gguf"
+        notes.append(f"llama-server reads the drafter as GGUF: convert {model} with llama.cpp's convert_hf_to_gguf.py "
+                     f"into {gguf} (DFlash: llama.cpp #22105 and later)")
+        flags = ["-m", target_file or profile["target"], "-md", gguf, "--spec-type", "draft-dflash",
+                 "--spec-draft-n-max", str(k)]
+        return _comment(notes) + "\nllama-server " + shlex.join(flags)
+    target = HF_REPOS.get(profile["target"], profile["target"])
+    if engine == "vllm":
+        notes.append("vLLM's dflash method: vLLM 0.20 and later")
+        config = {"method": "dflash", "model": model, "num_speculative_tokens": k}
+        return _comment(notes) + "\nvllm serve " + shlex.join([target, "--speculative-config", json.dumps(config)])
+    flags = ["--model-path", target, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model]
+    return _comment(notes) + "\npython -m sglang.launch_server " + shlex.join(flags)
 
 
 def kept_share(acceptance: list[float], k: int) -> float:

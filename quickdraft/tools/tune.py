@@ -204,7 +204,9 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     winner, measured, checked = choose(llm, results, prompts, v, n)
     pick = next((x for x in checked if (x["candidate"], x["vocab"]) == (winner.name, winner.vocab)), None)
     plain_tok_s = pick["plain_tok_s"] if pick else 1 / t_step  # decode tok/s without and with the pick, same run
+    kind = Draft.parse(winner.name).kind if winner.name != "none" else "none"
     return {"version": PROFILE_VERSION, "target": target.name, "weights": target.weights, "draft": winner.name,
+            "draft_kind": kind,
             "draft_max": winner.best_k, "draft_vocab": winner.vocab, "fixed_k": True, "p_min": p_min,
             "predicted_speedup": winner.best_speedup, "measured_speedup": measured, "plain_tok_s": plain_tok_s,
             "tok_s": pick["tok_s"] if pick else plain_tok_s,

@@ -373,6 +373,38 @@ def test_cuda_gemma4_assistant_speculates_exactly(tmp_path):
         assert ours == plain and final.stats.draft_n > 0, params
 
 
+@kernels
+def test_cuda_dflash_drafter_speculates_exactly(tmp_path):
+    """A DFlash drafter on the GPU, reading the target's hidden states that its graphed passes keep (written at the
+    pass's positions): those are an eager pass's to bf16 rounding, greedy and seeded speculation equal plain
+    decoding, and trees stay off (a CUDA pass's shape decides its arithmetic)."""
+    from quickdraft.speculative.draft import Draft, DraftBuilder
+    from tests.test_dflash import reference_drafter
+
+    hf = tiny_hf_model("qwen3", layers=6, logit_scale=4)
+    target_dir = save_hf_dir(hf, tmp_path / "t")
+    reference_drafter("dflash", hf.config).save_pretrained(tmp_path / "d")
+    gpu = load_model(target_dir)
+    spec = SpeculationConfig(draft_max=4, adaptive=False, p_min=0.0, tree=3)
+    drafter = DraftBuilder(gpu, CUDA, 256).drafter(Draft.parse(str(tmp_path / "d")), spec)
+    assert drafter.device.type == DEVICE and not gpu.trees
+    for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
+                   SamplingParams(temperature=0.9, seed=3, max_tokens=32, stop_at_eos=False)):
+        plain, _ = tokens_of(Engine(gpu, 256), params)
+        engine = Engine(gpu, 256, drafter, spec)
+        ours, final = tokens_of(engine, params)
+        assert ours == plain and final.stats.draft_n > 0 and final.stats.tree_rounds == 0, params
+    graphs_on(gpu)
+    n = engine.cache.length  # the positions the last generation's passes ran: its prompt and output
+    kept = engine.cache.features[:n].float()
+    eager = KVCache.for_model(gpu.model, 256)
+    eager.keep_features(list(drafter.drafter.config.target_layers), gpu.config.dim)
+    with torch.inference_mode():
+        gpu.model(torch.tensor([(PROMPT + ours)[:n]], device=gpu.device), eager)
+    want = eager.features[:n].float()
+    assert float((kept - want).abs().max()) <= 0.05 * float(want.abs().max())
+
+
 def test_cuda_hybrid_from_llama_cpps_gguf_speculates_exactly(tmp_path):
     """qwen3.5 with its MTP block, converted by llama.cpp to q8_0 (tiled value heads, nextn tensors), on the GPU in
     int8 and int4: greedy speculation with the MTP layers and with n-gram lookup equal to plain decoding."""

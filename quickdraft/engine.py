@@ -14,6 +14,7 @@ from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint, GrammarCompiler
 from quickdraft.grammar import Grammar
+from quickdraft.models.transformer import ROWWISE_MAX
 from quickdraft.runtime.kv_cache import KVCache, TreeRows
 from quickdraft.runtime.slots import Slot, Slots
 from quickdraft.speculative.accept import accept_greedy, accept_sampled, accept_tree_greedy, accept_tree_sampled
@@ -326,9 +327,12 @@ class Engine:
         if s.drafter is not None and self._budget(s) > 0:
             t0 = time.perf_counter()
             generator = s.generators.on(s.drafter.device or self.target.device)
-            if self._trees(s, batched):  # alternatives emit no more tokens than the chain beside them could
-                proposal = s.drafter.propose(s.tokens, k_for, s.params, generator, None,
-                                             lambda source, k: self.policy.branches(source, k, s.speculation))
+            if self._trees(s, batched):  # alternatives emit no more tokens than the chain beside them could, but
+                room = self.context - len(s.tokens)  # their rows must fit the cache and a row-wise pass
+                proposal = s.drafter.propose(
+                    s.tokens, k_for, s.params, generator, None,
+                    lambda source, k: min(self.policy.branches(source, k, s.speculation),
+                                          1 + max(0, min(room - k, ROWWISE_MAX - 1 - k))))
             else:  # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
                 proposal = s.drafter.propose(s.tokens, k_for, s.params, generator,
                                              s.constraint if s.speculation.constrain_draft else None)
@@ -372,8 +376,8 @@ class Engine:
             self.policy.record_round(proposal.source, proposal.chain, chain, draft_s - proposal.catch_up_s, verify_s,
                                      proposal.catch_up_s, rows=k)
             self.policy.record_tree(proposal.source, accepted - chain)
-            s.stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
-            s.stats.tree_rounds += 1
+            s.stats.record_round(proposal.source, proposal.chain, accepted, len(tokens), draft_s, verify_s)
+            s.stats.tree_rounds += 1  # (drafted counts the chain: its acceptance compares with chain rounds')
             s.stats.tree_alternatives_kept += accepted - chain
             return tokens, None, Origin(proposal.source, accepted, k)
         tokens, accepted, scores = self._verify(s, proposal, logits, work.masks)
@@ -385,7 +389,7 @@ class Engine:
         else:
             self.policy.record_round(proposal.source, k, accepted, draft_s - proposal.catch_up_s, verify_s,
                                      proposal.catch_up_s)
-            if s.drafter.trees and self._trees(s, batched):
+            if self._trees(s, batched):
                 self.policy.record_tree(proposal.source, None)  # a chain round where a tree could have run
         s.stats.record_round(proposal.source, k, accepted, len(tokens), draft_s, verify_s)
         return tokens, scores, Origin(proposal.source, accepted, k)

@@ -50,12 +50,14 @@ def test_each_row_of_a_tree_pass_is_its_paths_own_bit_for_bit(tmp_path, name):
     with torch.inference_mode():
         tree = KVCache.for_model(model, 64)
         tree.keep_hidden(model.cfg.dim)
+        tree.keep_features([0, model.cfg.n_layers - 1], model.cfg.dim)
         model(torch.tensor([prompt]), tree)
         start = tree.length
         logits = lm.forward_tree(torch.tensor(TOKENS), DEPTHS, 4, tree)
         assert tree.length == start + len(TOKENS)
         alone = KVCache.for_model(model, 64)
         alone.keep_hidden(model.cfg.dim)
+        alone.keep_features([0, model.cfg.n_layers - 1], model.cfg.dim)
         model(torch.tensor([prompt]), alone)
         want = model(torch.tensor([TOKENS[:4]]), alone)[0]
         assert torch.equal(logits[:4], want)
@@ -71,7 +73,32 @@ def test_each_row_of_a_tree_pass_is_its_paths_own_bit_for_bit(tmp_path, name):
         n = alone.length
         assert tree.length == n
         assert all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(tree.tensors(), alone.tensors()))
-        assert torch.equal(tree.hidden[:n], alone.hidden[:n])
+        assert torch.equal(tree.hidden[:n], alone.hidden[:n]) and torch.equal(tree.features[:n], alone.features[:n])
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_tree_pass_on_the_cpu_kernels_is_each_paths_own(tmp_path, weights):
+    """On quickdraft's kernels, where a chain pass runs each decoder layer as one fused call and a tree pass runs the
+    layers module by module: every row still bit for bit its path's own pass."""
+    import dataclasses
+
+    hf = tiny_hf_model("qwen2", seed=3, vocab=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2)
+    lm = load_model(str(save_hf_dir(hf, tmp_path / "m")), dataclasses.replace(BF16, weights=weights), False)
+    if lm.plan.get("fused_layers", 0) == 0:
+        pytest.skip(f"quickdraft's fused kernels do not run here: {lm.plan}")
+    prompt = [(7 * i + 3) % 500 + 3 for i in range(20)]
+    with torch.inference_mode():
+        tree, alone = KVCache.for_model(lm.model, 64), KVCache.for_model(lm.model, 64)
+        for cache in (tree, alone):
+            lm.forward(torch.tensor([prompt]), cache)
+        start = tree.length
+        logits = lm.forward_tree(torch.tensor(TOKENS), DEPTHS, 4, tree)
+        for row in range(len(TOKENS)):
+            alone.rollback(start)
+            path = _path(row)
+            want = lm.forward(torch.tensor([[TOKENS[r] for r in path]]), alone)[0, -1]
+            assert torch.equal(logits[row], want), row
 
 
 def test_the_tree_walks():
@@ -198,10 +225,29 @@ def test_a_dflash_drafter_proposes_trees(tmp_path):
         assert ours == plain and final.stats.tree_rounds > 0
 
 
-def test_trees_stay_off_where_they_cannot_be_exact_here(pair):
-    """A constraint, log-probabilities or a batch of several sequences verify chains."""
+def test_trees_stay_off_where_they_are_per_position_of_a_chain(pair):
+    """Log-probabilities, and sequences stepped together in a batch, verify chains (a grammar likewise: _trees)."""
+    from quickdraft.engine import Batch
+
     target, draft = pair
     spec = SpeculationConfig(draft_max=4, adaptive=False, tree=3, p_min=0.0)
-    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0), spec)
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0), spec, slots=3)
     _, final = run(engine, SamplingParams(max_tokens=20, stop_at_eos=False, logprobs=2), PROMPT)
     assert final.stats.tree_rounds == 0 and final.stats.rounds > 0
+    params = SamplingParams(max_tokens=12, stop_at_eos=False)
+    together = Batch(engine, 2).run([dict(prompt=PROMPT, params=params), dict(prompt=PROMPT[::-1], params=params)])
+    alone = [run(engine, params, prompt)[0] for prompt in (PROMPT, PROMPT[::-1])]
+    assert [[e.token for e in events if e.token is not None] for events in together] == alone
+
+
+def test_a_tree_near_the_end_of_the_context_fits_it(pair):
+    """The alternatives' rows are bounded by the room the cache has left: generating up to the context's end with
+    trees of 3 gives plain decoding's tokens."""
+    target, draft = pair
+    context = len(PROMPT) + 12
+    spec = SpeculationConfig(draft_max=4, adaptive=False, tree=3, p_min=0.0)
+    params = SamplingParams(max_tokens=12, stop_at_eos=False)
+    plain, _ = run(Engine(target, context), params)
+    ours, final = run(Engine(target, context, DraftModelDrafter(draft, target.config.vocab_size, context, 0.0), spec),
+                      params)
+    assert ours == plain and final.stats.tree_rounds > 0

@@ -318,7 +318,10 @@ class DFlash(nn.Module):
         start = cache.length
         if start + C + B > cache.capacity:
             raise ValueError(f"positions up to {start + C + B} exceed the drafter's context of {cache.capacity}")
-        context = self.hidden_norm(self.fc(features.to(self.dtype)[None]))
+        if C:
+            context = self.hidden_norm(self.fc(features.to(self.dtype)[None]))
+        else:  # every context row is in the cache already (a prompt resent whole)
+            context = embedded.new_zeros(1, 0, self.cfg.dim).to(self.dtype)
         cos, sin = self.rope_cos[start:start + C + B], self.rope_sin[start:start + C + B]
         x = embedded.to(self.dtype)[None]
         for i, layer in enumerate(self.layers):
@@ -383,13 +386,14 @@ def _our_name(name: str) -> str:
     return name.replace(".self_attn.", ".").replace(".mlp.", ".")
 
 
-def weight_bytes(path: Path) -> int:
-    """Bytes of the drafter's weights in bf16 (from the safetensors headers: nothing else is read)."""
+def weight_bytes(path: Path, element: int = 2) -> int:
+    """Bytes of the drafter's weights at `element` bytes each (from the safetensors headers: nothing else is
+    read)."""
     from safetensors import safe_open
 
     total = 0
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), "pt") as opened:
             for name in opened.keys():
-                total += 2 * math.prod(opened.get_slice(name).get_shape())
+                total += element * math.prod(opened.get_slice(name).get_shape())
     return total

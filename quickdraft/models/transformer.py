@@ -709,10 +709,10 @@ class Transformer(Decoder):
         logits = self.head(x[torch.cat(wanted).to(x.device)][None])[0]
         return list(logits.split([len(w) for w in wanted]))
 
-    def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain: int, cache: KVCache) -> torch.Tensor:
-        """A tree's verification pass (tokens (S,)): rows 0 .. chain - 1 a chain from the pending token on (row i at
-        position cache.length + i), each further row a leaf whose parent is chain row depths[row] - 1 (at position
-        cache.length + depths[row]). Every row is computed as a pass over its own path would compute it (the chain's
+    def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain_rows: int, cache: KVCache) -> torch.Tensor:
+        """A tree's verification pass (tokens (S,)): rows 0 .. chain_rows - 1 a chain from the pending token on (row
+        i at position cache.length + i), each further row a leaf whose parent is chain row depths[row] - 1 (at
+        position cache.length + depths[row]). Every row is computed as a pass over its own path would compute it (the chain's
         as a chain pass, a leaf's as a one-row step after its parent: TreeRows), so its logits are bit for bit those.
         Writes every row's keys and values (the leaves' after the chain's) and advances cache.length by S; the caller
         keeps a path with TreeRows.commit. Returns float32 logits (S, V)."""
@@ -724,7 +724,7 @@ class Transformer(Decoder):
             raise ValueError(f"positions up to {start + S} exceed the context of {cache.capacity}")
         positions = torch.tensor([start + d for d in depths], device=tokens.device)
         rotary = {kind: tuple(t[positions] for t in self._tables(kind)) for kind in self.kinds}
-        logits = self._run(tokens[None], rotary, TreeRows(cache, depths, chain), dict.fromkeys(self.kinds), False)
+        logits = self._run(tokens[None], rotary, TreeRows(cache, depths, chain_rows), dict.fromkeys(self.kinds), False)
         cache.length = start + S
         return logits[0]
 

@@ -235,8 +235,8 @@ class TreeRows:
     keys and values are put in the slot of the chain row at its depth for its own row's attention, then put back.
     `commit` keeps one path: the chain up to a depth, or a leaf after the chain rows before it."""
 
-    def __init__(self, cache: KVCache, depths: list[int], chain: int):
-        self.cache, self.depths, self.chain = cache, depths, chain
+    def __init__(self, cache: KVCache, depths: list[int], chain_rows: int):
+        self.cache, self.depths, self.chain_rows = cache, depths, chain_rows
 
     @property
     def length(self) -> int:
@@ -264,7 +264,7 @@ class TreeRows:
 
     def attend(self, attention, q, k, v, layer: int) -> torch.Tensor:
         """The rows' attention (B, H, S, D) for one layer (attention: the layer's Attention module)."""
-        c, C, S = self.cache, self.chain, q.shape[2]
+        c, C, S = self.cache, self.chain_rows, q.shape[2]
         start = c.length
         if k is not None:
             c.write(layer, k, v)  # every row's, at [start, start + S)

@@ -277,7 +277,9 @@ def for_load(target: str, draft, engine, capacity: int | None = None, free: int 
 
         path = Path(draft.model).expanduser()
         draft_cfg = dflash.read_config(path)
-        out.items.insert(at, Item("draft weights", dflash.weight_bytes(path), f"{path.name}, at most bf16"))
+        size = torch.empty(0, dtype=dtype).element_size()
+        out.items.insert(at, Item("draft weights", dflash.weight_bytes(path, size),
+                                  f"{path.name}, at most {str(dtype).removeprefix('torch.')}"))
         at += 1
     own = drafter.planned_cache(specs[0].cfg, draft_cfg, context) if drafter is not None else None
     if own is not None:

@@ -29,6 +29,10 @@ from quickdraft.speculative.base import Offer, Proposal
 from quickdraft.speculative.draft_model import DraftModelDrafter
 
 is_dflash = model_dflash.is_dflash
+# DFlash2's tokens outside a position's candidates score this far below the lowest candidate: at any temperature a
+# sampler short of 1e3 never draws them (the reference's selector cannot), yet a grammar that allows none of the
+# candidates still leaves finite scores to draft from
+OUTSIDE = 1e5
 
 
 class DFlashModel:
@@ -100,8 +104,12 @@ class DFlashDrafter(DraftModelDrafter):
         return self.drafter.config.block_size
 
     def attach(self, cache: KVCache) -> None:
-        cache.keep_features(list(self.drafter.config.target_layers), self.target.config.dim)
+        self._keep(cache)
         self.target_cache = cache
+
+    def _keep(self, cache: KVCache) -> None:
+        """Have `cache` keep the outputs of the target layers the drafter reads."""
+        cache.keep_features(list(self.drafter.config.target_layers), self.target.config.dim)
 
     def adopt(self, other: "DFlashDrafter", n: int) -> None:
         """Its context row p is the target's hidden states at p: those of the first n tokens are other's."""
@@ -130,8 +138,9 @@ class DFlashDrafter(DraftModelDrafter):
         committed = len(seq) - 1  # the target has run positions 0 .. committed - 1; seq[committed] is pending
         if k <= 0 or committed < 1:
             return Proposal([], "dflash")
-        self.cache.rollback(min(self.cache.length, common_prefix(self.seen, seq), committed))
-        self.seen = list(seq)
+        same = len(seq) if self.seen is seq else common_prefix(self.seen, seq)  # (the engine's list only grows)
+        self.cache.rollback(min(self.cache.length, same, committed))
+        self.seen = seq
         self._block(seq[-1], committed)
         tokens, q_rows = [], []
         self.dists = [] if branches is not None and constraint is None else None
@@ -144,13 +153,9 @@ class DFlashDrafter(DraftModelDrafter):
 
     def _block(self, pending: int, committed: int) -> None:
         """The drafting pass: the context rows up to `committed` taken in, the block from the pending token on."""
-        cfg = self.drafter.config
         start = self.cache.length
-        ids = torch.tensor([pending] + [cfg.mask_token] * (cfg.block_size - 1), device=self.device)
-        embedded = self.target.model.tok_embeddings(ids)
-        if cfg.embedding_scale != 1.0:
-            embedded = embedded * cfg.embedding_scale
-        hidden = self.drafter.model.block(self.target_cache.features[start:committed], embedded, self.cache)[1:]
+        hidden = self.drafter.model.block(self.target_cache.features[start:committed], self._embedded(pending),
+                                          self.cache)[1:]
         self.logits = self._head(hidden)
         selector = self.drafter.model.candidate_selector
         self.selection = selector.candidates(hidden, self.logits) if selector is not None else None
@@ -169,16 +174,17 @@ class DFlashDrafter(DraftModelDrafter):
 
     def _logits(self, feed) -> torch.Tensor:
         """The next guess's logits (V,): the block's row for DFlash; DFlash2's selector scores of its candidates
-        after the token fed (the pending one first, then each drawn), every other token -inf."""
+        after the token fed (the pending one first, then each drawn), every other token OUTSIDE below the lowest
+        candidate (finite, so that a grammar that allows none of the candidates still leaves something to draft)."""
         i = self.position
         self.position += 1
         if self.selection is None:
             return self.logits[i].clone()
         unary, candidates, projected = self.selection
         previous = self._ids(feed)[0, -1]
-        scores = self.drafter.model.candidate_selector.scores(unary, candidates, projected, i, previous)
-        out = torch.full((self.target_vocab,), float("-inf"), device=scores.device)
-        return out.scatter_(0, candidates[i], scores.float())
+        scores = self.drafter.model.candidate_selector.scores(unary, candidates, projected, i, previous).float()
+        out = (scores.min() - OUTSIDE).expand(self.target_vocab).clone()  # (no read-back: a GPU round stays queued)
+        return out.scatter_(0, candidates[i], scores)
 
     # ---- self-description ---------------------------------------------------------------------------------
 
@@ -196,8 +202,9 @@ class DFlashDrafter(DraftModelDrafter):
         states of the layers it reads, in bf16."""
         kv = draft_cfg.n_layers * 2 * draft_cfg.n_kv_heads * draft_cfg.head_dim * 2
         features = len(draft_cfg.target_layers) * target_cfg.dim * 2
-        return context * (kv + features), (f"{context} positions: its keys and values, the target's hidden states "
-                                           f"of {len(draft_cfg.target_layers)} layers")
+        return (context + draft_cfg.block_size) * kv + context * features, (
+            f"{context} positions: its keys and values (and a block's), the target's hidden states of "
+            f"{len(draft_cfg.target_layers)} layers")
 
     def cache_bytes(self) -> int:
         features = self.target_cache.features if self.target_cache is not None else None
@@ -224,9 +231,12 @@ class DFlashDrafter(DraftModelDrafter):
         return median_seconds(one, self.device, reps, lambda: cache.rollback(n - 1))
 
     def _embedded(self, pending: int) -> torch.Tensor:
+        """The block's input rows: the target's raw embedding of the pending token and of B - 1 mask tokens, times
+        the drafter's input_embedding_scale."""
         cfg = self.drafter.config
         ids = torch.tensor([pending] + [cfg.mask_token] * (cfg.block_size - 1), device=self.device)
-        return self.target.model.tok_embeddings(ids) * cfg.embedding_scale
+        embedded = self.target.model.tok_embeddings(ids)
+        return embedded * cfg.embedding_scale if cfg.embedding_scale != 1.0 else embedded
 
     @torch.inference_mode()
     def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
@@ -234,7 +244,7 @@ class DFlashDrafter(DraftModelDrafter):
         position t the block a round would draft there, counting how many of its guesses the output has."""
         seq = prompt + output
         target = KVCache.for_model(self.target.model, len(seq))
-        self.attach_to(target)
+        self._keep(target)
         self.target.model(torch.tensor([seq[:-1]], device=self.device), target)
         cache = KVCache(self.drafter.model.kv_layout(), len(seq) + self.block_size, dtype=self.drafter.model.dtype,
                         device=self.device)
@@ -256,9 +266,6 @@ class DFlashDrafter(DraftModelDrafter):
         finally:
             self.target_cache, self.cache = saved
         return out
-
-    def attach_to(self, cache: KVCache) -> None:
-        cache.keep_features(list(self.drafter.config.target_layers), self.target.config.dim)
 
     @staticmethod
     def replay_round(source: str, drafted: int, stopped_early: bool, kept: int, behind: int) -> tuple[int, int]:

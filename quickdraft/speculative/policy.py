@@ -76,6 +76,7 @@ class AdaptivePolicy:
         self.t_tree: dict[int, float] = {}
         self.tree_gain: dict[str, float] = {}
         self.since_tree: dict[str, int] = {}
+        self.since_chain: dict[str, int] = {}  # tree rounds since the source's last chain round
 
     def begin(self) -> None:
         """A new generation: its text may draft better or worse than the last one's, so probing starts over at
@@ -160,26 +161,42 @@ class AdaptivePolicy:
         chain round."""
         if kept is None:
             self.since_tree[source] = self.since_tree.get(source, 0) + 1
+            self.since_chain[source] = 0
             return
         self.since_tree[source] = 0
+        self.since_chain[source] = self.since_chain.get(source, 0) + 1
         old = self.tree_gain.get(source)
         self.tree_gain[source] = float(kept) if old is None else _ema(old, float(kept), TREE_EMA)
 
     def branches(self, source: str, k: int, cfg: SpeculationConfig | None = None) -> int:
         """Candidates at the chain's least sure position (1: a chain alone) for a round of k drafts: cfg.tree where
         a tree measures faster than the chain, E[L](k) + the alternatives' kept share over the tree pass, and while
-        a tree has not been measured lately (one round in TREE_PROBE after chains)."""
+        a tree has not been measured lately (one round in TREE_PROBE after chains); a chain again after TREE_PROBE
+        tree rounds, so that the chain's own cost stays measured."""
         cfg = cfg or self.cfg
         if cfg.tree <= 1 or k < 1:
             return 1
-        gain = self.tree_gain.get(source)
-        if not cfg.adaptive or gain is None or self.since_tree.get(source, 0) >= TREE_PROBE or self.t_plain is None:
+        if not cfg.adaptive:
             return cfg.tree
-        rows = k + cfg.tree - 1
-        tree_s = self.t_tree.get(rows) or self.verify_seconds(rows)
+        if self.since_chain.get(source, 0) >= TREE_PROBE:
+            return 1
+        gain = self.tree_gain.get(source)
+        if gain is None or self.since_tree.get(source, 0) >= TREE_PROBE or self.t_plain is None:
+            return cfg.tree
+        tree_s = self.tree_seconds(k + cfg.tree - 1)
         cost = self.draft_seconds(source, k) + self.t_catch_up.get(source, 0.0)
         tree_rate = (self.expected_length(source, k) + gain) / (tree_s + cost)
         return cfg.tree if tree_rate > self.predicted_rate(source, k) else 1
+
+    def tree_seconds(self, rows: int) -> float:
+        """A tree pass of `rows` drafted rows: measured, else the nearest measured tree's scaled by the chain's
+        verification cost between the two row counts, else a chain pass's of as many rows."""
+        if rows in self.t_tree:
+            return self.t_tree[rows]
+        if self.t_tree:
+            near = min(self.t_tree, key=lambda n: abs(n - rows))
+            return self.t_tree[near] * self.verify_seconds(rows) / max(self.verify_seconds(near), 1e-9)
+        return self.verify_seconds(rows)
 
     def _record_acceptance(self, source: str, drafted: int, accepted: int) -> None:
         count_round(self.tried.setdefault(source, []), self.accepted.setdefault(source, []), drafted, accepted)
@@ -302,7 +319,8 @@ class AdaptivePolicy:
         return {
             "t_plain_s": self.t_plain,
             "v": {k: t / t1 for k, t in sorted(self.t_verify.items())} if t1 else {},
-            "r": {s: t / t1 for s, t in self.t_draft.items()} if t1 else {},
+            "r": {s: t / t1 for s, t in self.t_draft.items()} if t1 else {},  # per round for per_round's sources
+            "per_round": sorted(self.per_round),
             "catch_up": {s: t / t1 for s, t in self.t_catch_up.items()} if t1 else {},
             "acceptance": {s: self.acceptance(s, len(self.tried[s])) for s in self.tried},
             **({"v_tree": {n: t / t1 for n, t in sorted(self.t_tree.items())} if t1 else {},

@@ -202,7 +202,9 @@ def _speed_model(policy, source: str | None, c: BenchConfig, k_mean: float) -> d
     if source is None or source not in policy.t_draft:
         return {}
     k = c.k if c.k is not None else max(1, round(k_mean))
-    return {"source": source, "k": k, "t_verify_s": dict(policy.t_verify), "t_draft_s": policy.t_draft[source],
+    # t_draft_s: a drafted token's share (a block drafter's round costs one pass whatever k: policy.draft_seconds)
+    return {"source": source, "k": k, "t_verify_s": dict(policy.t_verify),
+            "t_draft_s": policy.draft_seconds(source, k) / k,
             "t_catch_up_s": policy.t_catch_up.get(source, 0.0),
             "expected_tokens_per_round": policy.expected_length(source, k),
             "acceptance": policy.acceptance(source, k)}

@@ -108,7 +108,8 @@ def _dflash(engine: str, profile: dict, notes: list[str], model: str, k: int, ta
         notes.append("vLLM's dflash method: vLLM 0.20 and later")
         config = {"method": "dflash", "model": model, "num_speculative_tokens": k}
         return _comment(notes) + "\nvllm serve " + shlex.join([target, "--speculative-config", json.dumps(config)])
-    flags = ["--model-path", target, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model]
+    flags = ["--model-path", target, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model,
+             "--speculative-num-draft-tokens", str(k + 1)]
     return _comment(notes) + "\npython -m sglang.launch_server " + shlex.join(flags)
 
 

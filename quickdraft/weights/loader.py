@@ -74,11 +74,11 @@ class LoadedModel:
         row-wise kernels, no recurrent layers (a CUDA pass's shape decides its arithmetic: not checked there)."""
         return self.rows is None and isinstance(self.model, Transformer) and not self.model.hybrid
 
-    def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain: int, cache) -> torch.Tensor:
+    def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain_rows: int, cache) -> torch.Tensor:
         """A tree's verification pass (Transformer.forward_tree): logits (S, V) of its rows."""
         if not self.trees:
             raise ValueError(f"{self.name}: tree verification runs on the CPU, on a model without recurrent layers")
-        return self.model.forward_tree(tokens, depths, chain, cache)
+        return self.model.forward_tree(tokens, depths, chain_rows, cache)
 
     def prefill(self, tokens: torch.Tensor, cache, head=None) -> torch.Tensor:
         """Run tokens (1, S) in passes of at most `chunk` tokens: the logits (1, 1, V) of the last. Every row goes

@@ -122,6 +122,19 @@ def test_greedy_speculative_equals_plain(target_dir, assistant_dir, spec):
     assert final.stats.rounds > 0 and final.stats.draft_n > 0 and "assistant" in final.stats.sources
 
 
+def test_trees_of_the_assistants_candidates_equal_plain(target_dir, assistant_dir):
+    """--draft-tree: the assistant's chain with alternatives at its least sure position, greedy and seeded."""
+    _, tdir = target_dir
+    _, adir = assistant_dir
+    target = load_model(str(tdir), BF16, progress=False)
+    spec = SpeculationConfig(draft_max=4, adaptive=False, tree=3, p_min=0.0)
+    for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
+                   SamplingParams(temperature=0.9, seed=4, max_tokens=32, stop_at_eos=False)):
+        plain, _ = run(Engine(target, 256), params)
+        ours, final = run(Engine(target, 256, drafter_for(target, adir, BF16, spec), spec), params)
+        assert ours == plain and final.stats.tree_rounds > 0
+
+
 def test_the_memory_plan_counts_what_the_assistant_holds(target_dir, assistant_dir):
     """The plan made before loading against the built drafter: the assistant keeps no cache of its own, it reads the
     target's hidden states (and its weights are counted beside the target's)."""

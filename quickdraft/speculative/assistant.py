@@ -42,7 +42,6 @@ class AssistantDrafter(DraftModelDrafter):
     sources = ("assistant",)
     samples = True
     reads_hidden = True
-    trees = False  # chains: its rounds do not offer alternatives yet
 
     def __init__(self, lm, target, p_min: float = 0.0):
         """lm: the assistant's LoadedModel; target: the LoadedModel it drafts for."""
@@ -93,7 +92,7 @@ class AssistantDrafter(DraftModelDrafter):
         self.first = self.keys = self.hidden = None  # nothing of its own to prefill
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], k_for, params, generator, constraint=None) -> Proposal:
+    def propose(self, seq: list[int], k_for, params, generator, constraint=None, branches=None) -> Proposal:
         if self.target_cache is None or self.target_cache.hidden is None:
             raise QuickdraftError("the assistant reads the target's hidden states: build its engine with it "
                                   "(Engine(target, context, drafter))")
@@ -102,12 +101,13 @@ class AssistantDrafter(DraftModelDrafter):
             return Proposal([], "assistant")
         self.first = committed
         tokens, q_rows = [], []
+        self.dists = [] if branches is not None and constraint is None else None
         try:
             self._draft(seq, k_for("assistant"), [seq[-1]], params, generator, constraint, tokens, q_rows)
         finally:
             if constraint is not None:
                 constraint.pop(len(tokens))
-        return Proposal(tokens, "assistant", torch.stack(q_rows) if q_rows else None)
+        return self._proposal(tokens, q_rows, "assistant", 0.0, branches)
 
     def _logits(self, feed) -> torch.Tensor:
         """One step for the last token fed (a list, or the draft still on the device): the pending token with the

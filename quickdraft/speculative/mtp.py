@@ -30,7 +30,7 @@ class MtpDrafter(DraftModelDrafter):
     sources = ("mtp",)
     samples = True
     reads_hidden = True
-    trees = False  # chains: its rounds do not offer alternatives yet
+    trees = False  # chains: its targets (qwen3.5) have recurrent layers, which tree passes do not run yet
 
     def __init__(self, target, capacity: int, p_min: float = 0.0):
         if target.model.mtp is None:

@@ -347,8 +347,8 @@ class Engine:
 
     def _trees(self, s: Sequence, batched: bool) -> bool:
         """Whether this round may propose a tree (--draft-tree): a sequence alone, its drafter able to, a target
-        whose tree passes are its chain passes bit for bit (the CPU's row-wise kernels, no recurrent layers), no
-        constraint and no log-probabilities asked for (both are per position of a chain)."""
+        whose tree passes are its chain passes bit for bit (the CPU's row-wise kernels), no constraint and no
+        log-probabilities asked for (both are per position of a chain)."""
         return (s.speculation.tree > 1 and not batched and s.drafter.trees and self.target.trees
                 and s.constraint is None and s.params.logprobs is None)
 

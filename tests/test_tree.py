@@ -34,10 +34,16 @@ def _path(row: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "gemma3", "gemma4", "phi3", "qwen3_moe"])
+def _recurrent(cache, n):
+    return [t for s in cache.recurrent for t in (s.ssm, s.conv)] if cache.recurrent else []
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-window", "gemma2", "gemma3", "gemma4", "phi3", "qwen3_moe",
+                                  "qwen3_5", "qwen3_5_moe"])
 def test_each_row_of_a_tree_pass_is_its_paths_own_bit_for_bit(tmp_path, name):
-    """Every row's logits are those of a pass over its path alone (the chain's: a chain pass), and keeping a leaf's
-    path leaves the cache (keys, values, kept hidden states) as that path's pass leaves it."""
+    """Every row's logits are those of a pass over its path alone (the chain's: a chain pass), and keeping a path
+    (a leaf's, or the chain's) leaves the cache (keys, values, kept hidden states, a hybrid's recurrent states) as
+    that path's pass leaves it."""
     if name == "qwen3_moe":
         from tests.test_moe import tiny_moe
 
@@ -66,14 +72,21 @@ def test_each_row_of_a_tree_pass_is_its_paths_own_bit_for_bit(tmp_path, name):
             alone.rollback(start)
             want = model(torch.tensor([[TOKENS[r] for r in path]]), alone)[0, -1]
             assert torch.equal(logits[row], want), (name, row)
-        path = _path(5)
-        TreeRows.commit(tree, start, path)
-        alone.rollback(start)
-        model(torch.tensor([[TOKENS[r] for r in path]]), alone)
-        n = alone.length
-        assert tree.length == n
-        assert all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(tree.tensors(), alone.tensors()))
-        assert torch.equal(tree.hidden[:n], alone.hidden[:n]) and torch.equal(tree.features[:n], alone.features[:n])
+        for kept in (5, 2):  # a leaf beside the chain's second node; the chain up to its second node
+            tree.rollback(start)
+            lm.forward_tree(torch.tensor(TOKENS), DEPTHS, 4, tree)
+            path = _path(kept)
+            TreeRows.commit(tree, start, path)
+            alone.rollback(start)
+            model(torch.tensor([[TOKENS[r] for r in path]]), alone)
+            n = alone.length
+            assert tree.length == n
+            assert all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(tree.tensors(), alone.tensors()))
+            assert torch.equal(tree.hidden[:n], alone.hidden[:n])
+            assert torch.equal(tree.features[:n], alone.features[:n])
+            assert all(torch.equal(a, b) for a, b in zip(_recurrent(tree, n), _recurrent(alone, n)))
+            follow = torch.tensor([[7, 8]])  # and the next pass from there is the same
+            assert torch.equal(model(follow, tree), model(follow, alone))
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
@@ -206,6 +219,27 @@ def test_sampled_trees_have_the_target_distribution(tmp_path):
     _, dof, p_value = chi_square(counts, exact)
     assert dof >= 3 and p_value > 1e-3, (counts / counts.sum(), exact)
     assert kept > 0
+
+
+def test_hybrid_trees_equal_plain_with_a_draft_model_and_mtp(tmp_path):
+    """A Qwen3.5 target (recurrent layers: a kept alternative's step replayed from the state after its parent): trees
+    from a noisy draft model and from the target's own MTP layers, greedy and seeded, equal plain decoding."""
+    from tests.test_hybrid import tiny_qwen35, with_mtp
+    from quickdraft.speculative.mtp import MtpDrafter
+
+    target = load_model(str(with_mtp(tiny_qwen35(logit_scale=8), tmp_path / "t")), BF16, False)
+    draft = load_model(str(save_hf_dir(add_noise(tiny_qwen35(logit_scale=8), 0.3), tmp_path / "d")), BF16, False)
+    spec = SpeculationConfig(draft_max=4, adaptive=False, tree=3, p_min=0.0)
+    kept = 0
+    for make in (lambda: DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0),
+                 lambda: MtpDrafter(target, 256, 0.0)):
+        for params in (SamplingParams(max_tokens=40, stop_at_eos=False),
+                       SamplingParams(temperature=0.8, seed=6, max_tokens=40, stop_at_eos=False)):
+            plain, _ = run(Engine(target, 256), params)
+            ours, final = run(Engine(target, 256, make(), spec), params)
+            assert ours == plain and final.stats.tree_rounds > 0
+            kept += final.stats.tree_alternatives_kept
+    assert kept > 0  # a kept alternative's recurrent step was replayed
 
 
 def test_a_dflash_drafter_proposes_trees(tmp_path):

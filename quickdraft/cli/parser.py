@@ -72,7 +72,7 @@ def _speculation_args(parser: argparse.ArgumentParser) -> None:
                    help="tree verification: beside a draft model's, DFlash drafter's or assistant's chain, up to B "
                         "candidates at the position it is least sure of, verified in the same target pass (exact at "
                         "any temperature); the policy uses the tree only while it measures faster than the chain; "
-                        "CPU targets without recurrent layers (1: chains alone; default: %(default)s)")
+                        "on the CPU (1: chains alone; default: %(default)s)")
     s.add_argument("--fixed-k", action="store_true",
                    help="always draft --draft-max tokens instead of choosing k by measurement")
     s.add_argument("--profile", type=Path, default=None, metavar="FILE",

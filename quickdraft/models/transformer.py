@@ -296,6 +296,8 @@ class GatedDeltaNet(nn.Module):
         if isinstance(cache, Segments):  # each sequence's rows through its own recurrent state
             out = torch.cat([self._mix(*parts, c.states[layer], c.length, None) for *parts, c in
                              zip(cache.split(mixed, 1), cache.split(b, 1), cache.split(a, 1), cache.caches)], dim=2)
+        elif isinstance(cache, TreeRows):  # the chain through the state, each leaf from the state after its parent
+            out = cache.mix(self, mixed, b, a, layer)
         else:
             out = self._mix(mixed, b, a, cache.states[layer], cache.length, rows)
         out = out.transpose(1, 2)  # (B, S, Hv, Dv)
@@ -717,15 +719,17 @@ class Transformer(Decoder):
         Writes every row's keys and values (the leaves' after the chain's) and advances cache.length by S; the caller
         keeps a path with TreeRows.commit. Returns float32 logits (S, V)."""
         S = tokens.shape[0]
-        if S > ROWWISE_MAX or self.hybrid:
-            raise ValueError("a tree's pass takes at most ROWWISE_MAX rows, on a model without recurrent layers")
+        if S > ROWWISE_MAX:
+            raise ValueError(f"a tree's pass takes at most {ROWWISE_MAX} rows, not {S}")
         start = cache.length
         if start + S > min(cache.capacity, self.max_context):
             raise ValueError(f"positions up to {start + S} exceed the context of {cache.capacity}")
         positions = torch.tensor([start + d for d in depths], device=tokens.device)
         rotary = {kind: tuple(t[positions] for t in self._tables(kind)) for kind in self.kinds}
-        logits = self._run(tokens[None], rotary, TreeRows(cache, depths, chain_rows), dict.fromkeys(self.kinds), False)
+        rows = TreeRows(cache, depths, chain_rows)
+        logits = self._run(tokens[None], rotary, rows, dict.fromkeys(self.kinds), False)
         cache.length = start + S
+        cache.tree = rows  # what TreeRows.commit replays of a kept leaf (a recurrent layer's step)
         return logits[0]
 
     def forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, span: int,

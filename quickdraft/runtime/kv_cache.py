@@ -96,6 +96,7 @@ class KVCache:
                        for s in (states or [])]
         self.hidden: torch.Tensor | None = None  # (capacity, dim): every position's final hidden state (keep_hidden)
         self.features: torch.Tensor | None = None  # (capacity, n * dim): some layers' outputs (keep_features)
+        self.tree: "TreeRows | None" = None  # the last tree pass over this cache, until its path is committed
         self.feature_layers: dict[int, tuple[int, ...]] = {}  # layer -> its column blocks in features
         self.recurrent = [s for s in self.states if s is not None]
         self.k: list[torch.Tensor] = []
@@ -237,6 +238,7 @@ class TreeRows:
 
     def __init__(self, cache: KVCache, depths: list[int], chain_rows: int):
         self.cache, self.depths, self.chain_rows = cache, depths, chain_rows
+        self.leaves: dict[int, list] = {}  # leaf row -> per recurrent layer (module, layer, its inputs), for commit
 
     @property
     def length(self) -> int:
@@ -284,11 +286,29 @@ class TreeRows:
                 keys[:, :, slot], values[:, :, slot] = kept
         return torch.cat(parts, dim=2)
 
+    def mix(self, layer_module, mixed, b, a, layer: int) -> torch.Tensor:
+        """A recurrent (linear-attention) layer's rows (B, Hv, S, Dv): the chain's through the layer's state, as a
+        chain pass runs them (the state after each kept); each leaf's one step from the state after its parent
+        (kept since the chain ran), computed on a scratch copy that leaves the layer's state as the chain left it.
+        The leaf's inputs are kept: commit replays its step where the leaf is kept."""
+        c, C = self.cache, self.chain_rows
+        state, start = c.states[layer], c.length
+        parts = [layer_module._mix(mixed[:, :C], b[:, :C], a[:, :C], state, start, None)]
+        for r in range(C, mixed.shape[1]):
+            d = self.depths[r]
+            conv, index = state.saved[start + d]
+            rows = (mixed[:, r:r + 1], b[:, r:r + 1], a[:, r:r + 1])
+            parts.append(layer_module._mix(*rows, _Scratch(conv, state.slots[index]), start + d, None))
+            self.leaves.setdefault(r, []).append((layer_module, layer, rows))
+        return torch.cat(parts, dim=2)
+
     @staticmethod
     def commit(cache: KVCache, start: int, path: list[int]) -> None:
         """Keep the rows `path` (row indices of a tree pass that wrote from `start`: the pending token's row 0, then
         one row per depth) as positions start .. start + len(path) - 1: the chain's rows are in place; a leaf's keys
-        and values (and kept hidden states) move to its depth's slot. cache.length becomes start + len(path)."""
+        and values (and kept hidden states) move to its depth's slot, and each recurrent layer takes the leaf's step
+        from the state after its parent. cache.length becomes start + len(path)."""
+        tree, cache.tree = cache.tree, None
         for depth, row in enumerate(path):
             if row == depth:
                 continue
@@ -298,7 +318,35 @@ class TreeRows:
             for kept in (cache.hidden, cache.features):
                 if kept is not None:
                     kept[dst] = kept[src]
+        leaf = path[-1] if path[-1] != len(path) - 1 else None
+        if not cache.recurrent:
+            cache.length = start + len(path)
+            return
+        if leaf is None:  # the chain's own states, kept after each of its rows
+            cache.length = max(cache.length, start + len(path))
+            cache.rollback(start + len(path))
+            return
+        cache.rollback(start + len(path) - 1)  # the state after the leaf's parent, then the leaf's step
+        for module, layer, rows in tree.leaves[leaf]:
+            module._mix(*rows, cache.states[layer], cache.length, None)
         cache.length = start + len(path)
+
+
+class _Scratch:
+    """A recurrent state's stand-in for one step that must not change it (a tree's leaf): it reads the given
+    convolution inputs and matrix, writes the step's matrix into a tensor of its own, and keeps nothing."""
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor):
+        self.conv, self.ssm, self.out = conv, ssm, torch.empty_like(ssm)
+
+    def fresh(self) -> tuple[int, torch.Tensor]:
+        return -1, self.out
+
+    def save(self, position: int, conv: torch.Tensor, index: int) -> None:
+        pass
+
+    def trim(self, length: int) -> None:
+        pass
 
 
 class _Prefix:

@@ -30,7 +30,6 @@ class MtpDrafter(DraftModelDrafter):
     sources = ("mtp",)
     samples = True
     reads_hidden = True
-    trees = False  # chains: its targets (qwen3.5) have recurrent layers, which tree passes do not run yet
 
     def __init__(self, target, capacity: int, p_min: float = 0.0):
         if target.model.mtp is None:
@@ -97,7 +96,7 @@ class MtpDrafter(DraftModelDrafter):
         return self.lm.model.mtp_step(ids, self.target_cache.hidden[start:end][None], self.cache)
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], k_for, params, generator, constraint=None) -> Proposal:
+    def propose(self, seq: list[int], k_for, params, generator, constraint=None, branches=None) -> Proposal:
         if self.target_cache is None or self.target_cache.hidden is None:
             raise QuickdraftError("the mtp drafter reads the target's hidden states: build its engine with it "
                                   "(Engine(target, context, drafter))")
@@ -114,13 +113,14 @@ class MtpDrafter(DraftModelDrafter):
             catch_up_s = time.perf_counter() - t0
         self.chain = (seq, committed)
         tokens, q_rows = [], []
+        self.dists = [] if branches is not None and constraint is None else None
         try:
             self._draft(seq, k, [seq[-1]], params, generator, constraint, tokens, q_rows)
         finally:
             if constraint is not None:
                 constraint.pop(len(tokens))
             self.cache.rollback(min(committed, self.cache.length))  # chained entries rest on the block's own guesses
-        return Proposal(tokens, "mtp", torch.stack(q_rows) if q_rows else None, catch_up_s)
+        return self._proposal(tokens, q_rows, "mtp", catch_up_s, branches)
 
     def _logits(self, feed) -> torch.Tensor:
         """The first call of a round: the pairs not yet seen, up to the pending token; then one chained step for

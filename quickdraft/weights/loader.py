@@ -71,13 +71,13 @@ class LoadedModel:
     @property
     def trees(self) -> bool:
         """Whether its tree passes (forward_tree) are bit for bit its chain passes and plain steps: the CPU's
-        row-wise kernels, no recurrent layers (a CUDA pass's shape decides its arithmetic: not checked there)."""
-        return self.rows is None and isinstance(self.model, Transformer) and not self.model.hybrid
+        row-wise kernels (a CUDA pass's shape decides its arithmetic: not checked there)."""
+        return self.rows is None and isinstance(self.model, Transformer)
 
     def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain_rows: int, cache) -> torch.Tensor:
         """A tree's verification pass (Transformer.forward_tree): logits (S, V) of its rows."""
         if not self.trees:
-            raise ValueError(f"{self.name}: tree verification runs on the CPU, on a model without recurrent layers")
+            raise ValueError(f"{self.name}: tree verification runs on the CPU")
         return self.model.forward_tree(tokens, depths, chain_rows, cache)
 
     def prefill(self, tokens: torch.Tensor, cache, head=None) -> torch.Tensor:

@@ -67,6 +67,25 @@ def test_a_broken_greedy_accept_rule_fails(engine, monkeypatch):
     assert broken and all(c.first_difference is not None for c in broken)
 
 
+def test_trees_pass_and_a_broken_tree_rule_fails(engine, monkeypatch):
+    """With --draft-tree verify checks trees: an exact engine passes; one whose tree rule trusts the first candidate
+    fails the distribution check."""
+    import dataclasses
+
+    trees = Engine(engine.target, 128, engine.drafter, dataclasses.replace(engine.speculation, tree=3))
+    torch.manual_seed(0)
+    report = verify(trees, PROMPTS, 16, 1.0, 4, 400, PROMPTS["a"])
+    assert report.passed, report.to_dict()
+
+    def trust_the_first(p_rows, q_rows, tokens, parents, generator):  # the chain's draft, whatever the target says
+        return [tokens[0], int(torch.multinomial(p_rows[1], 1, generator=generator))], [0, 1]
+
+    monkeypatch.setattr(quickdraft.engine, "accept_tree_sampled", trust_the_first)
+    torch.manual_seed(0)
+    report = verify(trees, PROMPTS, 8, 1.0, 4, 400, PROMPTS["a"])
+    assert not report.distribution.passed and report.distribution.p_value < 1e-3
+
+
 def test_chi_square_pools_rare_categories():
     probs = torch.tensor([0.5, 0.3, 0.19, 0.01], dtype=torch.float64)
     stat, dof, p = chi_square(torch.tensor([50.0, 30, 19, 1], dtype=torch.float64), probs)

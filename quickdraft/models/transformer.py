@@ -711,7 +711,8 @@ class Transformer(Decoder):
         logits = self.head(x[torch.cat(wanted).to(x.device)][None])[0]
         return list(logits.split([len(w) for w in wanted]))
 
-    def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain_rows: int, cache: KVCache) -> torch.Tensor:
+    def forward_tree(self, tokens: torch.Tensor, depths: list[int], chain_rows: int,
+                     cache: KVCache) -> torch.Tensor:
         """A tree's verification pass (tokens (S,)): rows 0 .. chain_rows - 1 a chain from the pending token on (row
         i at position cache.length + i), each further row a leaf whose parent is chain row depths[row] - 1 (at
         position cache.length + depths[row]). Every row is computed as a pass over its own path would compute it (the chain's

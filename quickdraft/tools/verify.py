@@ -131,7 +131,8 @@ def distribution(engine: Engine, prompt: list[int], temperature: float, top_k: i
     exact = exact_second_token(engine.target, prompt, params)
     counts = torch.zeros_like(exact)
     exercised = 0
-    spec = SpeculationConfig(draft_max=1, adaptive=False)
+    # one-token rounds; with --draft-tree, candidates beside it: the tree's rule decides the second token
+    spec = SpeculationConfig(draft_max=1, adaptive=False, tree=engine.speculation.tree, p_min=0.0)
     for _ in range(draws):
         tokens, stats = _tokens(engine, prompt, params, spec)
         counts[tokens[1]] += 1
@@ -171,8 +172,9 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, f
 
 def verify(engine: Engine, prompts: dict[str, list[int]], n: int, temperature: float, top_k: int, draws: int,
            distribution_prompt: list[int], k: int = 4, progress=None) -> VerifyReport:
+    fixed = SpeculationConfig(draft_max=k, adaptive=False, tree=engine.speculation.tree)  # trees where asked for
     greedy = identity(engine, prompts, SamplingParams(max_tokens=n, stop_at_eos=False),
-                      {"adaptive": engine.speculation, f"k={k}": SpeculationConfig(draft_max=k, adaptive=False)}, progress)
+                      {"adaptive": engine.speculation, f"k={k}": fixed}, progress)
     seeded_params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, stop_at_eos=False, seed=7)
     seeded = identity(engine, dict(list(prompts.items())[:2]), seeded_params, {"adaptive, seed 7": engine.speculation},
                       progress)

@@ -100,14 +100,7 @@ class AssistantDrafter(DraftModelDrafter):
         if committed < 1:
             return Proposal([], "assistant")
         self.first = committed
-        tokens, q_rows = [], []
-        self.dists = [] if branches is not None and constraint is None else None
-        try:
-            self._draft(seq, k_for("assistant"), [seq[-1]], params, generator, constraint, tokens, q_rows)
-        finally:
-            if constraint is not None:
-                constraint.pop(len(tokens))
-        return self._proposal(tokens, q_rows, "assistant", 0.0, branches)
+        return self._pending_chain(seq, k_for("assistant"), params, generator, constraint, "assistant", branches)
 
     def _logits(self, feed) -> torch.Tensor:
         """One step for the last token fed (a list, or the draft still on the device): the pending token with the

@@ -142,14 +142,7 @@ class DFlashDrafter(DraftModelDrafter):
         self.cache.rollback(min(self.cache.length, same, committed))
         self.seen = seq
         self._block(seq[-1], committed)
-        tokens, q_rows = [], []
-        self.dists = [] if branches is not None and constraint is None else None
-        try:
-            self._draft(seq, k, [seq[-1]], params, generator, constraint, tokens, q_rows)
-        finally:
-            if constraint is not None:
-                constraint.pop(len(tokens))
-        return self._proposal(tokens, q_rows, "dflash", 0.0, branches)
+        return self._pending_chain(seq, k, params, generator, constraint, "dflash", branches)
 
     def _block(self, pending: int, committed: int) -> None:
         """The drafting pass: the context rows up to `committed` taken in, the block from the pending token on."""

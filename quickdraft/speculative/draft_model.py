@@ -189,6 +189,19 @@ class DraftModelDrafter(Drafter):
                 del self.tokens[kept:]
         return self._proposal(tokens, q_rows, "draft", catch_up_s, branches)
 
+    def _pending_chain(self, seq, k, params, generator, constraint, source: str, branches: Branches | None,
+                       catch_up_s: float = 0.0) -> Proposal:
+        """A round of the drafters built on the target's states (mtp, assistant, dflash): up to k drafts from the
+        pending token on (_draft), the constraint's state left as found, alternatives where a tree is asked for."""
+        tokens, q_rows = [], []
+        self.dists = [] if branches is not None and constraint is None else None
+        try:
+            self._draft(seq, k, [seq[-1]], params, generator, constraint, tokens, q_rows)
+        finally:
+            if constraint is not None:
+                constraint.pop(len(tokens))
+        return self._proposal(tokens, q_rows, source, catch_up_s, branches)
+
     def _proposal(self, tokens: list[int], q_rows: list, source: str, catch_up_s: float = 0.0,
                   branches: Branches | None = None) -> Proposal:
         """The round's proposal: its chain, with alternatives beside it where the engine asks for a tree."""

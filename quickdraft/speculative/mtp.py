@@ -112,15 +112,10 @@ class MtpDrafter(DraftModelDrafter):
             self._pairs(seq, committed - 1)
             catch_up_s = time.perf_counter() - t0
         self.chain = (seq, committed)
-        tokens, q_rows = [], []
-        self.dists = [] if branches is not None and constraint is None else None
         try:
-            self._draft(seq, k, [seq[-1]], params, generator, constraint, tokens, q_rows)
+            return self._pending_chain(seq, k, params, generator, constraint, "mtp", branches, catch_up_s)
         finally:
-            if constraint is not None:
-                constraint.pop(len(tokens))
             self.cache.rollback(min(committed, self.cache.length))  # chained entries rest on the block's own guesses
-        return self._proposal(tokens, q_rows, "mtp", catch_up_s, branches)
 
     def _logits(self, feed) -> torch.Tensor:
         """The first call of a round: the pairs not yet seen, up to the pending token; then one chained step for

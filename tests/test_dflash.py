@@ -353,6 +353,32 @@ def test_recognised_planned_replayed_and_refused(target_dir, drafter_dir, tmp_pa
         build(target, tmp_path, F32)
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_the_tree_replay_matches_the_engine(tmp_path, kind):
+    """tune's replay of trees (each block's chain past its first wrong guess: where its least sure position is, and
+    the rank of the target's token there) runs the rounds the engine runs with --draft-tree 3, over a vocabulary of
+    24 where a random drafter's candidates are often kept."""
+    from quickdraft.tools.tune import Costs, reference, simulate
+
+    hf = tiny_hf_model("qwen3", layers=LAYERS, vocab=24, logit_scale=2)
+    tdir = save_hf_dir(hf, tmp_path / "t")
+    reference_drafter(kind, hf.config).save_pretrained(tmp_path / "d")
+    target = load_model(str(tdir), F32, progress=False)
+    prompt, k, n = [1, 5, 9, 3, 7, 2], 2, 60
+    outputs, _ = reference(target, {"p": prompt}, n)
+    spec = SpeculationConfig(draft_max=k, adaptive=False, p_min=0.0, tree=3)
+    events = list(Engine(target, 256, build(target, tmp_path / "d", F32, spec), spec).generate(
+        prompt, SamplingParams(max_tokens=n, stop_at_eos=False)))
+    assert [e.token for e in events if e.token is not None] == outputs["p"]
+    stats = events[-1].stats
+    replayed = build(target, tmp_path / "d", F32, spec)
+    costs = Costs(1.0, {i: 1.0 for i in range(1, k + 1)}, 0.0, 0.0, {3: {i: 1.0 for i in range(1, k + 1)}})
+    sim = simulate(replayed.offers(prompt, outputs["p"], k), k, costs, replayed.replay_round, width=3)
+    assert stats.tree_rounds >= 3 and stats.tree_alternatives_kept > 0
+    assert (sim["rounds"], sim["plain"], sim["trees"], sim["alternatives"]) == \
+        (stats.rounds, stats.plain_steps, stats.tree_rounds, stats.tree_alternatives_kept)
+
+
 def test_tune_ranks_the_drafter_and_exports_its_flags(target_dir, drafter_dir):
     """tune measures the DFlash drafter beside n-gram lookup by replaying its blocks over the target's output, and a
     profile that picks it exports each engine's DFlash method."""
@@ -369,7 +395,8 @@ def test_tune_ranks_the_drafter_and_exports_its_flags(target_dir, drafter_dir):
     prompts = {"a": PROMPT, "b": PROMPT[::-1]}
     profile = tune.run(llm, [Draft.parse(str(path)), Draft.parse("ngram")], prompts, 4, 0.0, 16,
                        log=lambda message: None, vocab=0)
-    (measured,) = [c for c in profile["candidates"] if c["name"] == str(path)]
+    (measured,) = [c for c in profile["candidates"] if c["name"] == str(path) and c["tree"] == 1]
+    assert [c["tree"] for c in profile["candidates"] if c["name"] == str(path)] == [1, 2, 3]  # and as trees
     assert len(measured["acceptance"]) == 4 and measured["r"] > 0 and measured["best_k"] in range(1, 5)
     assert profile["draft_kind"] == {str(path): "dflash", "ngram": "ngram", "none": "none"}[profile["draft"]]
     chosen = {**profile, "draft": str(path), "draft_kind": "dflash", "draft_max": 5}

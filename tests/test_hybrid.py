@@ -285,6 +285,26 @@ def test_mtp_greedy_speculative_equals_plain(mtp_target, spec, ngram):
     assert final.stats.rounds > 0 and final.stats.draft_n > 0 and "mtp" in final.stats.sources
 
 
+def test_the_mtp_tree_replay_matches_the_engine(mtp_target):
+    """tune's replay of the MTP layers' rounds as trees (--draft-tree 3; their chain past its first wrong guess says
+    where the candidates go) runs the rounds the engine runs on the hybrid target."""
+    from quickdraft.tools.tune import Costs, reference, simulate
+
+    k, n = 3, 48
+    outputs, _ = reference(mtp_target, {"p": PROMPT}, n)
+    spec = SpeculationConfig(draft_max=k, adaptive=False, p_min=0.0, tree=3)
+    events = list(Engine(mtp_target, 256, mtp_drafter(mtp_target, spec), spec).generate(
+        PROMPT, SamplingParams(max_tokens=n, stop_at_eos=False)))
+    assert [e.token for e in events if e.token is not None] == outputs["p"]
+    stats = events[-1].stats
+    replayed = mtp_drafter(mtp_target, spec)
+    costs = Costs(1.0, {i: 1.0 for i in range(1, k + 1)}, 0.0, 0.0, {3: {i: 1.0 for i in range(1, k + 1)}})
+    sim = simulate(replayed.offers(PROMPT, outputs["p"], k), k, costs, replayed.replay_round, width=3)
+    assert stats.tree_rounds >= 3 and stats.draft_n_accepted > 0
+    assert (sim["rounds"], sim["plain"], sim["trees"], sim["alternatives"]) == \
+        (stats.rounds, stats.plain_steps, stats.tree_rounds, stats.tree_alternatives_kept)
+
+
 def test_the_memory_plan_counts_what_the_mtp_drafter_holds(mtp_target):
     """The plan made before loading (the drafter's kind states its caches) against the caches the built drafter
     holds after a generation: the MTP layer's keys and values and the target's hidden states."""

@@ -57,6 +57,34 @@ def test_the_replay_matches_the_engine(models, kind, p_min):
         assert {1, 2} <= set(stats.k_history)
 
 
+@pytest.mark.parametrize("kind,p_min", [("draft", 0.0), ("draft", 0.15), ("combined", 0.0)])
+def test_the_tree_replay_matches_the_engine(models, kind, p_min):
+    """Trees replayed over the plain output (--draft-tree 3) are the rounds the engine runs: where each tree puts its
+    candidates (the chain's least sure position, judged past its first wrong guess too), which rounds keep one, and
+    where the draft stops early."""
+    target, draft = models
+    k, n = 4, 64
+    outputs, _ = reference(target, {"p": PROMPT}, n)
+    engine = Engine(target, 256, drafter(kind, target, draft, p_min),
+                    SpeculationConfig(draft_max=k, adaptive=False, tree=3))
+    events = list(engine.generate(PROMPT, SamplingParams(max_tokens=n, stop_at_eos=False)))
+    assert [e.token for e in events if e.token is not None] == outputs["p"]
+    stats = events[-1].stats
+    replayed = drafter(kind, target, draft, p_min)
+    costs = Costs(1.0, {i: 1.0 for i in range(1, k + 1)}, 0.0, 0.0, {3: {i: 1.0 for i in range(1, k + 1)}})
+    sim = simulate(replayed.offers(PROMPT, outputs["p"], k), k, costs, replayed.replay_round, width=3)
+    assert stats.tree_rounds >= 3 and stats.tree_alternatives_kept > 0  # the case the replay must get right
+    assert (sim["rounds"], sim["plain"], sim["trees"], sim["alternatives"]) == \
+        (stats.rounds, stats.plain_steps, stats.tree_rounds, stats.tree_alternatives_kept)
+    # (the engine counts a kept candidate as its depth's acceptance; tune's acceptance is the chain's)
+    assert sim["tried"] == pad(stats.position_tried, k)
+    assert sum(sim["kept"]) + sim["alternatives"] == sum(stats.position_accepted)
+    chain = simulate(replayed.offers(PROMPT, outputs["p"], k), k, costs, replayed.replay_round)
+    assert chain["trees"] == chain["alternatives"] == 0
+    if p_min:  # unsure, the draft stopped early in some rounds (the replay said where, past wrong guesses too)
+        assert min(stats.k_history) < k
+
+
 def pad(counts: list[int], k: int) -> list[int]:
     return counts + [0] * (k - len(counts))
 
@@ -97,9 +125,12 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
     p = json.loads(profile.read_text())
     assert set(p) >= {"version", "target", "draft", "draft_max", "predicted_speedup", "measured_speedup",
                       "v", "candidates", "checked"}
-    # the draft model measured with its whole head and with it cut to 64 of its 320 ids
-    assert [(c["name"], c["vocab"]) for c in p["candidates"]] == [(str(path), 0), (str(path), 64), ("ngram", 0)]
-    assert "vocab=64" in r.stdout
+    # the draft model measured with its whole head and with it cut to 64 of its 320 ids, each as a chain and as trees
+    # of 2 and 3 candidates (tune's --draft-tree 3), from the same replay and the target's measured tree passes
+    assert [(c["name"], c["vocab"], c["tree"]) for c in p["candidates"]] == \
+        [(str(path), 0, 1), (str(path), 0, 2), (str(path), 0, 3), (str(path), 64, 1), (str(path), 64, 2),
+         (str(path), 64, 3), ("ngram", 0, 1)]
+    assert "vocab=64" in r.stdout and "tree=3" in r.stdout and set(p["v_tree"]) == {"2", "3"}
     assert all(len(c["acceptance"]) == 4 and c["best_k"] in range(1, 5) for c in p["candidates"])
     # every candidate but the winner (the best one when nothing beats plain decoding) says why it lost
     assert sum(not c["why_not"] for c in p["candidates"]) == 1 and p["candidates"][0]["r"] > 0
@@ -111,12 +142,12 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
         assert (p["draft"], p["draft_vocab"], p["checked"]) == ("none", 0, [])
     else:
         top = [c for c in ranked if c["best_speedup"] >= 0.85 * ranked[0]["best_speedup"]][:3]
-        assert [(x["candidate"], x["vocab"], x["predicted"]) for x in p["checked"]] == \
-            [(c["name"], c["vocab"], c["best_speedup"]) for c in top]
+        assert [(x["candidate"], x["vocab"], x["tree"], x["predicted"]) for x in p["checked"]] == \
+            [(c["name"], c["vocab"], c["tree"], c["best_speedup"]) for c in top]
         pick, fastest = p["checked"][0], max(p["checked"], key=lambda x: x["measured"])
         pick = fastest if fastest["measured"] > SWITCH * pick["measured"] else pick
-        assert (p["draft"], p["draft_vocab"], p["measured_speedup"]) == (pick["candidate"], pick["vocab"],
-                                                                         pick["measured"])
+        assert (p["draft"], p["draft_vocab"], p["draft_tree"], p["measured_speedup"]) == \
+            (pick["candidate"], pick["vocab"], pick["tree"], pick["measured"])
         assert f"recommendation: {p['draft']}" in r.stdout
     g = cli("generate", "-m", str(path), "-p", "hello", "-n", "6", "--profile", str(profile), "--json",
             "--ignore-eos", "--dtype", "bfloat16")
@@ -126,6 +157,7 @@ def test_tune_writes_a_profile_that_generate_takes(tmp_path):
         assert spec is None
     else:
         assert spec["drafter"] == p["draft"] and max(spec["k_history"]) <= p["draft_max"]
+        assert (spec["tree_rounds"] > 0) == (p["draft_tree"] > 1)  # the profile's tree, or chains
 
 
 def test_tune_recommends_the_fastest_format_within_the_quality_bound(tmp_path):

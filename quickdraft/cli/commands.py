@@ -85,6 +85,8 @@ def apply_profile(args) -> None:
         args.draft_p_min = float(profile.get("p_min", args.draft_p_min))
         if getattr(args, "draft_vocab", 0) == 0:
             args.draft_vocab = int(profile.get("draft_vocab", 0))
+        if getattr(args, "draft_tree", 1) == 1:
+            args.draft_tree = int(profile.get("draft_tree", 1))
         args.draft_min = min(args.draft_min, args.draft_max)
 
 
@@ -282,6 +284,8 @@ def cmd_tune(args) -> int:
             raise QuickdraftError("--from exports a profile: give --export llama-server, vllm or sglang")
         print(_export(args, tune.read_profile(args.from_profile)))
         return 0
+    if not 1 <= args.draft_tree <= 8:
+        raise QuickdraftError("--draft-tree must be 1 (chains alone) to 8 candidates at a position")
     llm = load(args, NONE)
     builtin = llm.target.model.mtp is not None  # the target drafts for itself: its MTP layers are the candidates
     candidates = args.drafts or (["mtp", "ngram", "ngram+mtp"] if builtin else
@@ -291,7 +295,7 @@ def cmd_tune(args) -> int:
         if args.quality_bound is not None:
             raise QuickdraftError("--quality-bound bounds the formats --formats lets tune choose from: give --formats")
         profile = tune.run(llm, drafts, _prompts(args, llm.tokenizer), args.kmax, args.draft_p_min, args.max_tokens,
-                           vocab=args.draft_vocab)
+                           vocab=args.draft_vocab, tree=args.draft_tree)
     else:
         formats = _formats(args.formats)
         prompts = _prompts(args, llm.tokenizer)
@@ -302,7 +306,7 @@ def cmd_tune(args) -> int:
 
         bound = tune.QUALITY_BOUND if args.quality_bound is None else args.quality_bound
         profile = tune.by_format(load_in, formats, lambda llm: drafts, prompts, args.kmax, args.draft_p_min,
-                                 args.max_tokens, bound, vocab=args.draft_vocab)
+                                 args.max_tokens, bound, vocab=args.draft_vocab, tree=args.draft_tree)
     tune.write_profile(args.profile, profile)
     if args.json:
         print(json.dumps(profile))

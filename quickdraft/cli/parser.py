@@ -279,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also measure each draft model with its head cut to its first N ids and the text's (as "
                          "generate's --draft-vocab: a cheaper draft step, maybe a lower acceptance); the profile keeps "
                          "the faster (0: measure the whole head alone; default: %(default)s)")
+    tu.add_argument("--draft-tree", type=int, default=3, metavar="B",
+                    help="also measure each drafter that offers trees (draft models, MTP, the assistant, DFlash) as "
+                         "trees of 2..B candidates at the chain's least sure position (--draft-tree of generate), from "
+                         "the same replay and the target's measured tree passes; the profile keeps a tree where it is "
+                         "faster; on the CPU (1: chains alone; default: %(default)s)")
     tu.add_argument("--kmax", type=int, default=12, help="largest k considered (default: %(default)s)")
     tu.add_argument("--draft-p-min", type=float, default=0.5,
                     help="the draft model stops a round early below this top probability, as in generate; tuned "

@@ -23,7 +23,7 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.models.assistant import TargetKeys, sources
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.speculative.base import Offer, Proposal
+from quickdraft.speculative.base import Offer, Proposal, replay_chain
 from quickdraft.speculative.draft_model import DraftModelDrafter
 
 
@@ -157,19 +157,14 @@ class AssistantDrafter(DraftModelDrafter):
         seq = prompt + output
         target = KVCache.for_model(self.target.model, len(seq))
         target.keep_hidden(self.target.config.dim)
-        self.target.model(torch.tensor([seq[:-1]], device=self.device), target)
+        self.target.teacher_forced(torch.tensor([seq[:-1]], device=self.device), target)
         out = [Offer("", 0, 0)]
         for t in range(1, len(output)):
             committed = len(prompt) + t - 1  # positions the target has run when output[t - 1] is pending
             self.keys = TargetKeys(target, self.layers, committed)
             self.hidden = target.hidden[committed - 1].view(1, 1, -1)
-            span, kept, token = min(kmax, len(output) - t), 0, output[t - 1]
-            for i in range(span):
-                token = int(self._step(token)[0, -1].argmax())
-                if token != output[t + i]:
-                    break
-                kept += 1
-            out.append(Offer("assistant", kmax, kept))
+            out.append(replay_chain("assistant", lambda token: self._step(token)[0, -1], output[t - 1], output[t:],
+                                    kmax, self.p_min))
         return out
 
     @staticmethod

@@ -40,6 +40,40 @@ class Offer:
     source: str  # the source that would propose ("draft", "ngram"); "" when the drafter has nothing
     available: int  # how many tokens it would propose at most (a draft model stops early when unsure)
     kept: int  # how many of them the target keeps: the agreement with the known output
+    # For trees (a drafter with `trees`): its top probability at each position it drafts, as its round's chain has
+    # it (where it stops is `available`), and the rank in its distribution of the known token at the first position
+    # it guessed wrong (1: its second choice; 0: none, or a token it gives no probability).
+    confidence: tuple[float, ...] = ()
+    rank: int = 0
+
+    def tree_keeps(self, drafted: int, width: int) -> bool:
+        """Whether a tree of `width` candidates beside a chain of `drafted` tokens keeps an alternative: the chain's
+        first wrong guess is at its least sure position (where base.branch puts the alternatives) and the known
+        token is among the width - 1 it would offer there."""
+        if width < 2 or len(self.confidence) < drafted or self.kept >= drafted:
+            return False
+        j = min(range(drafted), key=lambda i: self.confidence[i])
+        return j == self.kept and 1 <= self.rank <= width - 1
+
+
+def replay_chain(source: str, step, pending: int, known: list[int], kmax: int, p_min: float) -> Offer:
+    """The Offer of a greedy round over a known output, run as the round would run it: step(token) feeds a token and
+    returns the drafter's logits (V,) for the next position; the chain goes on past a wrong guess with the drafter's
+    own tokens (a tree's least sure position is judged over the whole chain) and stops where the drafter is unsure
+    (p_min, after its first token). known: the output's tokens from the round's first drafted position on."""
+    confidence, kept, rank, token = [], None, 0, pending
+    for i in range(min(kmax, len(known))):
+        logits = step(token).float()
+        probs = logits.softmax(-1)
+        top = float(probs.max())
+        if i and p_min > 0 and top < p_min:
+            return Offer(source, i, len(confidence) if kept is None else kept, tuple(confidence), rank)
+        confidence.append(top)
+        token = int(logits.argmax())
+        if kept is None and token != known[i]:
+            kept = i
+            rank = int((logits > logits[known[i]]).sum()) if float(probs[known[i]]) > 0 else 0
+    return Offer(source, kmax, len(confidence) if kept is None else kept, tuple(confidence), rank)
 
 
 # How many tokens to draft now, asked per source: the engine's policy answers.

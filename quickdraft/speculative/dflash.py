@@ -25,7 +25,7 @@ from quickdraft.models import dflash as model_dflash
 from quickdraft.models.transformer import linear
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
-from quickdraft.speculative.base import Offer, Proposal
+from quickdraft.speculative.base import Offer, Proposal, replay_chain
 from quickdraft.speculative.draft_model import DraftModelDrafter
 
 is_dflash = model_dflash.is_dflash
@@ -238,7 +238,7 @@ class DFlashDrafter(DraftModelDrafter):
         seq = prompt + output
         target = KVCache.for_model(self.target.model, len(seq))
         self._keep(target)
-        self.target.model(torch.tensor([seq[:-1]], device=self.device), target)
+        self.target.teacher_forced(torch.tensor([seq[:-1]], device=self.device), target)
         cache = KVCache(self.drafter.model.kv_layout(), len(seq) + self.block_size, dtype=self.drafter.model.dtype,
                         device=self.device)
         out = [Offer("", 0, 0)]
@@ -249,13 +249,8 @@ class DFlashDrafter(DraftModelDrafter):
             for t in range(1, len(output)):
                 committed = len(prompt) + t - 1
                 self._block(seq[committed], committed)
-                span, kept, token = min(kmax, len(output) - t), 0, seq[committed]
-                for i in range(span):
-                    token = int(self._logits([token]).argmax())
-                    if token != output[t + i]:
-                        break
-                    kept += 1
-                out.append(Offer("dflash", kmax, kept))
+                out.append(replay_chain("dflash", lambda token: self._logits([token]), seq[committed], output[t:], kmax,
+                                        self.p_min))
         finally:
             self.target_cache, self.cache = saved
         return out

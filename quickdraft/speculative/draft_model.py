@@ -11,7 +11,7 @@ from quickdraft import constraint as constraints, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
-from quickdraft.speculative.base import Branches, Drafter, KFor, Offer, Proposal, branch
+from quickdraft.speculative.base import Branches, Drafter, KFor, Offer, Proposal, branch, replay_chain
 from quickdraft.speculative.subset import SubsetHead
 from quickdraft.speculative.vocab import check_compatible
 
@@ -313,27 +313,44 @@ class DraftModelDrafter(Drafter):
 
     @torch.inference_mode()
     def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
-        """Exact for greedy decoding without running rounds: the draft's i-th guess, once the ones before it were
-        kept, sees the known prefix, so the target keeps the run of positions from t on where the draft's choice
-        on the known sequence (one teacher-forced pass) is the known token, and the draft stops early (p_min) at
-        the first position after t where its top probability there is below p_min. (Past a wrong guess the draft
-        sees its own token, not the known one; its confidence there is taken from the known sequence: that only
-        moves the cost of drafts the target rejects anyway.)"""
+        """Exact for greedy decoding: the draft's i-th guess, while the ones before it were kept, sees the known
+        prefix, so one teacher-forced pass gives a round's chain up to its first wrong guess; past it the chain goes
+        on from the draft's own token (what a tree's choice of position and the early stop, p_min, read), run from a
+        copy of the cache's known prefix. (A draft with recurrent layers, whose state at every position is not
+        kept, takes its confidence past a wrong guess from the known sequence: that only moves the cost of drafts
+        the target rejects anyway, and where a tree puts its alternatives.)"""
         n = len(output)
         seq = prompt + output
         cache = KVCache.for_model(self.lm.model, len(seq))
-        logits = self._over_target(self.lm.model(self._ids(seq[:-1]), cache)[0, len(prompt) - 1:])
+        logits = self._over_target(self.lm.teacher_forced(self._ids(seq[:-1]), cache)[0, len(prompt) - 1:])
+        allowed = None
         if self.subset is not None:  # the ids the subset scores at each position: the full head's logits there
-            logits = logits.masked_fill(~self.subset.allowed(prompt, output, logits.shape[-1]), float("-inf"))
-        agree = [g == o for g, o in zip(logits.argmax(-1).tolist(), output)]
-        sure = (logits.softmax(-1).amax(-1) >= self.p_min).tolist() if self.p_min > 0 else [True] * n
+            allowed = self.subset.allowed(prompt, output, logits.shape[-1])
+            logits = logits.masked_fill(~allowed, float("-inf"))
         out = [Offer("", 0, 0)]
         for t in range(1, n):
-            span = min(kmax, n - t)
-            available = next((i for i in range(1, span) if not sure[t + i]), kmax)
-            kept = next((i for i in range(span) if not agree[t + i]), span)
-            out.append(Offer("draft", available, kept))
+            out.append(replay_chain("draft", self._teacher_forced(cache, logits, allowed, seq, len(prompt) + t - 1),
+                                    output[t - 1], output[t:], kmax, self.p_min))
         return out
+
+    def _teacher_forced(self, cache: KVCache, logits: torch.Tensor, allowed, seq: list[int], at: int):
+        """replay_chain's step for a round whose pending token is seq[at]: the teacher-forced rows while the chain
+        is the known sequence, then single-token passes over a copy of the cache's prefix."""
+        state = {"i": 0, "own": None}
+        row0 = at - (len(seq) - 1 - logits.shape[0])  # logits' row of the pending token's position
+
+        def step(token: int) -> torch.Tensor:
+            i, own = state["i"], state["own"]
+            state["i"] = i + 1
+            if own is None and (token == seq[at + i] or cache.recurrent):
+                return logits[row0 + i]
+            if own is None:  # the first token off the known sequence: its prefix is the teacher-forced pass's
+                own = state["own"] = KVCache.for_model(self.lm.model, len(seq) + 1)
+                own.copy_prefix(cache, at + i)
+            x = self._over_target(self.lm.forward(self._ids([token]), own, last_only=True)[0, -1])
+            return x.masked_fill(~allowed[row0 + i], float("-inf")) if allowed is not None else x
+
+        return step
 
     @staticmethod
     def replay_round(source: str, drafted: int, stopped_early: bool, kept: int, behind: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
-from quickdraft.speculative.base import Offer, Proposal
+from quickdraft.speculative.base import Offer, Proposal, replay_chain
 from quickdraft.speculative.draft_model import CATCH_UP, DraftModelDrafter
 
 
@@ -159,26 +159,30 @@ class MtpDrafter(DraftModelDrafter):
     @torch.inference_mode()
     def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
         """Greedy replay: at each position t the chain run as a round would run it (the target's hidden states of
-        the known sequence, one teacher-forced target pass), counting how many of its guesses match the output."""
+        the known sequence, one teacher-forced target pass), counting how many of its guesses match the output
+        (base.replay_chain: past a wrong guess too, for a tree's choice of position)."""
         seq = prompt + output
         model = self.lm.model
         target = KVCache.for_model(model, len(seq))
         target.keep_hidden(self.lm.config.dim)
-        model(torch.tensor([seq[:-1]], device=self.device), target)
+        self.lm.teacher_forced(torch.tensor([seq[:-1]], device=self.device), target)
         out = [Offer("", 0, 0)]
         for t in range(1, len(output)):
             committed = len(prompt) + t - 1  # positions the target has run when output[t - 1] is pending
             cache = KVCache(model.mtp.kv_layout(), len(seq) + kmax + 1, dtype=model.dtype, device=self.device)
-            logits, h = model.mtp_step(torch.tensor([seq[1:committed + 1]], device=self.device),
-                                       target.hidden[:committed][None], cache)  # the pairs up to the pending token
-            span, kept = min(kmax, len(output) - t), 0
-            for i in range(span):
-                token = int(logits[0, -1].argmax())
-                if token != output[t + i]:
-                    break
-                kept += 1
-                logits, h = model.mtp_step(torch.tensor([[token]], device=self.device), h[:, -1:], cache)
-            out.append(Offer("mtp", kmax, kept))
+            state = {}
+
+            def step(token: int) -> torch.Tensor:
+                if not state:  # the pairs up to the pending token
+                    state["logits"], state["h"] = model.mtp_step(
+                        torch.tensor([seq[1:committed + 1]], device=self.device), target.hidden[:committed][None],
+                        cache)
+                else:
+                    state["logits"], state["h"] = model.mtp_step(torch.tensor([[token]], device=self.device),
+                                                                 state["h"][:, -1:], cache)
+                return state["logits"][0, -1]
+
+            out.append(replay_chain("mtp", step, output[t - 1], output[t:], kmax, self.p_min))
         return out
 
     @staticmethod

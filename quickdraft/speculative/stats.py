@@ -99,6 +99,8 @@ class SpeculationStats:
             "mask_s": self.mask_s,
             "masks_computed": self.masks_computed,
             "mask_share": self.mask_share,
+            "tree_rounds": self.tree_rounds,
+            "tree_alternatives_kept": self.tree_alternatives_kept,
         }
 
     def summary(self) -> str:

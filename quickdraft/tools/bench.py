@@ -30,13 +30,15 @@ class BenchConfig:
     draft: Draft = NONE
     k: int | None = None  # None: the adaptive policy (up to draft_max)
     vocab: int | None = None  # the draft model's --draft-vocab (None: the run's)
+    tree: int | None = None  # --draft-tree (None: the run's)
 
     @property
     def name(self) -> str:
         if self.draft.kind == "none":
             return "plain"
         vocab = "" if self.vocab is None else f" vocab={self.vocab}"
-        return f"{self.source} {'adaptive' if self.k is None else f'k={self.k}'}{vocab}"
+        tree = "" if self.tree is None or self.tree < 2 else f" tree={self.tree}"
+        return f"{self.source} {'adaptive' if self.k is None else f'k={self.k}'}{vocab}{tree}"
 
 
 PLAIN = BenchConfig("none")
@@ -53,25 +55,30 @@ def source_draft(source: str, draft: Draft) -> Draft | None:
 
 
 def parse_configs(text: str, draft: Draft = NONE) -> list[BenchConfig]:
-    """'plain,draft:k=4,ngram+draft:adaptive:vocab=32768' -> configurations (QuickdraftError naming a bad item)."""
+    """'plain,draft:k=4,ngram+draft:adaptive:vocab=32768,draft:k=4:tree=3' -> configurations (QuickdraftError naming
+    a bad item)."""
     configs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         if item == "plain":
             configs.append(PLAIN)
             continue
         source, _, how = item.partition(":")
-        how, _, vocab = how.partition(":")
+        how, *options = how.split(":")
+        named = dict(o.partition("=")[::2] for o in options)
         if source not in SOURCES or not (how == "adaptive" or (how.startswith("k=") and how[2:].isdigit()
                                                                 and 1 <= int(how[2:]) <= MAX_DRAFT)) \
-                or not (vocab == "" or (vocab.startswith("vocab=") and vocab[6:].isdigit() and source != "ngram")):
+                or len(named) != len(options) or not set(named) <= {"vocab", "tree"} \
+                or not all(x.isdigit() for x in named.values()) or ("vocab" in named and source == "ngram") \
+                or int(named.get("tree", 1)) < 1:
             raise QuickdraftError(f"bad configuration {item!r}: use plain, or SOURCE:k=N (1..{MAX_DRAFT}) or SOURCE:adaptive "
                                   f"with SOURCE one of {', '.join(SOURCES)}, then :vocab=N for a draft model's "
-                                  "--draft-vocab")
+                                  "--draft-vocab and :tree=B for --draft-tree")
         drafted = source_draft(source, draft)
         if drafted is None:
             raise QuickdraftError(f"configuration {item!r} needs a draft: give --draft")
         configs.append(BenchConfig(source, drafted, None if how == "adaptive" else int(how[2:]),
-                                   int(vocab[6:]) if vocab else None))
+                                   int(named["vocab"]) if "vocab" in named else None,
+                                   int(named["tree"]) if "tree" in named else None))
     if not configs:
         raise QuickdraftError("no configuration to benchmark: give --configs, e.g. plain,draft:adaptive")
     return configs
@@ -89,6 +96,8 @@ def _speculation(config: BenchConfig, base: SpeculationConfig) -> SpeculationCon
         base = replace(base, draft_vocab=0)
     elif config.vocab is not None:
         base = replace(base, draft_vocab=config.vocab)
+    if config.tree is not None:
+        base = replace(base, tree=config.tree)
     if config.draft.kind == "none":
         return replace(base, draft_max=0, draft_min=0)
     if config.k is None:

@@ -45,6 +45,9 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
     winner = next((c for c in profile.get("candidates", []) if c["name"] == draft), None)
     notes = [f"{engine} flags for quickdraft's tuned profile ({VERSIONS[engine]})",
              f"target {profile['target']}; draft {draft}, k = {k}"]
+    if profile.get("draft_tree", 1) > 1:
+        notes.append(f"tune chose tree verification ({profile['draft_tree']} candidates), which {engine} has no flag "
+                     "for: these flags verify the chain alone, so expect the chain's speed-up, not the tree's")
     if winner is not None:
         accepted = ", ".join(f"{a:.2f}" for a in winner["acceptance"][:k])
         notes.append(f"measured acceptance per draft position 1..{k} (each given the ones before): {accepted}")

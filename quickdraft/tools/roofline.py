@@ -176,6 +176,43 @@ def v_curve(target, prompt: list[int], kmax: int = 16, reps: int = 5) -> tuple[f
     return statistics.median(ones), v
 
 
+def v_tree(target, prompt: list[int], kmax: int, widths: list[int], reps: int = 3) -> dict[int, dict[int, float]]:
+    """width -> {k: a tree pass's seconds over a one-token pass's}: the pass verifying a chain of k drafts and width - 1
+    candidates beside its middle one (Transformer.forward_tree; k + width rows), timed as v_curve times chains (each
+    ratio against a one-token pass just before it). For the widths and k whose rows fit the cache's room and a
+    row-wise pass."""
+    from quickdraft.models.transformer import ROWWISE_MAX
+
+    model, device = target.model, target.device
+    widest = max(widths, default=1)
+    cache = KVCache.for_model(model, len(prompt) + kmax + widest + 1)
+    target.forward(torch.tensor([prompt], device=device), cache, last_only=True)
+    n = len(prompt)
+    one = torch.tensor([[prompt[-1]]], device=device)
+
+    def reset():
+        cache.tree = None
+        cache.rollback(n)
+
+    out: dict[int, dict[int, float]] = {}
+    for width in widths:
+        out[width] = {}
+        for k in range(1, kmax + 1):
+            rows = k + width
+            if rows > ROWWISE_MAX:
+                break
+            depths = list(range(k + 1)) + [(k + 1) // 2] * (width - 1)
+            feed = torch.tensor(prompt[-1:] * rows, device=device)
+            ratios = []
+            for rep in range(reps + 1):  # the first: one-off setup of the shape
+                base = timed(lambda: target.forward(one, cache), device, reset)
+                tree = timed(lambda: target.forward_tree(feed, depths, k + 1, cache), device, reset)
+                if rep:
+                    ratios.append(tree / base)
+            out[width][k] = statistics.median(ratios)
+    return out
+
+
 def report(target, drafts: list, rows: list[dict], prompt: list[int], kmax: int = 16) -> dict:
     """The roofline of a benchmark run: bandwidth, bytes per pass of the target and of the draft (its models,
     `drafts`), the plain limit, v(k), and per row the bytes read per emitted token and the GB/s achieved (a row

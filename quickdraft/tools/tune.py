@@ -40,6 +40,8 @@ class Candidate:
     best_speedup: float = 0.0
     why_not: str = ""
     vocab: int = 0  # the draft model's --draft-vocab (0: its whole head)
+    tree: int = 1  # tree verification's candidates at the chain's least sure position (--draft-tree; 1: a chain)
+    alternatives: float = 0.0  # a tree: share of its rounds (at best_k) that kept an alternative
 
 
 def reference(target, prompts: dict[str, list[int]], n: int) -> tuple[dict[str, list[int]], float]:
@@ -60,28 +62,32 @@ def reference(target, prompts: dict[str, list[int]], n: int) -> tuple[dict[str, 
 @dataclass
 class Costs:
     """Seconds: the target's pass over one token, and over k + 1 (v(k) of it); the engine's per-step work;
-    one pass of the drafter."""
+    one pass of the drafter; a tree's pass, per width (roofline.v_tree: k drafts and width - 1 candidates)."""
     t_plain: float
     v: dict[int, float]
     overhead: float
     t_draft: float
+    v_tree: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def step(self) -> float:
         return self.t_plain + self.overhead
 
-    def verify(self, k: int) -> float:
-        return self.v[k] * self.t_plain + self.overhead
+    def verify(self, k: int, width: int = 1) -> float:
+        v = self.v[k] if width < 2 else self.v_tree[width][k]
+        return v * self.t_plain + self.overhead
 
 
-def simulate(offers_: list[Offer], k: int, costs: Costs, replay_round) -> dict:
+def simulate(offers_: list[Offer], k: int, costs: Costs, replay_round, width: int = 1) -> dict:
     """The engine's rounds at fixed k over the known output, and their time under the costs.
 
     At position t a round drafts what the engine's budget allows of the offer, the target keeps min(that,
     agreement) and emits one more; with nothing to draft it is a plain step. replay_round (Drafter.replay_round)
-    says how many drafter passes each round costs, as the drafter would run it."""
+    says how many drafter passes each round costs, as the drafter would run it. width > 1: tree verification
+    (--draft-tree): a round whose offer can be a tree (its confidence known) verifies width - 1 candidates beside
+    the chain, and one more token is kept where the known token is among them (Offer.tree_keeps)."""
     n = len(offers_)
     t, seconds, behind = 1, 0.0, 1
-    rounds = plain = 0
+    rounds = plain = trees = alternatives = 0
     tried, kept_at = [0] * k, [0] * k
     while t < n:
         o = offers_[t]
@@ -94,27 +100,31 @@ def simulate(offers_: list[Offer], k: int, costs: Costs, replay_round) -> dict:
             continue
         kept = min(drafted, o.kept)
         passes, behind = replay_round(o.source, drafted, drafted < limit, kept, behind)
-        seconds += costs.verify(drafted) + passes * costs.t_draft
-        rounds += 1
+        tree = width if width > 1 and len(o.confidence) >= drafted else 1
+        extra = o.tree_keeps(drafted, tree)
+        seconds += costs.verify(drafted, tree) + passes * costs.t_draft
+        rounds, trees, alternatives = rounds + 1, trees + (tree > 1), alternatives + extra
         for i in range(drafted):
             tried[i] += 1
             kept_at[i] += i < kept
-        t += kept + 1
-    return {"seconds": seconds, "rounds": rounds, "plain": plain, "tried": tried, "kept": kept_at,
-            "speedup": (n - 1) * costs.step() / seconds if seconds else 1.0}
+        t += kept + 1 + extra
+        behind += extra  # the candidate it did not draft
+    return {"seconds": seconds, "rounds": rounds, "plain": plain, "tried": tried, "kept": kept_at, "trees": trees,
+            "alternatives": alternatives, "speedup": (n - 1) * costs.step() / seconds if seconds else 1.0}
 
 
 def measure(name: str, drafter, prompts: dict[str, list[int]], outputs: dict[str, list[int]], t_plain: float,
-            t_step: float, v: dict[int, float]) -> Candidate:
+            t_step: float, v: dict[int, float], v_tree: dict[int, dict[int, float]] | None = None) -> list[Candidate]:
     """One candidate: r, its offers on every prompt's known output, and the speed-up predicted for each k
-    (the median over prompts of each prompt's predicted speed-up, as the benchmark summarises)."""
+    (the median over prompts of each prompt's predicted speed-up, as the benchmark summarises). With v_tree (a
+    drafter offering trees, on a target that verifies them), the same drafter as a tree of each width measured there
+    too, from the same offers: one Candidate per width after the chain's."""
     kmax = len(v)
     r = drafter.pass_seconds(next(iter(prompts.values()))) / t_plain
-    costs = Costs(t_plain, v, max(t_step - t_plain, 0.0), r * t_plain)
+    widths = sorted(v_tree or {}) if drafter.trees else []
+    costs = Costs(t_plain, v, max(t_step - t_plain, 0.0), r * t_plain, v_tree or {})
     per_prompt = {p: drafter.offers(prompts[p], outputs[p], kmax) for p in prompts}
     replay = drafter.replay_round
-    predicted = {k: statistics.median(simulate(o, k, costs, replay)["speedup"] for o in per_prompt.values())
-                 for k in range(1, kmax + 1)}
     tried, kept, rounds, steps = [0] * kmax, [0] * kmax, 0, 0
     for o in per_prompt.values():
         sim = simulate(o, kmax, costs, replay)
@@ -124,8 +134,21 @@ def measure(name: str, drafter, prompts: dict[str, list[int]], outputs: dict[str
     # acceptance of position i given the ones before it were kept (positions past a rejection are not judged)
     judged = [tried[0]] + [min(kept[i - 1], tried[i]) for i in range(1, kmax)]
     a = [(kept[i] + 0.5) / (judged[i] + 1) if judged[i] else 0.0 for i in range(kmax)]
-    best_k = max(predicted, key=predicted.get)
-    return Candidate(name, r, a, rounds / steps if steps else 0.0, predicted, best_k, predicted[best_k])
+    out = []
+    for width in [1] + widths:
+        ks = [k for k in range(1, kmax + 1) if width < 2 or k in costs.v_tree[width]]
+        predicted = {k: statistics.median(simulate(o, k, costs, replay, width)["speedup"] for o in per_prompt.values())
+                     for k in ks}
+        if not predicted:
+            continue
+        best_k = max(predicted, key=predicted.get)
+        alternatives = 0.0
+        if width > 1:
+            sims = [simulate(o, best_k, costs, replay, width) for o in per_prompt.values()]
+            alternatives = sum(x["alternatives"] for x in sims) / max(sum(x["trees"] for x in sims), 1)
+        out.append(Candidate(name, r, a, rounds / steps if steps else 0.0, predicted, best_k, predicted[best_k],
+                             tree=width, alternatives=alternatives))
+    return out
 
 
 SWITCH = 1.10  # a checked alternative replaces the model's pick only when measured this much faster
@@ -147,10 +170,10 @@ def choose(llm, candidates: list[Candidate], prompts: dict[str, list[int]], v: d
             c.why_not = "" if c is best else explain(c, v, best)
         return Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, ""), None, []
     top = [c for c in ranked if c.best_speedup >= 0.85 * ranked[0].best_speedup][:3]
-    configs = [bench.BenchConfig(c.name, Draft.parse(c.name), c.best_k, c.vocab or None) for c in top]
+    configs = [bench.BenchConfig(c.name, Draft.parse(c.name), c.best_k, c.vocab or None, c.tree) for c in top]
     check = bench.run(llm, [bench.PLAIN] + configs, dict(list(prompts.items())[:2]), n, runs=1)
     by_config = {s["config"]: s for s in check["summary"]}
-    checked = [{"candidate": c.name, "vocab": c.vocab, "k": c.best_k, "predicted": c.best_speedup,
+    checked = [{"candidate": c.name, "vocab": c.vocab, "tree": c.tree, "k": c.best_k, "predicted": c.best_speedup,
                 "measured": by_config[config.name]["speedup"], "tok_s": by_config[config.name]["decode_tok_s"],
                 "plain_tok_s": by_config[bench.PLAIN.name]["decode_tok_s"]}
                for c, config in zip(top, configs)]
@@ -158,19 +181,21 @@ def choose(llm, candidates: list[Candidate], prompts: dict[str, list[int]], v: d
     fastest = max(checked, key=lambda x: x["measured"])
     if fastest["measured"] > SWITCH * pick["measured"]:
         pick = fastest
-    winner = next(c for c in top if (c.name, c.vocab) == (pick["candidate"], pick["vocab"]))
+    winner = next(c for c in top if (c.name, c.vocab, c.tree) == (pick["candidate"], pick["vocab"], pick["tree"]))
     for c in candidates:
         c.why_not = "" if c is winner else explain(c, v, winner)
     return winner, pick["measured"], checked
 
 
 SUBSET = 32768  # the --draft-vocab tune also measures each draft model with (speculative/subset.py)
+TREE = 3  # the widest tree (--draft-tree) tune also measures each drafter offering trees as
 
 
 def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, p_min: float, n: int,
-        log=lambda message: print(f"tune: {message}", file=sys.stderr), vocab: int = SUBSET) -> dict:
+        log=lambda message: print(f"tune: {message}", file=sys.stderr), vocab: int = SUBSET, tree: int = TREE) -> dict:
     """Measure every candidate draft for llm's target and choose; returns the profile (write_profile keeps it).
-    vocab: also measure each draft model with its head cut to that many ids (0: not)."""
+    vocab: also measure each draft model with its head cut to that many ids (0: not); tree: also measure each
+    drafter that offers trees as trees of 2..tree candidates, where the target verifies trees (1: chains alone)."""
     from quickdraft.tools import roofline
 
     if not 1 <= kmax <= MAX_DRAFT:
@@ -186,6 +211,12 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
         log(f"k is at most {max(v)} for this target (its recurrent state keeps that many positions)")
         kmax = max(v)
     speculation = SpeculationConfig(draft_max=kmax, p_min=p_min)
+    v_tree = None
+    if tree > 1 and target.trees:
+        log(f"measuring the target's tree verification cost, 2..{tree} candidates beside k = 1..{kmax}")
+        v_tree = roofline.v_tree(target, first + outputs[name][: n // 2], kmax, list(range(2, tree + 1)))
+    elif tree > 1:
+        log("trees: not measured (tree verification runs on the CPU)")
     results = []
     for draft in candidates:
         for cut in ([0, vocab] if vocab and draft.kind == "model" else [0]):
@@ -199,18 +230,22 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
             if cut and not drafter.cut_head:  # a vocabulary of at most `cut` ids: nothing to cut
                 continue
             log(f"measuring {draft}" + (f" with --draft-vocab {cut}" if cut else ""))
-            results.append(replace(measure(str(draft), drafter, prompts, outputs, t_plain, t_step, v), vocab=cut))
+            results += [replace(c, vocab=cut) for c in measure(str(draft), drafter, prompts, outputs, t_plain,
+                                                                t_step, v, v_tree)]
     log("checking the best predictions against plain decoding")
     winner, measured, checked = choose(llm, results, prompts, v, n)
-    pick = next((x for x in checked if (x["candidate"], x["vocab"]) == (winner.name, winner.vocab)), None)
+    pick = next((x for x in checked if (x["candidate"], x["vocab"], x["tree"]) == (winner.name, winner.vocab,
+                                                                                      winner.tree)), None)
     plain_tok_s = pick["plain_tok_s"] if pick else 1 / t_step  # decode tok/s without and with the pick, same run
     kind = Draft.parse(winner.name).kind if winner.name != "none" else "none"
     return {"version": PROFILE_VERSION, "target": target.name, "weights": target.weights, "draft": winner.name,
             "draft_kind": kind,
-            "draft_max": winner.best_k, "draft_vocab": winner.vocab, "fixed_k": True, "p_min": p_min,
+            "draft_max": winner.best_k, "draft_vocab": winner.vocab, "draft_tree": winner.tree, "fixed_k": True,
+            "p_min": p_min,
             "predicted_speedup": winner.best_speedup, "measured_speedup": measured, "plain_tok_s": plain_tok_s,
             "tok_s": pick["tok_s"] if pick else plain_tok_s,
-            "t_plain_s": t_plain, "t_step_s": t_step, "v": v, "candidates": [asdict(c) for c in results],
+            "t_plain_s": t_plain, "t_step_s": t_step, "v": v, **({"v_tree": v_tree} if v_tree else {}),
+            "candidates": [asdict(c) for c in results],
             "checked": checked}
 
 
@@ -221,7 +256,7 @@ QUALITY_BOUND = 1.5
 
 def by_format(load, formats: list[str], candidates, prompts: dict[str, list[int]], kmax: int, p_min: float, n: int,
               bound: float = QUALITY_BOUND, log=lambda message: print(f"tune: {message}", file=sys.stderr),
-              vocab: int = SUBSET) -> dict:
+              vocab: int = SUBSET, tree: int = TREE) -> dict:
     """tune (run) the pair in each target weight format of `formats` and recommend the fastest whose perplexity
     on quality.TEXT is within `bound` percent of bf16's (the most faithful one when none is). load(fmt): the LLM
     with its target in that format; candidates(llm): its candidate Drafts. Returns the recommended format's
@@ -246,10 +281,10 @@ def by_format(load, formats: list[str], candidates, prompts: dict[str, list[int]
             q = quality.Quality(ppl, ppl, 0.0, 1.0, len(tokens))
         else:
             q = quality.compare(llm.target.model, tokens, reference)
-        profile = run(llm, candidates(llm), prompts, kmax, p_min, n, log, vocab)
+        profile = run(llm, candidates(llm), prompts, kmax, p_min, n, log, vocab, tree)
         rows.append({"weights": llm.target.weights, **q.as_dict(), "plain_tok_s": profile["plain_tok_s"],
                      "tok_s": profile["tok_s"], "draft": profile["draft"], "draft_max": profile["draft_max"],
-                     "draft_vocab": profile["draft_vocab"],
+                     "draft_vocab": profile["draft_vocab"], "draft_tree": profile["draft_tree"],
                      "within_bound": q.ppl_increase <= bound})
         profiles.append(profile)
         llm = None
@@ -265,23 +300,34 @@ def report(profile: dict) -> str:
     lines = [f"target step{fmt} {1000 * profile['t_plain_s']:.0f} ms; v(k): "
              + ", ".join(f"{k}: {x:.2f}" for k, x in profile["v"].items()),
              f"{'candidate':30} {'r':>5} {'a1':>5} {'rounds':>6} {'best k':>6} {'predicted':>9}"]
+    if profile.get("v_tree"):
+        lines.insert(1, "tree passes (k drafts and B - 1 candidates), over a one-token pass: " + "; ".join(
+            f"B={w}: " + ", ".join(f"{k}: {x:.2f}" for k, x in list(curve.items())[:8])
+            for w, curve in profile["v_tree"].items()))
     for c in profile["candidates"]:
-        label = f"{c['name']} vocab={c['vocab']}" if c.get("vocab") else c["name"]
+        label = _label(c)
         lines.append(f"{label:30} {c['r']:5.2f} {100 * c['acceptance'][0]:4.0f}% {100 * c['coverage']:5.0f}% "
                      f"{c['best_k']:6} {c['best_speedup']:8.2f}x  {c['why_not']}")
     for x in profile["checked"]:
-        vocab = f" vocab={x['vocab']}" if x.get("vocab") else ""
-        lines.append(f"checked {x['candidate']}{vocab} k={x['k']}: predicted {x['predicted']:.2f}x, measured "
-                     f"{x['measured']:.2f}x")
+        lines.append(f"checked {_label({**x, 'name': x['candidate']})} k={x['k']}: predicted {x['predicted']:.2f}x, "
+                     f"measured {x['measured']:.2f}x")
     if "formats" in profile:
         lines += _formats_report(profile)
     if profile["draft"] == "none":
         lines.append("recommendation: no speculation; every candidate is predicted slower than plain decoding")
     else:
-        vocab = f" with --draft-vocab {profile['draft_vocab']}" if profile.get("draft_vocab") else ""
+        flags = ([f"--draft-vocab {profile['draft_vocab']}"] if profile.get("draft_vocab") else []) + (
+            [f"--draft-tree {profile['draft_tree']}"] if profile.get("draft_tree", 1) > 1 else [])
+        vocab = f" with {' '.join(flags)}" if flags else ""
         lines.append(f"recommendation: {profile['draft']}{vocab} at k = {profile['draft_max']}: predicted "
                      f"{profile['predicted_speedup']:.2f}x, measured {profile['measured_speedup']:.2f}x on a short run")
     return "\n".join(lines)
+
+
+def _label(c: dict) -> str:
+    """A candidate as the report names it: the draft, its cut head and its tree."""
+    return c["name"] + (f" vocab={c['vocab']}" if c.get("vocab") else "") + (
+        f" tree={c['tree']}" if c.get("tree", 1) > 1 else "")
 
 
 def _formats_report(profile: dict) -> list[str]:
@@ -316,6 +362,12 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
         if v.get(k, 1) > 1.5:
             reasons.append(f"verification too costly (v({k}) = {v[k]:.2f})")
         return "slower than plain decoding: " + ("; ".join(reasons) or "the gains do not cover the costs")
+    if c.tree > 1 and (c.name, c.vocab) == (winner.name, winner.vocab):
+        return (f"its tree kept an alternative in {100 * c.alternatives:.0f}% of rounds, which does not pay for the "
+                f"candidates' rows: predicted {c.best_speedup:.2f}x against the chain's {winner.best_speedup:.2f}x")
+    if winner.tree > 1 and (c.name, c.vocab) == (winner.name, winner.vocab):
+        return (f"the same drafter as a tree of {winner.tree} keeps an alternative in {100 * winner.alternatives:.0f}% "
+                f"of rounds: predicted {winner.best_speedup:.2f}x against the chain's {c.best_speedup:.2f}x")
     if c.r > winner.r * 1.5 and c.r > 0.1:
         return f"its drafted tokens cost more ({c.r:.2f} vs {winner.r:.2f} target steps)"
     if c.coverage < 0.8 * winner.coverage:

@@ -89,6 +89,12 @@ class LoadedModel:
             logits = self.forward(tokens[:, i:i + self.chunk], cache, last_only=True, head=head)
         return logits
 
+    def teacher_forced(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """The logits (1, S, V) of every row of tokens (1, S), run in the passes prefill cuts them into: each row
+        the same bits as decoding computes it (tune's replay reads the rows and the states they leave)."""
+        return torch.cat([self.forward(tokens[:, i:i + self.chunk], cache) for i in range(0, tokens.shape[1],
+                                                                                         self.chunk)], dim=1)
+
     @property
     def chunk(self) -> int:
         """The most tokens a prefill pass takes: a CUDA pass's rows, else what the row-wise kernels take at once."""

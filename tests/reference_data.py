@@ -1,5 +1,5 @@
 """What independent implementations answered, recorded as data, so that the suite need not build llama.cpp (about 10
-minutes on 2 cores) or load the 1.5B target in transformers' float32 on every run: the tests compare quickdraft's
+minutes on 2 cores) or load the real models in transformers' float32 on every run: the tests compare quickdraft's
 answers with these, and this module regenerates them (slow) with the versions it then records.
 
 - llama-server.json (and the GGUF files beside it): llama.cpp's own llama-server, greedy, on llama.cpp's own f32
@@ -9,7 +9,8 @@ answers with these, and this module regenerates them (slow) with the versions it
 - transformers.json: transformers (float32, the same GGUF files) on the real models: perplexity by llama.cpp's method
   and greedy tokens of the test prompts.
 
-Usage: .venv/bin/python -m tests.reference_data [llama-server] [llama-perplexity] [transformers]   (all by default)
+Usage: .venv/bin/python -m tests.reference_data [llama-server] [llama-perplexity] [transformers[=ALIAS,...]]
+(all by default; transformers=qwen2.5-coder-0.5b records that model alone, keeping the others)
 """
 
 from __future__ import annotations
@@ -100,25 +101,31 @@ def llama_perplexity() -> None:
                                "ppl": float(found.group(1))})
 
 
-def transformers_reference() -> None:
+def transformers_reference(aliases: list[str] | None = None) -> None:
+    """Every model of tests/test_real_models.MODELS, or those named (the others' records kept as they are, each
+    model's entry naming the versions that answered it)."""
     import torch
     import transformers
 
     from tests.test_real_models import CTX, MODELS, PROMPTS, TEXT, hf_from_gguf, hf_greedy, hf_perplexity, prompt_ids
     from quickdraft.weights.loader import ensure_pulled, load_tokenizer
 
-    out = {"transformers": transformers.__version__, "torch": torch.__version__, "ctx": CTX, "models": {}}
-    for alias in MODELS:
+    versions = {"transformers": transformers.__version__, "torch": torch.__version__}
+    out = {**versions, "ctx": CTX, "models": {}}
+    if aliases:
+        out = load("transformers")
+        out["models"] = {a: e for a, e in out["models"].items() if a in MODELS}
+    for alias in aliases or MODELS:
         path = ensure_pulled(alias)
         tokenizer = load_tokenizer(alias)
         tokens = tokenizer.encode(TEXT)
         bos = tokenizer.bos_id if tokenizer.add_bos else None
         model = hf_from_gguf(path)
-        prompts, n = (PROMPTS[:2], 24) if alias == "qwen2.5-coder-1.5b" else (PROMPTS, 32)
         out["models"][alias] = {
+            **(versions if aliases else {}),
             "ppl": hf_perplexity(model, tokens, CTX, bos),
-            "greedy": [{"prompt": p, "n": n, "tokens": hf_greedy(model, prompt_ids(tokenizer, p), n)}
-                       for p in prompts]}
+            "greedy": [{"prompt": p, "n": 32, "tokens": hf_greedy(model, prompt_ids(tokenizer, p), 32)}
+                       for p in PROMPTS]}
         del model
         print(f"transformers: {alias} done", file=sys.stderr)
     _save("transformers", out)
@@ -128,4 +135,5 @@ MAKERS = {"llama-server": llama_server, "llama-perplexity": llama_perplexity, "t
 
 if __name__ == "__main__":
     for which in sys.argv[1:] or list(MAKERS):
-        MAKERS[which]()
+        which, _, names = which.partition("=")
+        MAKERS[which](*([names.split(",")] if names else []))

@@ -60,9 +60,12 @@ def hf_greedy(model, prompt, n):
     return out
 
 
-MODELS = ("smollm2-135m", "qwen2.5-coder-1.5b", "gemma3-270m")
+# The default draft stands for its family (qwen2) here: the default target (the 1.5B) is the same architecture, and
+# its file's formats (Q4_K, Q6_K, F32) are among the 0.5B's (also Q5_0, Q8_0); the 1.5B in float32 cost 77 s of the
+# suite's time (its load, perplexities and greedy tokens), and the real pair's tests run it throughout.
+MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m")
 # transformers' answers on these files are recorded in tests/reference/transformers.json (tests/reference_data.py made
-# them, and says with which versions): loading the 1.5B in float32 in transformers took more than a minute each run.
+# them, and says with which versions): loading a model in float32 in transformers took more than a minute each run.
 # QUICKDRAFT_CHECK_REFERENCES=1 runs transformers again and checks the record against it.
 LIVE = os.environ.get("QUICKDRAFT_CHECK_REFERENCES") == "1"
 
@@ -84,7 +87,7 @@ def recorded():
 @pytest.fixture(scope="module", params=MODELS)
 def fp32(request, real_model_path):
     """Each real model in float32, its weights as the file has them (no runtime quantization: the loader against the
-    reference), loaded once for its perplexity and its greedy tokens (the 1.5B takes half a minute to load so)."""
+    reference), loaded once for its perplexity and its greedy tokens."""
     path = real_model_path(request.param)
     return request.param, load_model(str(path), EngineConfig(device="cpu", dtype="float32", weights="bf16",
                                                              max_context=512), progress=False)
@@ -99,7 +102,7 @@ def check_perplexity(recorded, alias, lm, dtype):
           f"{ours.tokens} tokens")
     assert ours.chunks >= 3
     assert abs(ours.ppl / want - 1) < 0.01
-    assert 1 < ours.ppl < 40  # a sensible English perplexity (the 270M base gives 30): a broken loader gives hundreds
+    assert 1 < ours.ppl < 60  # a sensible English perplexity (the 0.5B coder gives 41): a broken loader gives hundreds
 
 
 def test_perplexity_agrees_with_reference(recorded, fp32):

@@ -171,6 +171,15 @@ def test_exports_parse_as_each_engines_configuration(draft):
                 assert flags["--speculative-num-steps"] == "5" and flags["--speculative-num-draft-tokens"] == "6"
 
 
+def test_a_tuned_tree_exports_its_chain_saying_so():
+    """No engine has a flag for tree verification: a profile that chose one exports the chain's flags, and says so."""
+    for engine in export.ENGINES:
+        chain = export.export({**PROFILE, "draft_tree": 1}, engine, "/models/t.gguf", "/models/d.gguf")
+        tree = export.export({**PROFILE, "draft_tree": 3}, engine, "/models/t.gguf", "/models/d.gguf")
+        commands = [[line for line in text.splitlines() if not line.startswith("#")] for text in (chain, tree)]
+        assert commands[0] == commands[1] and "no flag for" in tree and "no flag for" not in chain
+
+
 def test_tune_export_from_a_written_profile(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(PROFILE))

@@ -101,6 +101,11 @@ def test_losers_are_explained():
     assert "fewer steps" in explain(rare, v, winner)
     close = Candidate("close", 0.05, [0.7, 0.6], best_k=2, best_speedup=1.6)
     assert "lower acceptance" in explain(close, v, winner)
+    tree = Candidate("small", 0.05, [0.9, 0.8], best_k=2, best_speedup=1.8, tree=3, alternatives=0.07)
+    assert "its tree kept an alternative in 7% of rounds" in explain(tree, v, winner)  # against its own chain
+    assert "the same drafter as a tree of 3" in explain(winner, v, tree)
+    slow_tree = Candidate("small", 0.05, [0.9, 0.8], best_k=2, best_speedup=0.9, tree=2, alternatives=0.02)
+    assert "not enough for the candidates' rows" in explain(slow_tree, v, winner)
 
 
 def test_bad_profiles_say_what_to_do(tmp_path):

@@ -299,14 +299,14 @@ def report(profile: dict) -> str:
     fmt = f" (target in {profile['weights']})" if "formats" in profile else ""
     lines = [f"target step{fmt} {1000 * profile['t_plain_s']:.0f} ms; v(k): "
              + ", ".join(f"{k}: {x:.2f}" for k, x in profile["v"].items()),
-             f"{'candidate':30} {'r':>5} {'a1':>5} {'rounds':>6} {'best k':>6} {'predicted':>9}"]
+             f"{'candidate':{LABEL}} {'r':>5} {'a1':>5} {'rounds':>6} {'best k':>6} {'predicted':>9}"]
     if profile.get("v_tree"):
         lines.insert(1, "tree passes (k drafts and B - 1 candidates), over a one-token pass: " + "; ".join(
             f"B={w}: " + ", ".join(f"{k}: {x:.2f}" for k, x in list(curve.items())[:8])
             for w, curve in profile["v_tree"].items()))
     for c in profile["candidates"]:
         label = _label(c)
-        lines.append(f"{label:30} {c['r']:5.2f} {100 * c['acceptance'][0]:4.0f}% {100 * c['coverage']:5.0f}% "
+        lines.append(f"{label:{LABEL}} {c['r']:5.2f} {100 * c['acceptance'][0]:4.0f}% {100 * c['coverage']:5.0f}% "
                      f"{c['best_k']:6} {c['best_speedup']:8.2f}x  {c['why_not']}")
     for x in profile["checked"]:
         lines.append(f"checked {_label({**x, 'name': x['candidate']})} k={x['k']}: predicted {x['predicted']:.2f}x, "
@@ -322,6 +322,9 @@ def report(profile: dict) -> str:
         lines.append(f"recommendation: {profile['draft']}{vocab} at k = {profile['draft_max']}: predicted "
                      f"{profile['predicted_speedup']:.2f}x, measured {profile['measured_speedup']:.2f}x on a short run")
     return "\n".join(lines)
+
+
+LABEL = 44  # the candidates' column: a draft model's name with its cut head and tree
 
 
 def _label(c: dict) -> str:
@@ -359,7 +362,10 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
             reasons.append(f"too low an acceptance ({100 * c.acceptance[0]:.0f}% at position 1)")
         if c.coverage < 0.5:
             reasons.append(f"too few proposals (a round on {100 * c.coverage:.0f}% of steps)")
-        if v.get(k, 1) > 1.5:
+        if c.tree > 1:
+            reasons.append(f"its tree kept an alternative in {100 * c.alternatives:.0f}% of rounds, not enough for "
+                           "the candidates' rows")
+        elif v.get(k, 1) > 1.5:
             reasons.append(f"verification too costly (v({k}) = {v[k]:.2f})")
         return "slower than plain decoding: " + ("; ".join(reasons) or "the gains do not cover the costs")
     if c.tree > 1 and (c.name, c.vocab) == (winner.name, winner.vocab):

@@ -317,10 +317,11 @@ class Engine:
         budget = draft_budget(s.params.max_tokens, s.generated, self.context - len(s.tokens))
         return min(budget, self.max_draft) if self.max_draft is not None else budget
 
-    def _plan(self, s: Sequence, k_for: KFor, batched: bool = False) -> torch.Tensor:
+    def _plan(self, s: Sequence, k_for: KFor, batched: bool = False, spare=None) -> torch.Tensor:
         """Draft (with k_for saying how many tokens) and return the rows of the sequence's next target pass: its
-        last token, then the drafts. Under a constraint the drafts' masks are computed on another thread while the
-        target runs (llguidance releases the GIL)."""
+        last token, then the drafts (a tree's rows: the chain, then the alternatives). Under a constraint the drafts'
+        masks are computed on another thread while the target runs (llguidance releases the GIL). batched: the
+        sequence is stepped in a Batch, whose pass has spare() rows left for a tree's alternatives."""
         if s.drafter is not None and not s.drafting:  # the draft takes in the prompt once the first token is out:
             self._begin_drafting(s, prefill=not batched)  # the wait for it is the target's prefill alone
         proposal, draft_s = Proposal([], "none"), 0.0
@@ -328,11 +329,14 @@ class Engine:
             t0 = time.perf_counter()
             generator = s.generators.on(s.drafter.device or self.target.device)
             if self._trees(s, batched):  # alternatives emit no more tokens than the chain beside them could, but
-                room = self.context - len(s.tokens)  # their rows must fit the cache and a row-wise pass
-                proposal = s.drafter.propose(
-                    s.tokens, k_for, s.params, generator, None,
-                    lambda source, k: min(self.policy.branches(source, k, s.speculation),
-                                          1 + max(0, min(room - k, ROWWISE_MAX - 1 - k))))
+                room = self.context - len(s.tokens)  # their rows must fit the cache and a row-wise pass (a batch's)
+
+                def branches(source: str, k: int) -> int:
+                    rows = spare() if batched else ROWWISE_MAX - 1 - k
+                    return min(self.policy.branches(source, k, s.speculation, probe=not batched),
+                               1 + max(0, min(room - k, rows)))
+
+                proposal = s.drafter.propose(s.tokens, k_for, s.params, generator, None, branches)
             else:  # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
                 proposal = s.drafter.propose(s.tokens, k_for, s.params, generator,
                                              s.constraint if s.speculation.constrain_draft else None)
@@ -346,10 +350,11 @@ class Engine:
         return torch.tensor(s.tokens[-1:] + proposal.tokens, device=self.target.device)
 
     def _trees(self, s: Sequence, batched: bool) -> bool:
-        """Whether this round may propose a tree (--draft-tree): a sequence alone, its drafter able to, a target
-        whose tree passes are its chain passes bit for bit (the CPU's row-wise kernels), no constraint and no
-        log-probabilities asked for (both are per position of a chain)."""
-        return (s.speculation.tree > 1 and not batched and s.drafter.trees and self.target.trees
+        """Whether this round may propose a tree (--draft-tree): its drafter able to, a target whose tree passes are
+        its chain passes bit for bit (the CPU's row-wise kernels), no constraint and no log-probabilities asked for
+        (both are per position of a chain). In a batch as alone (a batched pass takes a tree's rows as its own pass
+        does: Transformer.forward_segments)."""
+        return (s.speculation.tree > 1 and s.drafter.trees and self.target.trees
                 and s.constraint is None and s.params.logprobs is None)
 
     def _conclude(self, s: Sequence, logits: torch.Tensor, t0: float, batched: bool = False):
@@ -373,8 +378,11 @@ class Engine:
             chain = sum(1 for row in path[1:] if row <= proposal.chain)  # the chain's drafts kept
             verify_s = time.perf_counter() - t0
             s.acceptance.record(proposal.source, proposal.chain, chain)
-            self.policy.record_round(proposal.source, proposal.chain, chain, draft_s - proposal.catch_up_s, verify_s,
-                                     proposal.catch_up_s, rows=k)
+            if batched:  # the pass's time is the batch's
+                self.policy.record_drafts(proposal.source, proposal.chain, chain, draft_s - proposal.catch_up_s)
+            else:
+                self.policy.record_round(proposal.source, proposal.chain, chain, draft_s - proposal.catch_up_s,
+                                         verify_s, proposal.catch_up_s, rows=k)
             self.policy.record_tree(proposal.source, accepted - chain)
             s.stats.record_round(proposal.source, proposal.chain, accepted, len(tokens), draft_s, verify_s)
             s.stats.tree_rounds += 1  # (drafted counts the chain: its acceptance compares with chain rounds')
@@ -631,7 +639,10 @@ class Batch:
             try:
                 lag = (lambda source, s=s: s.drafter.lag(s.tokens, source)) if s.drafter is not None else None
                 k_for = plan.k_for(i, s.speculation, engine._budget(s), s.acceptance, lag or (lambda source: 0))
-                feeds[id(s)] = engine._plan(s, k_for, batched=True)
+                feeds[id(s)] = engine._plan(s, k_for, batched=True, spare=lambda: plan.max_rows - plan.rows)
+                proposal = s.work.proposal
+                if proposal.parents is not None:  # the alternatives' rows: the plan counts them for the next
+                    plan.extra[i] = len(proposal.tokens) - proposal.chain
             except Exception as e:  # noqa: BLE001 -- its drafter or constraint: that sequence fails
                 self._fail(s, e, deliver)
         room = self.max_rows - sum(len(f) for f in feeds.values())
@@ -647,7 +658,9 @@ class Batch:
         t0 = time.perf_counter()
         try:
             logits = engine.target.forward_segments([feeds[id(s)] for s in order], [s.cache for s in order],
-                                                    [s in prefilling for s in order])
+                                                    [s in prefilling for s in order],
+                                                    [_tree(s.work.proposal) if s.work is not None else None
+                                                     for s in order])
         except Exception as e:  # noqa: BLE001 -- the pass failed: every sequence in it
             for s in order:
                 self._fail(s, e, deliver)
@@ -679,6 +692,12 @@ class Batch:
             self.active.remove(s)
         self.engine.release(s)
         deliver(s, error)
+
+
+def _tree(proposal: Proposal) -> tuple[list[int], int] | None:
+    """A proposal's tree as a pass takes it (Transformer.forward_segments): its rows' depths and the chain's rows;
+    None for a chain."""
+    return None if proposal.parents is None else (_depths(proposal), 1 + proposal.chain)
 
 
 def _depths(proposal: Proposal) -> list[int]:

@@ -42,9 +42,13 @@ def test_tune_measures_the_default_pair(pair):
     t_plain, v = roofline.v_curve(target, prompts["code-en"], 4, reps=3)
     drafter = llm.drafter(Draft.parse("ngram+qwen2.5-coder-0.5b"))
     outputs, t_step = tune.reference(target, {"code-en": prompts["code-en"]}, 24)
-    c = tune.measure("ngram+draft", drafter, {"code-en": prompts["code-en"]}, outputs, t_plain, t_step, v)
+    v_tree = roofline.v_tree(target, prompts["code-en"], 4, [2], reps=1)
+    c, tree = tune.measure("ngram+draft", drafter, {"code-en": prompts["code-en"]}, outputs, t_plain, t_step, v, v_tree)
     assert c.coverage == 1.0 and c.r > 0 and c.acceptance[0] > 0.3
     assert set(c.predicted) == {1, 2, 3, 4} and all(x > 0 for x in c.predicted.values())  # speed: bench, not here
+    # the same drafter as a tree of 2 (the draft model's rounds; n-gram lookup's stay chains): its own predictions
+    assert (tree.tree, tree.acceptance, set(tree.predicted)) == (2, c.acceptance, {1, 2, 3, 4})
+    assert 0 <= tree.alternatives <= 1 and set(v_tree[2]) == {1, 2, 3, 4}
     assert set(v) == {1, 2, 3, 4} and all(x > 0 for x in v.values()) and t_step > 0 and t_plain > 0
 
 

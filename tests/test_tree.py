@@ -260,18 +260,61 @@ def test_a_dflash_drafter_proposes_trees(tmp_path):
 
 
 def test_trees_stay_off_where_they_are_per_position_of_a_chain(pair):
-    """Log-probabilities, and sequences stepped together in a batch, verify chains (a grammar likewise: _trees)."""
+    """Log-probabilities verify chains (a grammar likewise: _trees)."""
+    target, draft = pair
+    spec = SpeculationConfig(draft_max=4, adaptive=False, tree=3, p_min=0.0)
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0), spec)
+    _, final = run(engine, SamplingParams(max_tokens=20, stop_at_eos=False, logprobs=2), PROMPT)
+    assert final.stats.tree_rounds == 0 and final.stats.rounds > 0
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_5"])
+def test_a_batched_pass_takes_a_tree_as_its_own_pass_does(tmp_path, name):
+    """Transformer.forward_segments with one sequence's rows a tree beside another's chain: each row bit for bit what
+    the tree's own pass (forward_tree) and the chain's own pass give, and the kept path's cache (a hybrid's
+    recurrent states too) that of the tree's own pass."""
+    lm = load_model(str(build(name, tmp_path / name)), BF16, False)
+    model = lm.model
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(20)], [(5 * i + 1) % 300 + 3 for i in range(13)]]
+    chain = torch.tensor([70, 71, 72])
+    with torch.inference_mode():
+        caches = [KVCache.for_model(model, 64) for _ in range(4)]  # the batch's two, then each alone
+        for cache, prompt in zip(caches, prompts + prompts):
+            model(torch.tensor([prompt]), cache)
+        start = caches[0].length
+        together = lm.forward_segments([torch.tensor(TOKENS), chain], caches[:2], [False, False], [(DEPTHS, 4), None])
+        assert torch.equal(together[0], lm.forward_tree(torch.tensor(TOKENS), DEPTHS, 4, caches[2]))
+        assert torch.equal(together[1], model(chain[None], caches[3])[0])
+        TreeRows.commit(caches[0], start, _path(5))
+        TreeRows.commit(caches[2], start, _path(5))
+        n = caches[2].length
+        assert caches[0].length == n and caches[1].length == caches[3].length
+        assert all(torch.equal(a[:, :, :n], b[:, :, :n]) for a, b in zip(caches[0].tensors(), caches[2].tensors()))
+        assert all(torch.equal(a, b) for a, b in zip(_recurrent(caches[0], n), _recurrent(caches[2], n)))
+        follow = torch.tensor([[7, 8]])
+        assert torch.equal(model(follow, caches[0]), model(follow, caches[2]))
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_sequences_in_a_batch_verify_trees_and_get_what_they_get_alone(pair, adaptive):
+    """Three sequences stepped together, each drafting trees (their alternatives' rows counted in the batch's pass):
+    greedy and seeded, each gets its tokens alone; fixed, trees were verified in the batch and candidates kept; the
+    adaptive policy verifies a tree in a batch only where one measured faster alone."""
     from quickdraft.engine import Batch
 
     target, draft = pair
-    spec = SpeculationConfig(draft_max=4, adaptive=False, tree=3, p_min=0.0)
-    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0), spec, slots=3)
-    _, final = run(engine, SamplingParams(max_tokens=20, stop_at_eos=False, logprobs=2), PROMPT)
-    assert final.stats.tree_rounds == 0 and final.stats.rounds > 0
-    params = SamplingParams(max_tokens=12, stop_at_eos=False)
-    together = Batch(engine, 2).run([dict(prompt=PROMPT, params=params), dict(prompt=PROMPT[::-1], params=params)])
-    alone = [run(engine, params, prompt)[0] for prompt in (PROMPT, PROMPT[::-1])]
-    assert [[e.token for e in events if e.token is not None] for events in together] == alone
+    spec = SpeculationConfig(draft_max=4, adaptive=adaptive, tree=3, p_min=0.0)
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0), spec, slots=4)
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[3:] + PROMPT[:3]]
+    trees = kept = 0
+    for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
+                   SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, stop_at_eos=False)):
+        together = Batch(engine, 3).run([dict(prompt=p, params=params) for p in prompts])
+        alone = [run(Engine(target, 256), params, p)[0] for p in prompts]
+        assert [[e.token for e in events if e.token is not None] for events in together] == alone
+        trees += sum(events[-1].stats.tree_rounds for events in together)
+        kept += sum(events[-1].stats.tree_alternatives_kept for events in together)
+    assert adaptive or (trees > 0 and kept > 0)
 
 
 def test_a_tree_near_the_end_of_the_context_fits_it(pair):

@@ -175,9 +175,10 @@ class Attention(nn.Module):
                 rows: int | None = None) -> torch.Tensor:
         if isinstance(cache, TreeRows):  # a tree's rows: each over its own path (TreeRows.attend)
             out = cache.attend(self, q, k, v, layer)
-        elif isinstance(cache, Segments):  # each sequence's rows over its own cache, as its own pass would
+        elif isinstance(cache, Segments):  # each sequence's rows over its own cache, as its own pass would (a tree's
             parts = [cache.split(t, 2) if t is not None else [None] * len(cache.sizes) for t in (q, k, v)]
-            out = torch.cat([self._attention(*qkv, c, layer, None, n, None) for *qkv, c, n in
+            out = torch.cat([c.attend(self, *qkv, layer) if isinstance(c, TreeRows) else  # as forward_tree's)
+                             self._attention(*qkv, c, layer, None, n, None) for *qkv, c, n in
                              zip(*parts, cache.caches, cache.sizes)], dim=2)
         else:
             out = self._attention(q, k, v, cache, layer, mask, S, rows)
@@ -293,8 +294,9 @@ class GatedDeltaNet(nn.Module):
         B, S, _ = x.shape
         mixed = self.in_qkv(x)  # (B, S, C)
         b, a = self.in_b(x), self.in_a(x)  # (B, S, Hv): beta = sigmoid(b), g = -exp(A) softplus(a + dt_bias)
-        if isinstance(cache, Segments):  # each sequence's rows through its own recurrent state
-            out = torch.cat([self._mix(*parts, c.states[layer], c.length, None) for *parts, c in
+        if isinstance(cache, Segments):  # each sequence's rows through its own recurrent state (a tree's as
+            out = torch.cat([c.mix(self, *parts, layer) if isinstance(c, TreeRows) else  # forward_tree's)
+                             self._mix(*parts, c.states[layer], c.length, None) for *parts, c in
                              zip(cache.split(mixed, 1), cache.split(b, 1), cache.split(a, 1), cache.caches)], dim=2)
         elif isinstance(cache, TreeRows):  # the chain through the state, each leaf from the state after its parent
             out = cache.mix(self, mixed, b, a, layer)
@@ -671,23 +673,30 @@ class Transformer(Decoder):
         cache.length = end
         return logits
 
-    def forward_segments(self, feeds: list[torch.Tensor], caches: list[KVCache],
-                         last_only: list[bool]) -> list[torch.Tensor]:
+    def forward_segments(self, feeds: list[torch.Tensor], caches: list[KVCache], last_only: list[bool],
+                         trees: list | None = None) -> list[torch.Tensor]:
         """Several sequences' passes as one (continuous batching): feeds[i] (S_i,) at caches[i].length on, each
         cache advanced by its S_i. Every row is computed as the sequence's own pass computes it (the linear layers'
         kernels give a row the same bits whatever rows are beside it; attention and recurrent states run per
-        sequence), so the logits are bit for bit those of forward on each alone. At most ROWWISE_MAX rows in all.
-        Returns per sequence float32 logits (S_i, V), or (1, V) of its last row where last_only[i]."""
+        sequence), so the logits are bit for bit those of forward on each alone. trees[i] (depths, chain_rows), where
+        not None: that sequence's rows are a tree's, each computed as forward_tree computes it (the caller keeps a
+        path with TreeRows.commit). At most ROWWISE_MAX rows in all. Returns per sequence float32 logits (S_i, V),
+        or (1, V) of its last row where last_only[i]."""
         sizes = [int(f.shape[0]) for f in feeds]
         if sum(sizes) > ROWWISE_MAX or min(sizes) < 1:
             raise ValueError(f"a batched pass takes 1 to {ROWWISE_MAX} rows per sequence and in all, not {sizes}")
         for cache, n in zip(caches, sizes):
             if cache.length + n > min(cache.capacity, self.max_context):
                 raise ValueError(f"positions up to {cache.length + n} exceed the context of {cache.capacity}")
+        trees = trees or [None] * len(caches)
         tokens = torch.cat(feeds)[None]
-        rotary = {kind: tuple(torch.cat([t[c.length:c.length + n] for c, n in zip(caches, sizes)])
-                              for t in self._tables(kind)) for kind in self.kinds}
-        segments = Segments(caches, sizes)
+        positions = torch.cat([torch.arange(c.length, c.length + n) if tree is None else
+                               torch.tensor([c.length + d for d in tree[0]])
+                               for c, n, tree in zip(caches, sizes, trees)])
+        positions = positions.to(self._tables(self.kinds[0])[0].device)
+        rotary = {kind: tuple(t[positions] for t in self._tables(kind)) for kind in self.kinds}
+        views = [c if tree is None else TreeRows(c, tree[0], tree[1]) for c, tree in zip(caches, trees)]
+        segments = Segments(views, sizes)
         x = self.embed(tokens)
         ple = self._per_layer_inputs(tokens, x) if self.cfg.ple_dim else None
         for i, layer in enumerate(self.layers):
@@ -708,6 +717,9 @@ class Transformer(Decoder):
             wanted.append(torch.arange(offset + n - 1 if last else offset, offset + n))
             cache.length += n
             offset += n
+        for cache, view in zip(caches, views):
+            if view is not cache:
+                cache.tree = view  # what TreeRows.commit replays of a kept leaf (a recurrent layer's step)
         logits = self.head(x[torch.cat(wanted).to(x.device)][None])[0]
         return list(logits.split([len(w) for w in wanted]))
 

@@ -168,20 +168,24 @@ class AdaptivePolicy:
         old = self.tree_gain.get(source)
         self.tree_gain[source] = float(kept) if old is None else _ema(old, float(kept), TREE_EMA)
 
-    def branches(self, source: str, k: int, cfg: SpeculationConfig | None = None) -> int:
+    def branches(self, source: str, k: int, cfg: SpeculationConfig | None = None, probe: bool = True) -> int:
         """Candidates at the chain's least sure position (1: a chain alone) for a round of k drafts: cfg.tree where
         a tree measures faster than the chain, E[L](k) + the alternatives' kept share over the tree pass, and while
         a tree has not been measured lately (one round in TREE_PROBE after chains); a chain again after TREE_PROBE
-        tree rounds, so that the chain's own cost stays measured."""
+        tree rounds, so that the chain's own cost stays measured. probe False (a sequence in a batch, whose pass
+        times no round of its own): a tree only where one was measured faster."""
         cfg = cfg or self.cfg
         if cfg.tree <= 1 or k < 1:
             return 1
         if not cfg.adaptive:
             return cfg.tree
-        if self.since_chain.get(source, 0) >= TREE_PROBE:
-            return 1
         gain = self.tree_gain.get(source)
-        if gain is None or self.since_tree.get(source, 0) >= TREE_PROBE or self.t_plain is None:
+        if not probe:
+            if gain is None or self.t_plain is None:
+                return 1
+        elif self.since_chain.get(source, 0) >= TREE_PROBE:
+            return 1
+        elif gain is None or self.since_tree.get(source, 0) >= TREE_PROBE or self.t_plain is None:
             return cfg.tree
         tree_s = self.tree_seconds(k + cfg.tree - 1)
         cost = self.draft_seconds(source, k) + self.t_catch_up.get(source, 0.0)
@@ -355,11 +359,12 @@ class BatchPlan:
         self.policy, self.max_rows = policy, max_rows
         self.base_rows, self.base_tokens = rows, float(sequences)
         self.choices: dict[int, tuple[int, float, float]] = {}  # sequence -> (k, expected extra tokens, draft s)
+        self.extra: dict[int, int] = {}  # sequence -> rows of a tree's alternatives beside its chain
         self.passes: dict[int, float | None] = {}  # rows -> the policy's estimate of a pass, asked once a step
 
     @property
     def rows(self) -> int:
-        return self.base_rows + sum(k for k, _, _ in self.choices.values())
+        return self.base_rows + sum(k for k, _, _ in self.choices.values()) + sum(self.extra.values())
 
     @property
     def tokens(self) -> float:

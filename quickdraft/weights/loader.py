@@ -60,12 +60,16 @@ class LoadedModel:
             return logits[:, S - 1:S] if last_only else logits[:, :S]
         return self.model(tokens, cache, last_only, head)
 
-    def forward_segments(self, feeds: list[torch.Tensor], caches: list, last_only: list[bool]) -> list[torch.Tensor]:
+    def forward_segments(self, feeds: list[torch.Tensor], caches: list, last_only: list[bool],
+                         trees: list | None = None) -> list[torch.Tensor]:
         """Several sequences' passes as one (Transformer.forward_segments): per sequence its logits (S_i, V), or
-        (1, V) where last_only. On CUDA, where a pass's shape decides its arithmetic (rows), each runs as its own
-        pass: the same output, without the batch's saving."""
+        (1, V) where last_only; trees[i] (depths, chain_rows): that sequence's rows are a tree's (where `trees`).
+        On CUDA, where a pass's shape decides its arithmetic (rows), each runs as its own pass: the same output,
+        without the batch's saving."""
         if self.rows is None and isinstance(self.model, Transformer):
-            return self.model.forward_segments(feeds, caches, last_only)
+            return self.model.forward_segments(feeds, caches, last_only, trees)
+        if any(trees or ()):
+            raise ValueError(f"{self.name}: tree verification runs on the CPU")
         return [self.forward(f[None], c, last)[0] for f, c, last in zip(feeds, caches, last_only)]
 
     @property

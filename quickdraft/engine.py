@@ -317,11 +317,11 @@ class Engine:
         budget = draft_budget(s.params.max_tokens, s.generated, self.context - len(s.tokens))
         return min(budget, self.max_draft) if self.max_draft is not None else budget
 
-    def _plan(self, s: Sequence, k_for: KFor, batched: bool = False, spare=None) -> torch.Tensor:
+    def _plan(self, s: Sequence, k_for: KFor, batched: bool = False, in_batch=None) -> torch.Tensor:
         """Draft (with k_for saying how many tokens) and return the rows of the sequence's next target pass: its
         last token, then the drafts (a tree's rows: the chain, then the alternatives). Under a constraint the drafts'
         masks are computed on another thread while the target runs (llguidance releases the GIL). batched: the
-        sequence is stepped in a Batch, whose pass has spare() rows left for a tree's alternatives."""
+        sequence is stepped in a Batch; in_batch(source, width): the candidates its pass can take (Batch)."""
         if s.drafter is not None and not s.drafting:  # the draft takes in the prompt once the first token is out:
             self._begin_drafting(s, prefill=not batched)  # the wait for it is the target's prefill alone
         proposal, draft_s = Proposal([], "none"), 0.0
@@ -332,9 +332,9 @@ class Engine:
                 room = self.context - len(s.tokens)  # their rows must fit the cache and a row-wise pass (a batch's)
 
                 def branches(source: str, k: int) -> int:
-                    rows = spare() if batched else ROWWISE_MAX - 1 - k
-                    return min(self.policy.branches(source, k, s.speculation, probe=not batched),
-                               1 + max(0, min(room - k, rows)))
+                    width = min(self.policy.branches(source, k, s.speculation, probe=not batched),
+                                1 + max(0, min(room - k, ROWWISE_MAX - 1 - k)))
+                    return in_batch(source, width) if batched and width > 1 else width
 
                 proposal = s.drafter.propose(s.tokens, k_for, s.params, generator, None, branches)
             else:  # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
@@ -639,7 +639,9 @@ class Batch:
             try:
                 lag = (lambda source, s=s: s.drafter.lag(s.tokens, source)) if s.drafter is not None else None
                 k_for = plan.k_for(i, s.speculation, engine._budget(s), s.acceptance, lag or (lambda source: 0))
-                feeds[id(s)] = engine._plan(s, k_for, batched=True, spare=lambda: plan.max_rows - plan.rows)
+                feeds[id(s)] = engine._plan(s, k_for, batched=True,
+                                            in_batch=lambda source, width, s=s: plan.branches(source, width,
+                                                                                              s.speculation))
                 proposal = s.work.proposal
                 if proposal.parents is not None:  # the alternatives' rows: the plan counts them for the next
                     plan.extra[i] = len(proposal.tokens) - proposal.chain

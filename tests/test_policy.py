@@ -248,3 +248,23 @@ def test_fixed_k_is_kept_in_a_batch_and_an_untimed_source_waits():
 
     plan = BatchPlan(policy, 2, 2, 64)
     assert plan.k_for(0, SpeculationConfig(draft_max=4), 4, lag=lambda source: 30)("never-timed") == 0
+
+
+def test_a_tree_in_a_batch_takes_the_rows_left_and_pays_for_them():
+    """A sequence's candidates in a batched step: at most the rows its pass has left; fixed (--fixed-k), as many as
+    asked; adaptive, only where the candidates' measured kept share buys more tokens per second than their rows cost
+    the whole batch's pass, and not before a tree was measured."""
+    from quickdraft.speculative.policy import BatchPlan
+
+    adaptive, fixed = SpeculationConfig(draft_max=4, tree=3), SpeculationConfig(draft_max=4, tree=3, adaptive=False)
+    flat = batch_policy(0.8, lambda r: 1.0 + 0.01 * r)  # a row costs 1% of a pass
+    plan = BatchPlan(flat, 2, 2, 8)
+    assert plan.k_for(0, fixed, 4)("ngram") == 4 and plan.branches("ngram", 3, fixed) == 3
+    assert plan.branches("ngram", 8, fixed) == 3  # 8 rows: 2 pending tokens, 4 drafts, 2 left
+    assert plan.branches("ngram", 3, adaptive) == 1  # no tree measured yet
+    flat.tree_gain["ngram"] = 0.3
+    assert plan.branches("ngram", 3, adaptive) == 3
+    saturated = batch_policy(0.8, lambda r: 0.3 * r)  # a pass costs as its rows: candidates do not pay
+    saturated.tree_gain["ngram"] = 0.3
+    plan = BatchPlan(saturated, 2, 2, 64)
+    assert plan.k_for(0, fixed, 4)("ngram") == 4 and plan.branches("ngram", 3, adaptive) == 1

@@ -19,7 +19,7 @@ def speculation_config(args):
 
     return SpeculationConfig(draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min,
                              adaptive=not args.fixed_k, constrain_draft=not getattr(args, "blind_draft", False),
-                             draft_vocab=getattr(args, "draft_vocab", 0), tree=getattr(args, "draft_tree", 1))
+                             draft_vocab=getattr(args, "draft_vocab", 0), tree=getattr(args, "draft_tree", None) or 1)
 
 
 def grammar_of(args):
@@ -85,7 +85,7 @@ def apply_profile(args) -> None:
         args.draft_p_min = float(profile.get("p_min", args.draft_p_min))
         if getattr(args, "draft_vocab", 0) == 0:
             args.draft_vocab = int(profile.get("draft_vocab", 0))
-        if getattr(args, "draft_tree", 1) == 1:
+        if getattr(args, "draft_tree", None) is None:  # --draft-tree given wins over the profile's
             args.draft_tree = int(profile.get("draft_tree", 1))
         args.draft_min = min(args.draft_min, args.draft_max)
 

@@ -68,16 +68,16 @@ def _speculation_args(parser: argparse.ArgumentParser) -> None:
                         "BPE vocabulary) and every id of the prompt and answer, instead of its whole vocabulary; "
                         "output stays identical, acceptance may drop where the answer's tokens are rare ones; `tune` "
                         "measures whether it pays (0: the whole vocabulary; default: %(default)s)")
-    s.add_argument("--draft-tree", type=int, default=1, metavar="B",
-                   help="tree verification: beside a draft model's, DFlash drafter's or assistant's chain, up to B "
-                        "candidates at the position it is least sure of, verified in the same target pass (exact at "
-                        "any temperature); the policy uses the tree only while it measures faster than the chain; "
-                        "on the CPU (1: chains alone; default: %(default)s)")
+    s.add_argument("--draft-tree", type=int, default=None, metavar="B",
+                   help="tree verification: beside a draft model's, MTP layers', DFlash drafter's or assistant's "
+                        "chain, up to B candidates at the position it is least sure of, verified in the same target "
+                        "pass (exact at any temperature; alone or in a batch); the policy uses the tree only while it "
+                        "measures faster than the chain; on the CPU (1: chains alone; default: a --profile's, else 1)")
     s.add_argument("--fixed-k", action="store_true",
                    help="always draft --draft-max tokens instead of choosing k by measurement")
     s.add_argument("--profile", type=Path, default=None, metavar="FILE",
-                   help="take the draft, n-gram lookup and k from a profile written by `quickdraft tune`, and the "
-                        "target's weight format it was tuned in unless --weights is given")
+                   help="take the draft, n-gram lookup, k, cut head and tree from a profile written by `quickdraft "
+                        "tune`, and the target's weight format it was tuned in unless --weights is given")
 
 
 def _pair_args(parser: argparse.ArgumentParser) -> None:

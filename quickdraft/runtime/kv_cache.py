@@ -189,6 +189,7 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.tree = None  # (a tree pass whose path was never kept: what it held of its leaves goes too)
         for s in self.recurrent:
             s.reset()
 

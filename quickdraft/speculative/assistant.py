@@ -155,9 +155,9 @@ class AssistantDrafter(DraftModelDrafter):
         """Greedy replay: at each position t the chain a round would run (the target's hidden states, keys and
         values of the known sequence, one teacher-forced target pass), counting how many of its guesses match."""
         seq = prompt + output
-        target = KVCache.for_model(self.target.model, len(seq))
+        target = KVCache.for_model(self.target.model, len(seq) + self.target.chunk)
         target.keep_hidden(self.target.config.dim)
-        self.target.teacher_forced(torch.tensor([seq[:-1]], device=self.device), target)
+        self.target.prefill(torch.tensor([seq[:-1]], device=self.device), target)  # (its states)
         out = [Offer("", 0, 0)]
         for t in range(1, len(output)):
             committed = len(prompt) + t - 1  # positions the target has run when output[t - 1] is pending

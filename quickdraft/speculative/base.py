@@ -72,7 +72,7 @@ def replay_chain(source: str, step, pending: int, known: list[int], kmax: int, p
         token = int(logits.argmax())
         if kept is None and token != known[i]:
             kept = i
-            rank = int((logits > logits[known[i]]).sum()) if float(probs[known[i]]) > 0 else 0
+            rank = max(1, int((logits > logits[known[i]]).sum())) if float(probs[known[i]]) > 0 else 0
     return Offer(source, kmax, len(confidence) if kept is None else kept, tuple(confidence), rank)
 
 

@@ -236,9 +236,9 @@ class DFlashDrafter(DraftModelDrafter):
         """Greedy replay: the target's hidden states of the known sequence (one teacher-forced pass), then at each
         position t the block a round would draft there, counting how many of its guesses the output has."""
         seq = prompt + output
-        target = KVCache.for_model(self.target.model, len(seq))
+        target = KVCache.for_model(self.target.model, len(seq) + self.target.chunk)
         self._keep(target)
-        self.target.teacher_forced(torch.tensor([seq[:-1]], device=self.device), target)
+        self.target.prefill(torch.tensor([seq[:-1]], device=self.device), target)  # (its states)
         cache = KVCache(self.drafter.model.kv_layout(), len(seq) + self.block_size, dtype=self.drafter.model.dtype,
                         device=self.device)
         out = [Offer("", 0, 0)]

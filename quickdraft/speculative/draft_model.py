@@ -321,34 +321,37 @@ class DraftModelDrafter(Drafter):
         the target rejects anyway, and where a tree puts its alternatives.)"""
         n = len(output)
         seq = prompt + output
-        cache = KVCache.for_model(self.lm.model, len(seq))
+        room = len(seq) + self.lm.chunk  # a CUDA pass pads to its rows: the replay's passes are padded as decoding's
+        cache = KVCache.for_model(self.lm.model, room)
         logits = self._over_target(self.lm.teacher_forced(self._ids(seq[:-1]), cache)[0, len(prompt) - 1:])
-        allowed = None
-        if self.subset is not None:  # the ids the subset scores at each position: the full head's logits there
-            allowed = self.subset.allowed(prompt, output, logits.shape[-1])
-            logits = logits.masked_fill(~allowed, float("-inf"))
+        # the ids a round's cut head scores: those of its start (the sequence up to the pending token), all its rounds
+        allowed = self.subset.allowed(prompt, output, logits.shape[-1]) if self.subset is not None else None
+        own = KVCache.for_model(self.lm.model, room)  # the chains past a wrong guess, one after another
         out = [Offer("", 0, 0)]
         for t in range(1, n):
-            out.append(replay_chain("draft", self._teacher_forced(cache, logits, allowed, seq, len(prompt) + t - 1),
-                                    output[t - 1], output[t:], kmax, self.p_min))
+            step = self._teacher_forced(cache, own, logits, None if allowed is None else allowed[t], seq,
+                                        len(prompt) + t - 1)
+            out.append(replay_chain("draft", step, output[t - 1], output[t:], kmax, self.p_min))
         return out
 
-    def _teacher_forced(self, cache: KVCache, logits: torch.Tensor, allowed, seq: list[int], at: int):
+    def _teacher_forced(self, cache: KVCache, own: KVCache, logits: torch.Tensor, allowed, seq: list[int], at: int):
         """replay_chain's step for a round whose pending token is seq[at]: the teacher-forced rows while the chain
-        is the known sequence, then single-token passes over a copy of the cache's prefix."""
-        state = {"i": 0, "own": None}
+        is the known sequence, then single-token passes in `own` from a copy of the cache's prefix; allowed: the ids
+        the round's cut head scores (None: every id)."""
+        state = {"i": 0, "off": False}
         row0 = at - (len(seq) - 1 - logits.shape[0])  # logits' row of the pending token's position
 
         def step(token: int) -> torch.Tensor:
-            i, own = state["i"], state["own"]
+            i = state["i"]
             state["i"] = i + 1
-            if own is None and (token == seq[at + i] or cache.recurrent):
-                return logits[row0 + i]
-            if own is None:  # the first token off the known sequence: its prefix is the teacher-forced pass's
-                own = state["own"] = KVCache.for_model(self.lm.model, len(seq) + 1)
-                own.copy_prefix(cache, at + i)
-            x = self._over_target(self.lm.forward(self._ids([token]), own, last_only=True)[0, -1])
-            return x.masked_fill(~allowed[row0 + i], float("-inf")) if allowed is not None else x
+            if not state["off"] and (token == seq[at + i] or cache.recurrent):
+                x = logits[row0 + i]
+            else:
+                if not state["off"]:  # the first token off the known sequence: its prefix is the teacher-forced pass's
+                    state["off"] = True
+                    own.copy_prefix(cache, at + i)
+                x = self._over_target(self.lm.forward(self._ids([token]), own, last_only=True)[0, -1])
+            return x.masked_fill(~allowed, float("-inf")) if allowed is not None else x
 
         return step
 

@@ -163,9 +163,9 @@ class MtpDrafter(DraftModelDrafter):
         (base.replay_chain: past a wrong guess too, for a tree's choice of position)."""
         seq = prompt + output
         model = self.lm.model
-        target = KVCache.for_model(model, len(seq))
+        target = KVCache.for_model(model, len(seq) + self.lm.chunk)
         target.keep_hidden(self.lm.config.dim)
-        self.lm.teacher_forced(torch.tensor([seq[:-1]], device=self.device), target)
+        self.lm.prefill(torch.tensor([seq[:-1]], device=self.device), target)  # (its hidden states)
         out = [Offer("", 0, 0)]
         for t in range(1, len(output)):
             committed = len(prompt) + t - 1  # positions the target has run when output[t - 1] is pending

@@ -377,6 +377,19 @@ class BatchPlan:
         t = self.passes[rows]
         return None if t is None else t + sum(d for _, _, d in self.choices.values()) + extra_draft_s
 
+    def branches(self, source: str, width: int, cfg: SpeculationConfig) -> int:
+        """Candidates a sequence's tree may have in this step (its k already chosen): as many as the pass has rows left
+        for, and with the adaptive policy only where the batch's tokens per second gain from them (the candidates'
+        measured kept share against the pass's cost of their rows), else 1: a chain."""
+        width = min(width, 1 + max(0, self.max_rows - self.rows))
+        if width < 2 or not cfg.adaptive:
+            return width
+        gain = self.policy.tree_gain.get(source)
+        now, more = self.seconds(0, 0.0), self.seconds(width - 1, 0.0)
+        if gain is None or not now or not more:
+            return 1
+        return width if (self.tokens + gain) / more > self.tokens / now else 1
+
     def k_for(self, key: int, cfg: SpeculationConfig, budget: int, own: "Acceptance | None" = None,
               lag=lambda source: 0):
         """The KFor of the sequence `key` (its drafter asks per source; its last answer is the one that counts): own,

@@ -342,7 +342,8 @@ def _formats_report(profile: dict) -> list[str]:
         mark = "" if r["within_bound"] else f"  over the {bound:g}% bound"
         lines.append(f"{r['weights']:7} {r['ppl']:8.3f} {r['ppl_increase']:+7.2f}% {r['kl']:7.4f} "
                      f"{100 * r['top1']:5.1f}% {r['plain_tok_s']:7.1f} {r['tok_s']:7.1f}  {r['draft']} k={r['draft_max']}"
-                     + (f" vocab={r['draft_vocab']}" if r.get("draft_vocab") else "") + mark)
+                     + (f" vocab={r['draft_vocab']}" if r.get("draft_vocab") else "")
+                     + (f" tree={r['draft_tree']}" if r.get("draft_tree", 1) > 1 else "") + mark)
     within = [r for r in profile["formats"] if r["within_bound"]]
     lines.append(f"weights: {profile['weights']}, " + (
         f"the fastest pair within {bound:g}% of bf16's perplexity" if within else
@@ -368,10 +369,10 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
         elif v.get(k, 1) > 1.5:
             reasons.append(f"verification too costly (v({k}) = {v[k]:.2f})")
         return "slower than plain decoding: " + ("; ".join(reasons) or "the gains do not cover the costs")
-    if c.tree > 1 and (c.name, c.vocab) == (winner.name, winner.vocab):
+    if c.tree > 1 and winner.tree == 1 and (c.name, c.vocab) == (winner.name, winner.vocab):
         return (f"its tree kept an alternative in {100 * c.alternatives:.0f}% of rounds, which does not pay for the "
                 f"candidates' rows: predicted {c.best_speedup:.2f}x against the chain's {winner.best_speedup:.2f}x")
-    if winner.tree > 1 and (c.name, c.vocab) == (winner.name, winner.vocab):
+    if winner.tree > 1 and c.tree == 1 and (c.name, c.vocab) == (winner.name, winner.vocab):
         return (f"the same drafter as a tree of {winner.tree} keeps an alternative in {100 * winner.alternatives:.0f}% "
                 f"of rounds: predicted {winner.best_speedup:.2f}x against the chain's {c.best_speedup:.2f}x")
     if c.r > winner.r * 1.5 and c.r > 0.1:

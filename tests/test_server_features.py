@@ -297,6 +297,19 @@ def test_the_speculation_trace_names_each_tokens_source(server, stream):
                                                                 "stream": False}).json()["choices"][0]
 
 
+def test_a_request_asks_for_trees(server):
+    """speculative.tree: this request's rounds verify trees of up to 3 candidates (the server's draft offers them),
+    its text plain decoding's; the timings count the tree rounds and the candidates kept."""
+    body = {"messages": ASK, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": False}
+    tree = post(server, "/v1/chat/completions", {**body, "speculative": {"draft_max": 4, "adaptive": False,
+                                                                         "tree": 3}}).json()
+    plain = post(server, "/v1/chat/completions", {**body, "speculative": {"draft_max": 0}}).json()
+    assert tree["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert tree["timings"]["tree_rounds"] > 0 and tree["timings"]["tree_alternatives_kept"] >= 0
+    chain = post(server, "/v1/chat/completions", {**body, "speculative": {"draft_max": 4, "adaptive": False}}).json()
+    assert chain["timings"]["tree_rounds"] == 0 and chain["timings"]["rounds"] > 0  # the server's default: chains
+
+
 # ---- prefix reuse ---------------------------------------------------------------------------------------------------
 
 def test_a_chats_next_turn_reuses_its_history_and_cache_prompt_false_prefills_it_all(server):

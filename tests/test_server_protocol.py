@@ -52,6 +52,7 @@ def test_no_stop_strings_passes_everything():
     (b'{"prompt": "x", "top_p": 0}', "greater than 0", "top_p"),
     (b'{"prompt": "x", "stop": [1]}', "a string or a list of strings", "stop"),
     (b'{"prompt": "x", "speculative": {"k": 3}}', "unknown field 'speculative.k'", "speculative.k"),
+    (b'{"prompt": "x", "speculative": {"tree": 0}}', "speculative.tree", "speculative.tree"),
     (b'{"prompt": "x", "seed": 1.5}', "valid integer", "seed"),
     # a prompt's token ids have a bound of their own; anything else in a prompt counts as values anywhere do
     (json.dumps({"prompt": [[1] * 70_000, [2] * 70_000]}).encode(), "more than 131072 token ids", "prompt"),

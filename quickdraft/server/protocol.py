@@ -54,12 +54,14 @@ class _Strict(BaseModel):
 
 
 class Speculative(_Strict):
-    """Per-request speculation: {"draft_max": 0} turns it off; {"draft_max": 4, "adaptive": false} fixes k."""
+    """Per-request speculation: {"draft_max": 0} turns it off; {"draft_max": 4, "adaptive": false} fixes k;
+    {"tree": 3} verifies trees of up to 3 candidates (--draft-tree; 1: chains)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
     draft_max: int | None = Field(None, ge=0, le=MAX_DRAFT)
     draft_min: int | None = Field(None, ge=0, le=MAX_DRAFT)
     adaptive: bool | None = None
+    tree: int | None = Field(None, ge=1, le=8)
 
 
 class StreamOptions(_Strict):
@@ -517,4 +519,6 @@ def timings(t: Timings, stats: SpeculationStats, completion_n: int) -> dict:
         "constraint": stats.constraint,
         "mask_ms": 1000 * stats.mask_s,
         "mask_share": stats.mask_share,
+        "tree_rounds": stats.tree_rounds,
+        "tree_alternatives_kept": stats.tree_alternatives_kept,
     }

@@ -191,7 +191,8 @@ def speculation(state, req):
         raise p.APIError(400, "this server runs without a draft: start it with --draft to speculate, or "
                               "send speculative.draft_max 0", "speculative")
     adaptive = base.adaptive if s.adaptive is None else s.adaptive
-    return replace(base, draft_max=draft_max, draft_min=draft_min, adaptive=adaptive)
+    return replace(base, draft_max=draft_max, draft_min=draft_min, adaptive=adaptive,
+                   tree=base.tree if s.tree is None else s.tree)
 
 
 async def constraint(state, req, tools: ToolPlan | None = None):

@@ -136,16 +136,13 @@ def measure(name: str, drafter, prompts: dict[str, list[int]], outputs: dict[str
     a = [(kept[i] + 0.5) / (judged[i] + 1) if judged[i] else 0.0 for i in range(kmax)]
     out = []
     for width in [1] + widths:
-        ks = [k for k in range(1, kmax + 1) if width < 2 or k in costs.v_tree[width]]
-        predicted = {k: statistics.median(simulate(o, k, costs, replay, width)["speedup"] for o in per_prompt.values())
-                     for k in ks}
-        if not predicted:
+        sims = {k: [simulate(o, k, costs, replay, width) for o in per_prompt.values()]
+                for k in range(1, kmax + 1) if width < 2 or k in costs.v_tree[width]}
+        if not sims:
             continue
+        predicted = {k: statistics.median(x["speedup"] for x in runs) for k, runs in sims.items()}
         best_k = max(predicted, key=predicted.get)
-        alternatives = 0.0
-        if width > 1:
-            sims = [simulate(o, best_k, costs, replay, width) for o in per_prompt.values()]
-            alternatives = sum(x["alternatives"] for x in sims) / max(sum(x["trees"] for x in sims), 1)
+        alternatives = sum(x["alternatives"] for x in sims[best_k]) / max(sum(x["trees"] for x in sims[best_k]), 1)
         out.append(Candidate(name, r, a, rounds / steps if steps else 0.0, predicted, best_k, predicted[best_k],
                              tree=width, alternatives=alternatives))
     return out

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import quickdraft.engine
+import quickdraft.engine.verify
 from quickdraft.config import EngineConfig, SpeculationConfig
 from quickdraft.engine import Engine
 from quickdraft.speculative.draft_model import DraftModelDrafter
@@ -48,7 +48,7 @@ def test_a_broken_sampled_accept_rule_fails(engine, monkeypatch):
         last = torch.multinomial(p_target[-1], 1, generator=generator)
         return drafts.tolist() + [int(last)], drafts.shape[0]
 
-    monkeypatch.setattr(quickdraft.engine, "accept_sampled", accept_everything)
+    monkeypatch.setattr(quickdraft.engine.verify, "accept_sampled", accept_everything)
     torch.manual_seed(0)
     report = verify(engine, PROMPTS, 8, 1.0, 4, 400, PROMPTS["a"])
     assert all(c.identical for c in report.greedy)  # greedy does not use the sampled rule
@@ -60,7 +60,7 @@ def test_a_broken_greedy_accept_rule_fails(engine, monkeypatch):
     def accept_all_drafts(target_argmax, drafts):
         return drafts.tolist() + [int(target_argmax[-1])], drafts.shape[0]
 
-    monkeypatch.setattr(quickdraft.engine, "accept_greedy", accept_all_drafts)
+    monkeypatch.setattr(quickdraft.engine.verify, "accept_greedy", accept_all_drafts)
     report = verify(engine, PROMPTS, 24, 1.0, 4, 0, PROMPTS["a"])
     assert not report.passed and report.distribution is None
     broken = [c for c in report.greedy if not c.identical]
@@ -80,7 +80,7 @@ def test_trees_pass_and_a_broken_tree_rule_fails(engine, monkeypatch):
     def trust_the_first(p_rows, q_rows, tokens, parents, generator):  # the chain's draft, whatever the target says
         return [tokens[0], int(torch.multinomial(p_rows[1], 1, generator=generator))], [0, 1]
 
-    monkeypatch.setattr(quickdraft.engine, "accept_tree_sampled", trust_the_first)
+    monkeypatch.setattr(quickdraft.engine.verify, "accept_tree_sampled", trust_the_first)
     torch.manual_seed(0)
     report = verify(trees, PROMPTS, 8, 1.0, 4, 400, PROMPTS["a"])
     assert not report.distribution.passed and report.distribution.p_value < 1e-3

@@ -217,8 +217,7 @@ class EngineWorker:
                 batch.step(self._deliver)
             except Exception:  # a bug of ours outside any one sequence: fail what runs, go on serving
                 log.exception("a step failed")
-                for s in list(batch.active):
-                    batch._fail(s, RuntimeError("the engine's step failed"), self._deliver)
+                batch.fail(RuntimeError("the engine's step failed"), self._deliver)
             self.metrics.running.set(len(batch.active))
             if batch.last_rows:
                 self.metrics.batch_rows.observe(batch.last_rows)

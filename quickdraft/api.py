@@ -16,16 +16,18 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator
 
-from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
+import torch
+
+from quickdraft import quant
+from quickdraft.config import DEFAULT_MAX_CONTEXT, EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine, Event, Halt, Timings
 from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint
 from quickdraft.grammar import Grammar
-from quickdraft.runtime import memory
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.speculative.stats import SpeculationStats
-from quickdraft.weights import hub
-from quickdraft.weights.loader import LoadedModel, load_model, resolve_device
+from quickdraft.weights import hub, memory
+from quickdraft.weights.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -153,7 +155,7 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
         raise QuickdraftError("--cache-slots must be at least 1 (the sequence being generated)")
     warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # noqa: E731
     if resolve_device(device).type == "cuda":  # what fits is known before any weight is read
-        plan, cache_slots = memory.fitting_slots(model, draft, engine, cache_slots, warn)
+        plan, cache_slots = fitting_slots(model, draft, engine, cache_slots, warn)
         memory.check(plan, warn=warn)
         if (sys.stderr.isatty() if progress is None else progress) and plan.warning() is None:
             print(f"memory plan: {plan.used / 2**30:.1f} GiB of {plan.device}'s {plan.capacity / 2**30:.1f} GiB "
@@ -166,3 +168,38 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
 def slot_count(slots: int, ram: int | None, slot_bytes: int) -> int:
     """The kept sequences: `slots`, fewer where `ram` bytes hold fewer of slot_bytes each, at least one."""
     return max(1, min(slots, ram // max(slot_bytes, 1))) if ram is not None else slots
+
+
+def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int | None = None, free: int | None = None,
+                slots: int = 1) -> memory.MemoryPlan:
+    """What loading target (a source) with draft (a Draft, `auto` resolved here) under engine will take, worked out
+    before any weight is read (weights/memory.py): the target in the format the loader will give it, what the draft's
+    kind holds (speculative/base.Drafter.planned), caches for the context the load gives, for `slots` kept
+    sequences (the engine's cache slots: runtime/slots.py). capacity and free: a stated size, else the device's."""
+    # a stated size may plan for a device this machine lacks (--device cuda on a CPU machine)
+    device = torch.device(engine.device) if capacity is not None and engine.device != "auto" else \
+        resolve_device(engine.device)
+    dtype = resolve_dtype(engine.dtype, device)
+    spec = memory.spec_from_source("target", target, quant.resolve(engine.weights, device, dtype))
+    context = engine.max_context or min(spec.cfg.max_context, DEFAULT_MAX_CONTEXT)
+    draft = draft.resolve(target)
+    kind = draft.drafter_class
+    own = kind.planned(draft, spec.cfg, device, dtype, context) if kind is not None else []
+    out = memory.plan([spec], context, device, capacity, free, own)
+    if slots > 1:  # each kept sequence has caches of its own
+        out.items = [memory.Item(i.what, i.nbytes * slots, f"{i.detail}, x {slots} kept sequences")
+                     if "KV cache" in i.what else i for i in out.items]
+    return out
+
+
+def fitting_slots(target: str, draft: Draft, engine: EngineConfig, slots: int,
+                  warn=None) -> tuple[memory.MemoryPlan, int]:
+    """The plan with as many of `slots` kept sequences as fit (at least one: the plan then says if even that does
+    not), and that number; warn(text) when fewer than asked."""
+    for n in range(slots, 0, -1):
+        out = memory_plan(target, draft, engine, slots=n)
+        if out.fits or n == 1:
+            if n < slots and warn is not None:
+                warn(f"{slots} kept sequences do not fit on {out.device}: keeping {n} (--cache-slots)")
+            return out, n
+    raise AssertionError("unreachable")

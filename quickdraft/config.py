@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.rope import RopeConfig
+
+SCALINGS = ("default", "linear", "llama3", "longrope", "proportional")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """A model's rotary position embedding: its base and scaling scheme (models/rope.py computes its tables)."""
+
+    theta: float = 10000.0
+    scaling: str = "default"  # one of SCALINGS
+    factor: float = 1.0  # linear, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_context: int = 8192  # llama3, longrope: the context the model was trained with
+    rotary_dim: int | None = None  # dimensions rotated (None: the whole head)
+    fraction: float = 1.0  # proportional: the share of frequencies that rotate
+    short_factors: tuple[float, ...] = ()  # longrope
+    long_factors: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (longrope)
+    freq_factors: tuple[float, ...] = field(default=())  # per-frequency divisors, from a GGUF rope_freqs tensor
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise QuickdraftError(f"unsupported rope scaling {self.scaling!r}: quickdraft implements "
+                                  f"{', '.join(SCALINGS)}")
+
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "phi3", "gemma2",
                    "gemma3", "gemma4")

@@ -35,7 +35,7 @@ import torch
 
 from quickdraft.tools import roofline
 from quickdraft.config import EngineConfig
-from quickdraft.runtime import memory
+from quickdraft.weights import memory
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.speed import expected_length, speedup
 from quickdraft.weights import hub

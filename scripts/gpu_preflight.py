@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # image: scripts/gpu_prepare.sh fetches their wheels into .gpu/whl.
 MODULES = ("torch", "numpy", "gguf", "llguidance", "tokenizers", "safetensors", "jinja2", "rich", "transformers",
            "pytest", "pytest_timeout", "quickdraft.api", "quickdraft.engine", "quickdraft.tools.roofline",
-           "quickdraft.runtime.memory", "quickdraft.speculative.mtp", "quickdraft.speculative.assistant",
+           "quickdraft.weights.memory", "quickdraft.speculative.mtp", "quickdraft.speculative.assistant",
            "tests.helpers", "tests.families", "tests.test_hybrid", "tests.test_moe", "tests.test_assistant",
            "tests.llamacpp")
 VERSIONS = ("torch", "triton", "transformers", "gguf", "llguidance", "tokenizers", "numpy", "pytest")

@@ -138,14 +138,14 @@ def test_trees_of_the_assistants_candidates_equal_plain(target_dir, assistant_di
 def test_the_memory_plan_counts_what_the_assistant_holds(target_dir, assistant_dir):
     """The plan made before loading against the built drafter: the assistant keeps no cache of its own, it reads the
     target's hidden states (and its weights are counted beside the target's)."""
-    from quickdraft.runtime import memory
+    from quickdraft.api import memory_plan
 
     _, tdir = target_dir
     _, adir = assistant_dir
     target = load_model(str(tdir), BF16, progress=False)
     engine = Engine(target, 256, drafter_for(target, adir, BF16), SpeculationConfig())
     run(engine, SamplingParams(max_tokens=10, stop_at_eos=False))
-    plan = memory.for_load(str(tdir), Draft.parse(str(adir)), BF16)
+    plan = memory_plan(str(tdir), Draft.parse(str(adir)), BF16)
     assert [i.what for i in plan.items] == ["target weights", "target KV cache", "draft weights", "draft KV cache",
                                             "activations"]
     assert next(i.nbytes for i in plan.items if i.what == "draft KV cache") == engine.drafter.cache_bytes() > 0

@@ -243,7 +243,7 @@ def test_cuda_loads_gguf_4_bit_blocks_as_they_are(tmp_path):
 
     from quickdraft.quant import int4
     from quickdraft.weights import gguf as gguf_io
-    from quickdraft.weights.dequant import dequantize
+    from quickdraft.quant.blocks import dequantize
     from tests.helpers import write_gguf_from_hf
 
     types = {"attn_q.weight": T.Q4_0, "attn_k.weight": T.Q4_0, "attn_v.weight": T.Q4_1, "ffn_gate.weight": T.Q4_1,

@@ -327,7 +327,7 @@ def test_recognised_planned_replayed_and_refused(target_dir, drafter_dir, tmp_pa
     """--draft DIR is the dflash kind; the memory plan made before loading counts what the built drafter holds;
     tune's replay over an output made of the target's first token and a round's own drafts keeps them all; a
     drafter made for another target is a one-line error naming the fix."""
-    from quickdraft.runtime import memory
+    from quickdraft.api import memory_plan
 
     hf_target, tdir = target_dir
     kind, _, path = drafter_dir
@@ -341,7 +341,7 @@ def test_recognised_planned_replayed_and_refused(target_dir, drafter_dir, tmp_pa
     assert len(proposal.tokens) == BLOCK - 1
     offers = drafter.offers(PROMPT, first + proposal.tokens, BLOCK - 1)
     assert offers[1].kept == BLOCK - 1, [o.kept for o in offers]
-    plan = memory.for_load(str(tdir), Draft.parse(str(path)), BF16)
+    plan = memory_plan(str(tdir), Draft.parse(str(path)), BF16)
     assert [i.what for i in plan.items] == ["target weights", "target KV cache", "draft weights", "draft KV cache",
                                             "activations"]
     bf16 = load_model(str(tdir), BF16, progress=False)

@@ -7,7 +7,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFWriter, quants
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.weights import gguf as gguf_io
-from quickdraft.weights.dequant import SUPPORTED_TYPES, dequantize
+from quickdraft.quant.blocks import SUPPORTED_TYPES, dequantize
 from tests.helpers import F16_FIELDS, random_blocks
 
 BLOCK_TYPES = list(F16_FIELDS)

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T, quants
 
 from quickdraft.quant import gpu, int4
-from quickdraft.weights.dequant import four_bit_grid
+from quickdraft.quant.blocks import four_bit_grid
 from quickdraft.weights.gguf import FileRows, StackedRows
 from tests.test_gguf_types import random_blocks
 
@@ -133,7 +133,7 @@ def seeds_case(fmt="mixed"):
     from gguf import GGMLQuantizationType as T
 
     from quickdraft.tools import roofline
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
 
     target, draft = roofline.STAND_INS["dense-27b-class"], roofline.STAND_INS["qwen2.5-coder-0.5b"]
     t_types = roofline.q4_k_m_types(target)
@@ -145,7 +145,7 @@ def seeds_case(fmt="mixed"):
 
 
 def test_the_seeds_case_fits_a_24_gb_card_with_its_figures():
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
 
     plan = memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=24 * 2**30)
     figures = {i.what: i.nbytes / 2**30 for i in plan.items}
@@ -159,7 +159,7 @@ def test_the_seeds_case_fits_a_24_gb_card_with_its_figures():
 
 def test_the_seeds_case_is_refused_on_a_16_gb_card_with_the_numbers():
     from quickdraft.errors import QuickdraftError
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
 
     plan = memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=16 * 2**30)
     assert not plan.fits
@@ -172,7 +172,7 @@ def test_the_seeds_case_is_refused_on_a_16_gb_card_with_the_numbers():
 
 
 def test_above_90_percent_a_warning_names_what_to_lower():
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
 
     plan = memory.plan(seeds_case("int4"), 16384, torch.device("cuda"), capacity=24 * 2**30)
     warned = []
@@ -183,7 +183,7 @@ def test_above_90_percent_a_warning_names_what_to_lower():
 
 def test_doctor_reports_the_plan():
     from quickdraft.tools import doctor
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
 
     ok = doctor.memory_plan(memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=24 * 2**30))
     assert ok.level == "ok" and "no layer is offloaded" in ok.message and "of 24.0 GiB" in ok.message
@@ -211,7 +211,7 @@ def tiny_gguf(tmp_path_factory):
 def test_the_plan_counts_what_the_load_allocates(tiny_gguf, fmt):
     """Planned weight bytes equal the loaded model's parameters and buffers (rotary tables aside), per format."""
     from quickdraft.config import EngineConfig
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
     from quickdraft.weights.loader import load_model
 
     spec = memory.spec_from_source("target", str(tiny_gguf), fmt)
@@ -233,7 +233,7 @@ from gguf import GGMLQuantizationType as T
 from quickdraft.config import EngineConfig
 from quickdraft.quant import int4, vnni
 from quickdraft.weights import gguf as gguf_io
-from quickdraft.weights.dequant import dequantize, four_bit_grid
+from quickdraft.quant.blocks import dequantize, four_bit_grid
 from quickdraft.weights.loader import load_model
 assert not vnni.available()
 path = sys.argv[1]

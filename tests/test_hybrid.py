@@ -221,7 +221,7 @@ def test_the_fused_recurrence_kernel_computes_the_reference_recurrence(pair):
 
 
 def test_the_memory_plan_counts_the_recurrent_states(pair):
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
 
     target, _ = pair
     cache = KVCache.for_model(target.model, 256)
@@ -308,13 +308,13 @@ def test_the_mtp_tree_replay_matches_the_engine(mtp_target):
 def test_the_memory_plan_counts_what_the_mtp_drafter_holds(mtp_target):
     """The plan made before loading (the drafter's kind states its caches) against the caches the built drafter
     holds after a generation: the MTP layer's keys and values and the target's hidden states."""
-    from quickdraft.runtime import memory
+    from quickdraft.api import memory_plan
     from quickdraft.speculative.draft import Draft
 
     spec = SpeculationConfig(draft_max=3, adaptive=False)
     engine = Engine(mtp_target, 256, mtp_drafter(mtp_target, spec), spec)
     run(engine, SamplingParams(max_tokens=10, stop_at_eos=False))
-    plan = memory.for_load(mtp_target.name, Draft.parse("mtp"), BF16)
+    plan = memory_plan(mtp_target.name, Draft.parse("mtp"), BF16)
     assert [i.what for i in plan.items] == ["target weights", "target KV cache", "draft KV cache", "activations"]
     assert next(i.nbytes for i in plan.items if i.what == "draft KV cache") == engine.drafter.cache_bytes() > 0
 

@@ -137,7 +137,7 @@ def test_a_q8_0_file_speculates_exactly_in_every_format(converted, name, fmt):
 def test_the_plan_counts_what_the_load_allocates(converted, fmt):
     """The memory plan of a MoE hybrid's file (its experts a share each of their stacked tensor) equals the
     loaded model's parameters and buffers."""
-    from quickdraft.runtime import memory
+    from quickdraft.weights import memory
 
     path = str(converted["qwen3_5_moe"][2]["q8_0"])
     spec = memory.spec_from_source("target", path, fmt)

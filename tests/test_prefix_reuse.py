@@ -7,7 +7,8 @@ import torch
 
 from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
-from quickdraft.runtime import memory, slots as slots_mod
+from quickdraft.runtime import slots as slots_mod
+from quickdraft.api import memory_plan
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
@@ -168,7 +169,7 @@ def test_the_memory_plan_counts_every_kept_sequence(tmp_path):
 
     path = str(save_hf_dir(tiny_hf_model("qwen2"), tmp_path / "m"))
     config = EngineConfig(device="cpu", dtype="bfloat16", max_context=128)
-    one, four = (memory.for_load(path, Draft.parse(path), config, slots=n) for n in (1, 4))
+    one, four = (memory_plan(path, Draft.parse(path), config, slots=n) for n in (1, 4))
     kv = {i.what: i.nbytes for i in one.items if "KV cache" in i.what}
     assert kv and all(i.nbytes == 4 * kv[i.what] for i in four.items if "KV cache" in i.what)
     assert four.used - one.used == 3 * sum(kv.values())

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from quickdraft.config import EngineConfig, SamplingParams
+from quickdraft.config import EngineConfig, RopeConfig, SamplingParams
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.quant import embedding, int4, int8, vnni
@@ -216,7 +216,7 @@ def test_fused_steps_equal_the_pytorch_code_bit_for_bit():
     gate_up = torch.randn(3, 2 * 96, dtype=torch.bfloat16) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(ops.silu_mul(gate_up), F.silu(gate) * up)
-    cos, sin = (t[5:8] for t in rope.tables(rope.RopeConfig(theta=1e6), 64, 16))
+    cos, sin = (t[5:8] for t in rope.tables(RopeConfig(theta=1e6), 64, 16))
     qkv = torch.randn(1, 3, 8 * 64, dtype=torch.bfloat16)
     q, k, v = (t.reshape(1, 3, -1, 64).transpose(1, 2) for t in qkv.split((256, 128, 128), dim=-1))
     got = ops.qkv_rotary(qkv, cos.contiguous(), sin.contiguous(), 4, 2)
@@ -373,7 +373,7 @@ def test_mixed_follows_the_file_int4_where_it_holds_4_bits(tmp_path, monkeypatch
     int8 throughout."""
     from gguf import GGMLQuantizationType as T
 
-    from quickdraft.weights.dequant import dequantize
+    from quickdraft.quant.blocks import dequantize
 
     import transformers
 

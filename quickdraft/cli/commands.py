@@ -394,14 +394,14 @@ def cmd_doctor(args) -> int:
 
     from quickdraft.tools import doctor
     from quickdraft.tools.doctor import Finding
-    from quickdraft.runtime import memory
+    from quickdraft.api import memory_plan
     from quickdraft.speculative.draft import NONE
 
     apply_profile(args)
     draft = draft_of(args)
     available = int(args.device_memory * 2**30) if args.device_memory else None
     args.cache_slots = max(args.cache_slots, args.parallel)  # as serve: each running request holds a slot
-    plan = memory.for_load(args.model, draft, engine_config(args), available, slots=args.cache_slots)
+    plan = memory_plan(args.model, draft, engine_config(args), available, slots=args.cache_slots)
     planned = doctor.memory_plan(plan)
     cuda_absent = plan.device_type == "cuda" and not torch.cuda.is_available()
     if planned.level == "error" or cuda_absent:  # nothing to load: the plan says it all

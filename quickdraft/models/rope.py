@@ -20,34 +20,10 @@ does); llama-arch GGUF files, whose converter permutes the Q/K rows for interlea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-SCALINGS = ("default", "linear", "llama3", "longrope", "proportional")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    scaling: str = "default"  # one of SCALINGS
-    factor: float = 1.0  # linear, llama3
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_context: int = 8192  # llama3, longrope: the context the model was trained with
-    rotary_dim: int | None = None  # dimensions rotated (None: the whole head)
-    fraction: float = 1.0  # proportional: the share of frequencies that rotate
-    short_factors: tuple[float, ...] = ()  # longrope
-    long_factors: tuple[float, ...] = ()
-    attention_factor: float = 1.0  # cos and sin are multiplied by it (longrope)
-    freq_factors: tuple[float, ...] = field(default=())  # per-frequency divisors, from a GGUF rope_freqs tensor
-
-    def __post_init__(self):
-        if self.scaling not in SCALINGS:
-            from quickdraft.errors import QuickdraftError
-
-            raise QuickdraftError(f"unsupported rope scaling {self.scaling!r}: quickdraft implements "
-                                  f"{', '.join(SCALINGS)}")
+from quickdraft.config import RopeConfig
 
 
 def inv_freq(rope: RopeConfig, head_dim: int, context: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ def for_source(fmt: str, source_types) -> str:
     (Q5/Q6/Q8, float), which int4 would lose."""
     if fmt != "mixed":
         return fmt
-    from quickdraft.weights.dequant import FOUR_BIT_TYPES
+    from quickdraft.quant.blocks import FOUR_BIT_TYPES
 
     types = list(source_types)
     return "int4" if types and all(t in FOUR_BIT_TYPES for t in types) else "int8"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from quickdraft.quant import int4, vnni
-from quickdraft.weights import dequant
+from quickdraft.quant import blocks
 
 ROWS = 4096  # rows converted at a time: the table (or the file's rows behind it) is never float32 in full
 GROUP = 32
@@ -58,7 +58,7 @@ class BlockEmbedding(_Rows):
         self.register_buffer("blocks", blocks)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequant.dequantize_rows(self.blocks[ids], self.qtype, self.dtype)
+        return blocks.dequantize_rows(self.blocks[ids], self.qtype, self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} blocks"

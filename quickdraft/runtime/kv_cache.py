@@ -15,7 +15,7 @@ class RecurrentState:
     (B, K - 1, C) and the delta rule's matrix (B, H, Dk, Dv) in float32, with the states after each of the last
     HISTORY positions kept (`saved`), so that a rollback to any of them restores exactly the state plain decoding
     has there. The matrices live in HISTORY + 2 preallocated slots: a step writes its new state into a free slot
-    (`fresh`) and a rollback points back at an older one, so keeping them costs memory (runtime/memory.py counts
+    (`fresh`) and a rollback points back at an older one, so keeping them costs memory (weights/memory.py counts
     it), neither copies nor allocations."""
 
     keep_history = True  # False (benchmarks only: scripts/bench_hybrid.py): only the last state, no rollback into a pass

@@ -25,6 +25,7 @@ from quickdraft.models.assistant import TargetKeys, sources
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.base import Offer, Proposal, replay_chain
 from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.weights import memory
 
 
 def is_assistant(source: str) -> bool:
@@ -125,8 +126,14 @@ class AssistantDrafter(DraftModelDrafter):
         return None
 
     @classmethod
-    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
-        return context * target_cfg.dim * 2, f"{context} positions: the target's hidden states the assistant reads"
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+        """Its weights and one pass's activations where it shares the target's card, and the target's hidden states
+        it reads (its keys and values are the target's)."""
+        spec = cls.planned_model(draft, device, dtype)
+        mine = [] if spec is None else cls.planned_weights(spec, device) + [
+            memory.Item("activations", memory.activation_bytes(spec.cfg, context))]
+        return mine + [memory.Item("draft KV cache", context * target_cfg.dim * 2,
+                                   f"{context} positions: the target's hidden states the assistant reads")]
 
     def cache_bytes(self) -> int:
         cache = self.target_cache

@@ -192,11 +192,12 @@ class Drafter:
         return 0
 
     @classmethod
-    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
-        """What this kind's caches will take for `context` positions, as the memory plan counts it before anything
-        is loaded (runtime/memory.py): (bytes, what they hold), or None for no cache. target_cfg: the target's
-        ModelConfig; draft_cfg: the draft model's where it shares the target's device (else None)."""
-        return None
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+        """What this kind will hold on the target's device for `draft` (a Draft), worked out before anything is
+        loaded: its weights where they share the target's device, its caches for `context` positions, and an
+        "activations" item for a pass of its own (weights/memory.py's Items; the memory plan sets them beside the
+        target's). target_cfg: the target's ModelConfig. Nothing by default."""
+        return []
 
     def pass_seconds(self, prompt: list[int]) -> float:
         """Seconds of one drafting pass after prompt (one drafted token of a draft model); 0 without a model."""

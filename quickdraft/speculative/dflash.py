@@ -17,18 +17,20 @@ the engine's, whatever the drafts. A round costs one pass whatever k (`per_round
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models import dflash as model_dflash
+from quickdraft.models.dflash import DFlash, DFlashConfig
 from quickdraft.models.transformer import linear
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
 from quickdraft.speculative.base import Offer, Proposal, replay_chain
 from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.weights import dflash as dflash_files, memory
 
-is_dflash = model_dflash.is_dflash
+is_dflash = dflash_files.is_dflash
 # DFlash2's tokens outside a position's candidates score this far below the lowest candidate: at any temperature a
 # sampler short of 1e3 never draws them (the reference's selector cannot), yet a grammar that allows none of the
 # candidates still leaves finite scores to draft from
@@ -44,13 +46,13 @@ class DFlashModel:
     graphs = None
     kept_from = None
 
-    def __init__(self, name: str, model: model_dflash.DFlash, weights: str, plan: dict, load_seconds: float = 0.0):
+    def __init__(self, name: str, model: DFlash, weights: str, plan: dict, load_seconds: float = 0.0):
         self.name, self.model, self.weights, self.plan = name, model, weights, plan
         self.device = model.device
         self.load_seconds = load_seconds
 
     @property
-    def config(self) -> model_dflash.DFlashConfig:
+    def config(self) -> DFlashConfig:
         return self.model.cfg
 
 
@@ -190,14 +192,19 @@ class DFlashDrafter(DraftModelDrafter):
         return False
 
     @classmethod
-    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
-        """draft_cfg: the drafter's DFlashConfig. Its keys and values of the context, and the target's hidden
-        states of the layers it reads, in bf16."""
-        kv = draft_cfg.n_layers * 2 * draft_cfg.n_kv_heads * draft_cfg.head_dim * 2
-        features = len(draft_cfg.target_layers) * target_cfg.dim * 2
-        return (context + draft_cfg.block_size) * kv + context * features, (
-            f"{context} positions: its keys and values (and a block's), the target's hidden states of "
-            f"{len(draft_cfg.target_layers)} layers")
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+        """Its weights (layers over the target's states, on its device, at most in its dtype), its keys and values of
+        the context (and a block's) and the target's hidden states of the layers it reads, in bf16."""
+        path = Path(draft.model).expanduser()
+        cfg = dflash_files.read_config(path)
+        size = torch.empty(0, dtype=dtype).element_size()
+        kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
+        features = len(cfg.target_layers) * target_cfg.dim * 2
+        return [memory.Item("draft weights", dflash_files.weight_bytes(path, size),
+                            f"{path.name}, at most {str(dtype).removeprefix('torch.')}"),
+                memory.Item("draft KV cache", (context + cfg.block_size) * kv + context * features,
+                            f"{context} positions: its keys and values (and a block's), the target's hidden states "
+                            f"of {len(cfg.target_layers)} layers")]
 
     def cache_bytes(self) -> int:
         features = self.target_cache.features if self.target_cache is not None else None
@@ -264,7 +271,7 @@ class DFlashDrafter(DraftModelDrafter):
         return 1, 0
 
 
-def check_target(cfg: model_dflash.DFlashConfig, name: str, target) -> None:
+def check_target(cfg: DFlashConfig, name: str, target) -> None:
     """QuickdraftError, naming the fix, where the drafter was made for another target than `target` (a
     LoadedModel): another width, vocabulary, or layers it does not have."""
     tcfg = target.config
@@ -279,16 +286,14 @@ def check_target(cfg: model_dflash.DFlashConfig, name: str, target) -> None:
 
 def load_drafter(source: str, target, dtype: torch.dtype, weights: str, capacity: int) -> DFlashModel:
     """The DFlash drafter in directory `source`, for `target` (a LoadedModel), on the target's device."""
-    from pathlib import Path
-
     from collections import Counter
 
     from quickdraft.runtime.plan import kernels_apply, layer_format
 
     path = Path(source).expanduser()
-    check_target(model_dflash.read_config(path), path.name, target)
+    check_target(dflash_files.read_config(path), path.name, target)
     t0 = time.perf_counter()
-    model = model_dflash.load(path, target.config.dim, capacity, dtype, target.device, weights)
+    model = dflash_files.load(path, target.config.dim, capacity, dtype, target.device, weights)
     kernels = kernels_apply(model)
     model.plan(kernels)
     linear = Counter(layer_format(m) for m in model.modules() if hasattr(m, "fused_operands")

@@ -7,13 +7,14 @@ import time
 
 import torch
 
-from quickdraft import constraint as constraints, sampling
+from quickdraft import constraint as constraints, quant, sampling
 from quickdraft.config import SamplingParams
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
 from quickdraft.speculative.base import Branches, Drafter, KFor, Offer, Proposal, branch, replay_chain
 from quickdraft.speculative.subset import SubsetHead
 from quickdraft.speculative.vocab import check_compatible
+from quickdraft.weights import memory
 
 # Tokens of the sequence the draft has not seen that its first drafting pass feeds along (after a fully accepted
 # round: its own last draft, which it never fed, and the target's extra token); more are caught up first.
@@ -291,12 +292,29 @@ class DraftModelDrafter(Drafter):
         return self.cache.nbytes()
 
     @classmethod
-    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
-        from quickdraft.runtime.memory import kv_bytes
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+        """The draft model's weights in its format, its KV cache and its prefill, where it shares the target's card
+        (on another device they are that device's)."""
+        spec = cls.planned_model(draft, device, dtype)
+        if spec is None:
+            return []
+        return cls.planned_weights(spec, device) + [
+            memory.Item("draft KV cache", memory.kv_bytes(spec.cfg, context), f"{context} positions, bf16"),
+            memory.Item("activations", memory.activation_bytes(spec.cfg, context))]
 
-        if draft_cfg is None:  # the draft model is on another device: its cache is there
+    @staticmethod
+    def planned_model(draft, device: torch.device, dtype: torch.dtype) -> memory.ModelSpec | None:
+        """The draft model's spec (its config and file's tensors, in the format it will load in) where it shares the
+        target's card, else None."""
+        own = torch.device(draft.device) if draft.device else device
+        if own != device and not (own.type == device.type and device.index in (None, 0) and own.index in (None, 0)):
             return None
-        return kv_bytes(draft_cfg, context), f"{context} positions, bf16"
+        return memory.spec_from_source("draft", draft.model, quant.resolve(draft.weights, own, dtype, role="draft"))
+
+    @staticmethod
+    def planned_weights(spec: memory.ModelSpec, device: torch.device) -> list:
+        weights, how = memory.weight_bytes(spec.cfg, spec.fmt, device, spec.types, spec.file_bytes)
+        return [memory.Item("draft weights", weights, f"{spec.name}, {how}")]
 
     @torch.inference_mode()
     def pass_seconds(self, prompt: list[int], reps: int = 3) -> float:

@@ -23,6 +23,7 @@ from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
 from quickdraft.speculative.base import Offer, Proposal, replay_chain
 from quickdraft.speculative.draft_model import CATCH_UP, DraftModelDrafter
+from quickdraft.weights import memory
 
 
 class MtpDrafter(DraftModelDrafter):
@@ -133,12 +134,13 @@ class MtpDrafter(DraftModelDrafter):
     # ---- self-description ---------------------------------------------------------------------------------
 
     @classmethod
-    def planned_cache(cls, target_cfg, draft_cfg, context: int) -> tuple[int, str] | None:
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+        """The MTP layer's keys and values and the target's hidden states it reads (its weights are the target's)."""
         if not target_cfg.mtp_layers:
-            return None
+            return []
         kv = 2 * target_cfg.kv_heads_of(target_cfg.n_layers - 1) * target_cfg.head_dim * context * 2
-        return kv + context * target_cfg.dim * 2, (f"{context} positions: the MTP layer's keys and values, the "
-                                                   "target's hidden states")
+        return [memory.Item("draft KV cache", kv + context * target_cfg.dim * 2,
+                            f"{context} positions: the MTP layer's keys and values, the target's hidden states")]
 
     def cache_bytes(self) -> int:
         return self.cache.nbytes() + (self.target_cache.hidden.numel() * self.target_cache.hidden.element_size()

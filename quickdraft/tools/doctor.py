@@ -187,7 +187,7 @@ def memory(target, drafts: list, engine, available: int) -> Finding:
 
 
 def memory_plan(plan) -> Finding:
-    """The memory plan made before loading (runtime/memory.py): what each part will take on the device, whether it
+    """The memory plan made before loading (weights/memory.py): what each part will take on the device, whether it
     fits, and above 90% what to lower."""
     figures = {"device": plan.device, "capacity_bytes": plan.capacity, "free_bytes": plan.free,
                "total_bytes": plan.used, "share": plan.share,

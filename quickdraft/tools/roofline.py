@@ -12,7 +12,7 @@ import time
 import torch
 
 from quickdraft.config import ModelConfig
-from quickdraft.models.rope import RopeConfig
+from quickdraft.config import RopeConfig
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.timing import sync, timed
 

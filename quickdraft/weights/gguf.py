@@ -12,7 +12,7 @@ from gguf.gguf_reader import ReaderField
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.weights.dequant import BLOCK_TYPES, FOUR_BIT_TYPES, SUPPORTED_TYPES, dequantize
+from quickdraft.quant.blocks import BLOCK_TYPES, FOUR_BIT_TYPES, SUPPORTED_TYPES, dequantize
 from quickdraft.weights.names import gguf_model_names, unpermute_rotary
 
 
@@ -260,7 +260,7 @@ class FileRows:
         """The rows as their blocks' own 4-bit codes and grids (an int4.Grid), for a Q4_0 / Q4_1 / Q4_K tensor:
         the bytes go to the device as they are and are unpacked there."""
         from quickdraft.quant.int4 import Grid
-        from quickdraft.weights.dequant import _as_torch, four_bit_grid
+        from quickdraft.quant.blocks import _as_torch, four_bit_grid
 
         def rows(i: int, j: int, device):
             return four_bit_grid(_as_torch(self.raw[i:j]).to(device), self.qtype)

@@ -14,7 +14,7 @@ import re
 
 from quickdraft.config import HYBRID_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.rope import RopeConfig
+from quickdraft.config import RopeConfig
 
 GEMMAS = ("gemma2", "gemma3", "gemma4")
 # small tensors that are configuration, not weights: read into the config (weights/gguf.py reads them)

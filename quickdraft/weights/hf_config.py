@@ -7,7 +7,7 @@ import math
 
 from quickdraft.config import HYBRID_ARCHS, SUPPORTED_ARCHS, ModelConfig
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.rope import RopeConfig
+from quickdraft.config import RopeConfig
 
 # config.json model_type -> quickdraft's family
 ARCHS = {"llama": "llama", "mistral": "mistral", "ministral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -101,6 +101,11 @@ def _layer_types(arch: str, d: dict, n_layers: int) -> tuple[str, ...] | None:
     if arch == "phi3" and d.get("sliding_window"):
         return ("sliding",) * n_layers
     return None
+
+
+def rope_of(d: dict, head_dim: int) -> RopeConfig:
+    """The rotary a config.json describes for all of its layers (a drafter's: weights/dflash.py)."""
+    return _ropes("qwen3", d, head_dim)[0]
 
 
 def _ropes(arch: str, d: dict, head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:

@@ -19,6 +19,7 @@ import re
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.quant.placement import FUSED
 
 # GGUF (llama.cpp) names
 _GGUF_LAYER = {
@@ -250,17 +251,6 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     head = rows // n_heads
     rest = w.shape[1:]
     return w.reshape(n_heads, head // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
-
-
-FUSED = {"wq": ("wqkv", 0), "wk": ("wqkv", 1), "wv": ("wqkv", 2), "w1": ("w13", 0), "w3": ("w13", 1)}
-
-
-def parts(name: str) -> list[str]:
-    """The checkpoint names a model tensor is made of: layers.3.attention.wqkv.weight -> its wq, wk and wv."""
-    prefix, _, kind = name.rpartition(".")
-    module, _, leaf = prefix.rpartition(".")
-    got = [f"{module}.{p}.{kind}" for p, (target, _) in FUSED.items() if target == leaf]
-    return got or [name]
 
 
 def fused(tensors, expected=lambda key: 3 if key.rpartition(".")[0].endswith("wqkv") else 2, cat=torch.cat):

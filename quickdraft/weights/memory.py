@@ -20,6 +20,10 @@ import torch
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.models import build
+from quickdraft.models.transformer import Linear
+from quickdraft.quant import placement
+from quickdraft.runtime.kv_cache import HISTORY
 
 TIGHT = 0.90  # of the device's memory: above it, a warning
 CUDA_CONTEXT = 600 * 2**20  # the CUDA context, cuBLAS workspaces and the caching allocator's slack (an estimate)
@@ -89,8 +93,6 @@ class MemoryPlan:
 @functools.lru_cache(maxsize=8)
 def _skeleton(cfg: ModelConfig):
     """The model of cfg on the meta device (no memory): its modules, layouts and shapes, built once per config."""
-    from quickdraft.models import build
-
     with torch.device("meta"):
         return build(cfg, 16)
 
@@ -100,9 +102,6 @@ def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict |
     """(bytes, how) of a model's weights in format fmt (concrete: bf16, int8, int4 or mixed) on device, each module
     placed by the loader's own rule (quant/placement.py). types: the file's tensor type by model name (GGUF), None
     for a float checkpoint; file_bytes: the file's bytes by model name (a block-format table keeps them)."""
-    from quickdraft.models.transformer import Linear
-    from quickdraft.quant import placement
-
     types, file_bytes = types or {}, file_bytes or {}
     model = _skeleton(cfg)
     total, counts = 0, {}
@@ -131,8 +130,6 @@ def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict |
 def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
     """The KV cache of `capacity` positions (runtime/kv_cache.py: every layer that owns one, at full capacity), and a
     hybrid's recurrent states: each linear layer's HISTORY + 2 preallocated state slots and its convolution's inputs."""
-    from quickdraft.runtime.kv_cache import HISTORY
-
     model = _skeleton(cfg)
     kv = sum(2 * heads * dim * capacity * dtype_size for i, (heads, dim, source) in enumerate(model.kv_layout())
              if source == i)
@@ -166,7 +163,6 @@ def spec_from_source(role: str, source: str, fmt: str) -> ModelSpec:
     """A model's spec from its file's metadata and tensor list (nothing else is read)."""
     from quickdraft.weights import gguf as gguf_io, safetensors as st_io
     from quickdraft.weights.loader import resolve
-    from quickdraft.weights.names import gguf_model_names
 
     path = resolve(source)
     if path.is_dir():
@@ -175,16 +171,18 @@ def spec_from_source(role: str, source: str, fmt: str) -> ModelSpec:
     cfg = gguf_io.config_from_metadata(gguf_io.metadata(reader), reader)
     types, nbytes = {}, {}
     for t in reader.tensors:
-        got = gguf_model_names(t.name, cfg)
+        got = gguf_io.gguf_model_names(t.name, cfg)
         for name in got:  # a MoE layer's stacked experts: a share each
             types[name], nbytes[name] = t.tensor_type, int(t.n_bytes) // len(got)
     return ModelSpec(role, Path(source).name, cfg, fmt, types, nbytes)
 
 
 def plan(models: list[ModelSpec], context: int, device: torch.device, capacity: int | None = None,
-         free: int | None = None) -> MemoryPlan:
-    """The plan of `models` (the target first) with caches of `context` positions on device; capacity and free
-    default to the device's own (CUDA: what the driver reports now)."""
+         free: int | None = None, extra: list[Item] = ()) -> MemoryPlan:
+    """The plan of `models` (the target first) with caches of `context` positions on device, and `extra` items before
+    the activations (what a drafter holds of its own: speculative/base.Drafter.planned; an item "activations" there
+    is a pass that runs apart from the target's, the larger counted); capacity and free default to the device's own
+    (CUDA: what the driver reports now)."""
     device = torch.device(device)
     measured = capacity is None and device.type == "cuda"
     if capacity is None:
@@ -200,9 +198,10 @@ def plan(models: list[ModelSpec], context: int, device: torch.device, capacity: 
         weights, how = weight_bytes(m.cfg, m.fmt, device, m.types, m.file_bytes)
         out.items.append(Item(f"{m.role} weights", weights, f"{m.name}, {how}"))
         out.items.append(Item(f"{m.role} KV cache", kv_bytes(m.cfg, context), f"{context} positions, bf16"))
-    if models:
-        out.items.append(Item("activations", max(activation_bytes(m.cfg, context) for m in models),
-                              f"a prefill of {context} tokens, estimated"))
+    out.items += [i for i in extra if i.what != "activations"]
+    passes = [activation_bytes(m.cfg, context) for m in models] + [i.nbytes for i in extra if i.what == "activations"]
+    if passes:
+        out.items.append(Item("activations", max(passes), f"a prefill of {context} tokens, estimated"))
     if device.type == "cuda" and not measured:  # a measured free memory has the context taken out already
         out.items.append(Item("CUDA context", CUDA_CONTEXT, "PyTorch, cuBLAS, allocator slack (estimated)"))
     return out
@@ -240,63 +239,3 @@ def parse_size(text: str) -> int:
         return int(float(t[:-1] if scale else t) * (scale or 2**30))
     except ValueError:
         raise QuickdraftError(f"memory size {text!r}: write it like 24GB or 16000MB") from None
-
-
-def for_load(target: str, draft, engine, capacity: int | None = None, free: int | None = None,
-             slots: int = 1) -> MemoryPlan:
-    """The plan of loading target (a source) with draft (a Draft, `auto` resolved here) under engine (an
-    EngineConfig): each model in the format the loader will give it, caches for the context the load gives, for
-    `slots` kept sequences (the engine's cache slots: runtime/slots.py)."""
-    from quickdraft import quant
-    from quickdraft.config import DEFAULT_MAX_CONTEXT
-    from quickdraft.weights.loader import resolve_device, resolve_dtype
-
-    # a stated size may plan for a device this machine lacks (--device cuda on a CPU machine)
-    device = torch.device(engine.device) if capacity is not None and engine.device != "auto" else \
-        resolve_device(engine.device)
-    dtype = resolve_dtype(engine.dtype, device)
-    specs = [spec_from_source("target", target, quant.resolve(engine.weights, device, dtype))]
-    draft = draft.resolve(target)
-    drafter = draft.drafter_class
-    if draft.model is not None and draft.kind != "dflash":  # a draft model (or an assistant): its weights, where
-        # they share the target's card
-        draft_device = torch.device(draft.device) if draft.device else device
-        if draft_device == device or (draft_device.type == device.type and device.index in (None, 0)
-                                      and draft_device.index in (None, 0)):  # the same card
-            specs.append(spec_from_source("draft", draft.model, quant.resolve(draft.weights, draft_device, dtype,
-                                                                              role="draft")))
-    context = engine.max_context or min(specs[0].cfg.max_context, DEFAULT_MAX_CONTEXT)
-    out = plan(specs, context, device, capacity, free)
-    # the draft's caches are what its kind says they are (a draft model's KV cache, an MTP layer's, the target's hidden
-    # states an assistant reads), beside the target's caches, before the activations
-    out.items = [i for i in out.items if i.what != "draft KV cache"]
-    draft_cfg = specs[1].cfg if len(specs) > 1 else None
-    at = next(n for n, i in enumerate(out.items) if i.what == "activations")
-    if draft.kind == "dflash":  # layers over the target's states, on its device, not a model of its own
-        from quickdraft.models import dflash
-
-        path = Path(draft.model).expanduser()
-        draft_cfg = dflash.read_config(path)
-        size = torch.empty(0, dtype=dtype).element_size()
-        out.items.insert(at, Item("draft weights", dflash.weight_bytes(path, size),
-                                  f"{path.name}, at most {str(dtype).removeprefix('torch.')}"))
-        at += 1
-    own = drafter.planned_cache(specs[0].cfg, draft_cfg, context) if drafter is not None else None
-    if own is not None:
-        out.items.insert(at, Item("draft KV cache", *own))
-    if slots > 1:  # each kept sequence has caches of its own
-        out.items = [Item(i.what, i.nbytes * slots, f"{i.detail}, x {slots} kept sequences") if "KV cache" in i.what
-                     else i for i in out.items]
-    return out
-
-
-def fitting_slots(target: str, draft, engine, slots: int, warn=None) -> tuple[MemoryPlan, int]:
-    """The plan with as many of `slots` kept sequences as fit (at least one: the plan then says if even that does
-    not), and that number; warn(text) when fewer than asked."""
-    for n in range(slots, 0, -1):
-        out = for_load(target, draft, engine, slots=n)
-        if out.fits or n == 1:
-            if n < slots and warn is not None:
-                warn(f"{slots} kept sequences do not fit on {out.device}: keeping {n} (--cache-slots)")
-            return out, n
-    raise AssertionError("unreachable")

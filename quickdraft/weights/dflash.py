@@ -1,0 +1,170 @@
+"""DFlash and DFlash2 drafters from their checkpoints (z-lab's form: config.json naming DFlashDraftModel or
+DFlash2DraftModel, or holding a dflash_config; safetensors weights): their config, their weights in a runtime format,
+and what they take before loading. The drafter itself is tensor math (models/dflash.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.models import rope as ropes
+from quickdraft.models.dflash import DFlash, DFlashConfig
+from quickdraft.models.transformer import Linear
+from quickdraft.quant import placement
+from quickdraft.weights.hf_config import rope_of
+
+
+def is_dflash(source: str) -> bool:
+    """Whether source is a directory holding a DFlash or DFlash2 drafter (config.json names the architecture, or
+    has a dflash_config)."""
+    try:
+        return _kind(_read(Path(source).expanduser() / "config.json")) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        raise OSError(path)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _kind(d: dict) -> str | None:
+    arch = " ".join(d.get("architectures") or [])
+    if "DFlash2" in arch:
+        return "dflash2"
+    if "DFlash" in arch or isinstance(d.get("dflash_config"), dict):
+        return "dflash2" if _value(d, "selector_top_k") else "dflash"
+    return None
+
+
+def _value(d: dict, name: str, default=None):
+    """As the reference reads its settings: dflash_config first, the config's own key after."""
+    inner = d.get("dflash_config") or {}
+    return inner.get(name, d.get(name, default))
+
+
+def target_layer_ids(n_target: int, n_draft: int) -> list[int]:
+    """The target layers a drafter reads when its config does not list them (the reference's default): the middle
+    one for a single layer, else evenly from layer 1 to layer n_target - 3."""
+    if n_draft == 1:
+        return [n_target // 2]
+    start, end = 1, n_target - 3
+    return [round(start + i * (end - start) / (n_draft - 1)) for i in range(n_draft)]
+
+
+def read_config(path: Path) -> DFlashConfig:
+    d = _read(path / "config.json")
+    kind = _kind(d)
+    if kind is None:
+        raise QuickdraftError(f"{path} holds no DFlash drafter (config.json names no DFlash architecture)")
+    try:
+        heads, dim, n_layers = d["num_attention_heads"], d["hidden_size"], d["num_hidden_layers"]
+        head_dim = d.get("head_dim") or dim // heads
+        layers = _value(d, "target_layer_ids") or target_layer_ids(int(d["num_target_layers"]), n_layers)
+        mask = _value(d, "mask_token_id")
+        if mask is None:
+            raise KeyError("mask_token_id")
+        types = d.get("layer_types") or ["full_attention"] * n_layers
+        softcap = _value(d, "final_logit_softcapping")
+        cfg = DFlashConfig(
+            dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=head_dim, ffn_dim=d["intermediate_size"], norm_eps=d.get("rms_norm_eps", 1e-6),
+            bias=bool(d.get("attention_bias", False)), rope=rope_of(d, head_dim),
+            vocab_size=d["vocab_size"], target_layers=tuple(int(i) for i in layers),
+            block_size=int(_value(d, "block_size", 16)), mask_token=int(mask),
+            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+            sliding_window=d.get("sliding_window"),
+            causal=None if d.get("is_causal") is None else bool(d["is_causal"]),
+            embedding_scale=float(_value(d, "input_embedding_scale", 1.0)),
+            output_multiplier=float(_value(d, "output_multiplier", 1.0)),
+            softcap=float(softcap) if softcap is not None and float(softcap) > 0 else None, kind=kind)
+        if kind == "dflash2":
+            cfg = _dflash2(cfg, d)
+    except KeyError as e:
+        raise QuickdraftError(f"{path}/config.json lacks {e.args[0]!r}, which a DFlash drafter needs") from None
+    if cfg.block_size < 2:
+        raise QuickdraftError(f"{path}/config.json: block_size {cfg.block_size} drafts nothing (it must be 2 or more)")
+    return cfg
+
+
+def _dflash2(cfg: DFlashConfig, d: dict) -> DFlashConfig:
+    from dataclasses import replace
+
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        if _value(d, name) is None:
+            raise KeyError(name)
+    return replace(cfg, conv_kernel=int(_value(d, "conv_kernel_size")), conv_group=int(_value(d, "conv_group_size")),
+                   selector_rank=int(_value(d, "selector_rank")), selector_top_k=int(_value(d, "selector_top_k")))
+
+
+def load(path: Path, target_dim: int, max_context: int, dtype: torch.dtype, device: torch.device,
+         weights: str = "bf16") -> DFlash:
+    """The drafter in `path` (config.json and safetensors) for a target `target_dim` wide, its linear layers in
+    `weights` (quant.FORMATS: int8 / int4 where their kernels take the shape)."""
+    from safetensors.torch import load_file
+
+    cfg = read_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QuickdraftError(f"{path} has no .safetensors weights for its DFlash drafter")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            name = name.removeprefix("model.")
+            if name.startswith("candidate_selector.") and name.endswith("_codebook"):
+                name += ".weight"  # the reference's checkpoints name the codebooks without .weight
+            tensors[name] = t
+    tensors = {_our_name(n): t for n, t in tensors.items()}
+    with torch.device("meta"):
+        model = DFlash(cfg, target_dim, max_context)
+    params = {n for n, _ in model.named_parameters()}
+    missing, unexpected = sorted(params - set(tensors)), sorted(set(tensors) - params)
+    if missing or unexpected:
+        raise QuickdraftError(f"{path}: the weights do not match a {cfg.kind} drafter of its config for a target "
+                              f"{target_dim} wide (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    modules = dict(model.named_modules())
+    for owner, module in modules.items():
+        own = {leaf: tensors[f"{owner}.{leaf}" if owner else leaf] for leaf, p in module._parameters.items()
+               if p is not None}
+        if not own:
+            continue
+        for leaf, w in own.items():
+            want = tuple(module._parameters[leaf].shape)
+            if tuple(w.shape) != want:
+                raise QuickdraftError(f"{path}: {owner}.{leaf} has shape {tuple(w.shape)}, its config makes it {want}")
+        kind = placement.linear_kind(weights, owner, {})
+        if isinstance(module, Linear) and kind != placement.FLOAT:
+            layer = placement.layer(kind, own["weight"].to(dtype), own.get("bias"), device)
+            if layer is not None:
+                parent, _, attr = owner.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, layer)
+                continue
+        for leaf, w in own.items():
+            module._parameters[leaf] = nn.Parameter(w.to(device, dtype), requires_grad=False)
+    cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context + cfg.block_size)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def _our_name(name: str) -> str:
+    """The reference's parameter names -> ours (attention's and the MLP's projections sit in the layer itself)."""
+    return name.replace(".self_attn.", ".").replace(".mlp.", ".")
+
+
+def weight_bytes(path: Path, element: int = 2) -> int:
+    """Bytes of the drafter's weights at `element` bytes each (from the safetensors headers: nothing else is
+    read)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as opened:
+            for name in opened.keys():
+                total += element * math.prod(opened.get_slice(name).get_shape())
+    return total

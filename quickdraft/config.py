@@ -33,16 +33,11 @@ class RopeConfig:
                                   f"{', '.join(SCALINGS)}")
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "phi3", "gemma2",
-                   "gemma3", "gemma4")
-HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")  # Gated DeltaNet linear attention between gated attention layers
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder-only transformer: the llama / mistral / qwen2 / qwen3 / phi3 / gemma2 / gemma3 / gemma4
-    families, each described by the fields below (models/transformer.py follows them). Built from a checkpoint's
-    own metadata: weights/hf_config.py (config.json) and weights/gguf.py (GGUF)."""
+    """The shape of a decoder-only transformer, every family's described by the fields below (models/transformer.py
+    follows them; `arch` names the family: weights/families/). Built from a checkpoint's own metadata:
+    weights/hf_config.py (config.json) and weights/gguf_config.py (GGUF)."""
 
     arch: str
     vocab_size: int
@@ -108,11 +103,6 @@ class ModelConfig:
     centroid_top_k: int = 0
 
     def __post_init__(self):
-        if self.arch not in SUPPORTED_ARCHS:
-            raise QuickdraftError(
-                f"unsupported architecture {self.arch!r}: quickdraft runs {', '.join(SUPPORTED_ARCHS)}; "
-                "use a model of one of these families"
-            )
         for name, value, most in (("vocab_size", self.vocab_size, 1 << 22), ("dim", self.dim, 1 << 17),
                                   ("n_layers", self.n_layers, 1024), ("n_heads", self.n_heads, 1024),
                                   ("n_kv_heads", self.n_kv_heads, 1024), ("head_dim", self.head_dim, 1024),

@@ -33,3 +33,19 @@ def test_scripts_import_no_tests():
                  for line in p.read_text(encoding="utf-8").splitlines()
                  if re.match(r"\s*(from tests[ .]|import tests\b)", line)]
     assert not offenders, offenders
+
+
+def test_a_family_lives_in_its_own_file():
+    """What sets one family apart is in weights/families/<family>.py: no other module of the library switches on a
+    family's name (its config fields are the decoder's switches), and every family file is found without a list."""
+    from quickdraft.weights import families
+
+    files = sorted(p.stem for p in (ROOT / "quickdraft/weights/families").glob("*.py") if p.stem not in ("base",
+                                                                                                         "__init__"))
+    assert sorted(families.FAMILIES) == files
+    names = "|".join(files)
+    switch = re.compile(rf"""(arch\w*|family)\s*(==|!=|in|not in)\s*[(\[{{]?\s*["']({names})["']""")
+    offenders = [f"{p.relative_to(ROOT)}: {line.strip()}" for p in (ROOT / "quickdraft").rglob("*.py")
+                 if "families" not in p.parts for line in p.read_text(encoding="utf-8").splitlines()
+                 if switch.search(line)]
+    assert not offenders, offenders

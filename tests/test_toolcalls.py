@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from quickdraft import grammar as grammars, toolcalls
+from quickdraft import grammar as grammars
+from quickdraft.server import toolcalls
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.weights import gguf as gguf_io
 from tests import llamacpp

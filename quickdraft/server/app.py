@@ -47,7 +47,7 @@ class ServerState:
     # special-token text in a message becomes control tokens (llama-server's way); else it stays text, and no message
     # can forge a turn (tokenizer.encode_chat)
     special_tokens_in_messages: bool = False
-    tool_format: object | None = None  # the model's tool-call format (quickdraft.toolcalls), found on first use
+    tool_format: object | None = None  # the model's tool-call format (server/toolcalls.py), found on first use
     other_names: set[str] = field(default_factory=set)  # names requests used that are not the model's
     created: int = field(default_factory=p.now)
 

@@ -422,9 +422,9 @@ class ChatRequest(_Sampling):
         return self.n_probs
 
     def tool_list(self) -> list:
-        """The tools (quickdraft.tools.Tool), checked."""
+        """The tools (server/toolcalls.Tool), checked."""
         from quickdraft.errors import QuickdraftError
-        from quickdraft.toolcalls import Tool, check_tools
+        from quickdraft.server.toolcalls import Tool, check_tools
 
         tools = [Tool(t.function.name, t.function.description,
                       t.function.parameters if t.function.parameters is not None else

@@ -139,7 +139,7 @@ class ToolPlan:
     """A request's tools: the model's format for them, the tools, and the choice ("auto", "none", "required" or a
     function's name)."""
 
-    format: object  # quickdraft.tools.ToolFormat
+    format: object  # server/toolcalls.ToolFormat
     tools: list
     choice: str
     parallel: bool
@@ -154,7 +154,7 @@ def tool_plan(state, req) -> ToolPlan | None:
     choice = req.tool_choice_name()
     if choice is None:
         return None
-    from quickdraft import toolcalls
+    from quickdraft.server import toolcalls
 
     fmt = state.tool_format
     if fmt is None:

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from quickdraft.server import protocol as p
 from quickdraft.server import requests as prepare
 from quickdraft.server.worker import Cancelled, Done, Failed, Job, Piece, QueueFull
-from quickdraft.toolcalls import ToolStream
+from quickdraft.server.toolcalls import ToolStream
 
 
 async def respond(state, request: Request, req, prompt: list[int], chat: bool, max_tokens: int | None, tools=None):

@@ -16,7 +16,7 @@ from quickdraft.models import rope as ropes
 from quickdraft.models.dflash import DFlash, DFlashConfig
 from quickdraft.models.transformer import Linear
 from quickdraft.quant import placement
-from quickdraft.weights.hf_config import rope_of
+from quickdraft.weights.families.base import hf_ropes
 
 
 def is_dflash(source: str) -> bool:
@@ -75,7 +75,7 @@ def read_config(path: Path) -> DFlashConfig:
         cfg = DFlashConfig(
             dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=head_dim, ffn_dim=d["intermediate_size"], norm_eps=d.get("rms_norm_eps", 1e-6),
-            bias=bool(d.get("attention_bias", False)), rope=rope_of(d, head_dim),
+            bias=bool(d.get("attention_bias", False)), rope=hf_ropes(d, head_dim)[0],
             vocab_size=d["vocab_size"], target_layers=tuple(int(i) for i in layers),
             block_size=int(_value(d, "block_size", 16)), mask_token=int(mask),
             layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),

@@ -13,6 +13,7 @@ from gguf.gguf_reader import ReaderField
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
 from quickdraft.quant.blocks import BLOCK_TYPES, FOUR_BIT_TYPES, SUPPORTED_TYPES, dequantize
+from quickdraft.weights import families
 from quickdraft.weights.names import gguf_model_names, unpermute_rotary
 
 
@@ -211,7 +212,7 @@ def _tensor(name: str, raw, qtype, shape: tuple[int, ...], cfg: ModelConfig, dty
             lazy_matrices: bool):
     """One model tensor from the file's data, as read_tensors gives it: FileRows where it stays in the file, else
     dequantized; llama's rotary rows and qwen3.5's recurrent parameters back in the model's own convention."""
-    rotary = cfg.arch == "llama" and name.endswith(("attention.wq.weight", "attention.wk.weight"))
+    rotary = families.get(cfg.arch).rotary_permuted and name.endswith(("attention.wq.weight", "attention.wk.weight"))
     if rotary:
         heads = cfg.n_heads if name.endswith("wq.weight") else cfg.n_kv_heads
     if name.endswith("attention.A_log"):  # llama.cpp's converter writes ssm_a = -exp(A_log)

@@ -1,4 +1,5 @@
-"""Checkpoint tensor names -> the model's own parameter names, per family, and the rotary row permutation.
+"""Checkpoint tensor names -> the model's own parameter names (those every family shares, then the family's own:
+weights/families/), and the rotary row permutation.
 
 The model (quickdraft.models.transformer) names its parameters
     tok_embeddings, layers.{i}.{attention_norm, attention.{wq,wk,wv,wo,q_norm,k_norm}, post_attention_norm,
@@ -7,9 +8,9 @@ The model (quickdraft.models.transformer) names its parameters
 and fuses wq/wk/wv into attention.wqkv and w1/w3 into feed_forward.w13 at load time (`fused`), so that a step
 issues two matmuls fewer per layer; phi3 checkpoints hold them fused already.
 
-Families differ where a name means something else: in llama's checkpoints the norm after attention is the one
-before the FFN, in gemma's it is the sandwich norm after attention (its pre-FFN norm is pre_feedforward_layernorm);
-phi3's GGUF `ffn_up` is the fused gate and up projection.
+Families differ where a name means something else (in llama's checkpoints the norm after attention is the one before
+the FFN, in gemma's it is the sandwich norm after attention; phi3's GGUF `ffn_up` is the fused gate and up
+projection): each family's file says so (Family.gguf_names, hf_names).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.quant.placement import FUSED
+from quickdraft.weights import families
 
 # GGUF (llama.cpp) names
 _GGUF_LAYER = {
@@ -54,20 +56,6 @@ _GGUF_GLOBAL = {
     "per_layer_proj_norm.weight": "ple_proj_norm.weight",
 }
 
-# llama.cpp's names for qwen3.5's Gated DeltaNet layers (its full layers as above); post_attention_norm is the
-# norm before the FFN there, as in transformers' qwen3.5
-_GGUF_HYBRID = {
-    "attn_qkv.weight": "attention.in_qkv.weight",
-    "attn_gate.weight": "attention.in_z.weight",
-    "ssm_beta.weight": "attention.in_b.weight",
-    "ssm_alpha.weight": "attention.in_a.weight",
-    "ssm_conv1d.weight": "attention.conv_weight",
-    "ssm_dt.bias": "attention.dt_bias",
-    "ssm_a": "attention.A_log",  # the file holds -exp(A_log): weights/gguf.py takes the log back
-    "ssm_norm.weight": "attention.out_norm.weight",
-    "ssm_out.weight": "attention.wo.weight",
-    "post_attention_norm.weight": "ffn_norm.weight",
-}
 # a mixture of experts in GGUF: the router, the shared expert and its gate; the routed experts' matrices are
 # stacked in one tensor each (ffn_{gate,up,down}_exps: gguf_model_names lists an expert's name per slice)
 _GGUF_MOE = {
@@ -78,8 +66,6 @@ _GGUF_MOE = {
     "ffn_gate_inp_shexp.weight": "feed_forward.shared_gate.weight",
 }
 _GGUF_EXPERTS = {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3", "ffn_down_exps.weight": "w2"}
-_GGUF_DENSE_LAYER = {**_GGUF_LAYER, **_GGUF_MOE}  # a layer's names, per kind of family
-_GGUF_HYBRID_LAYER = {**_GGUF_LAYER, **_GGUF_HYBRID, **_GGUF_MOE}
 # a multi-token-prediction block (llama.cpp: the block after the decoder's, with nextn.* tensors)
 _GGUF_MTP = {"nextn.eh_proj.weight": "mtp.fc.weight", "nextn.enorm.weight": "mtp.enorm.weight",
              "nextn.hnorm.weight": "mtp.hnorm.weight", "nextn.shared_head_norm.weight": "mtp.norm.weight"}
@@ -93,7 +79,6 @@ _HF_LAYER = {
     "self_attn.q_proj.bias": "attention.wq.bias",
     "self_attn.k_proj.bias": "attention.wk.bias",
     "self_attn.v_proj.bias": "attention.wv.bias",
-    "self_attn.qkv_proj.weight": "attention.wqkv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
     "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight",
@@ -103,21 +88,10 @@ _HF_LAYER = {
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
-    "mlp.gate_up_proj.weight": "feed_forward.w13.weight",
     "per_layer_input_gate.weight": "ple_gate.weight",
     "per_layer_projection.weight": "ple_proj.weight",
     "post_per_layer_input_norm.weight": "ple_norm.weight",
     "layer_scalar": "layer_scalar",
-    # qwen3.5's Gated DeltaNet layers
-    "linear_attn.in_proj_qkv.weight": "attention.in_qkv.weight",
-    "linear_attn.in_proj_z.weight": "attention.in_z.weight",
-    "linear_attn.in_proj_b.weight": "attention.in_b.weight",
-    "linear_attn.in_proj_a.weight": "attention.in_a.weight",
-    "linear_attn.conv1d.weight": "attention.conv_weight",
-    "linear_attn.dt_bias": "attention.dt_bias",
-    "linear_attn.A_log": "attention.A_log",
-    "linear_attn.norm.weight": "attention.out_norm.weight",
-    "linear_attn.out_proj.weight": "attention.wo.weight",
 }
 _HF_GLOBAL = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -169,20 +143,18 @@ def _map(name: str, layer_re, layer_map, global_map) -> str | None:
     return None
 
 
-def gguf_to_model(name: str, arch: str = "llama", n_layers: int | None = None) -> str | None:
+def gguf_to_model(name: str, arch: str, n_layers: int | None = None) -> str | None:
     """GGUF tensor name -> model parameter name; None for tensors the model does not use. n_layers: the decoder's
     layers, where blocks after them are multi-token-prediction blocks (qwen3.5's nextn)."""
     if _IGNORED.match(name):
         return None
-    if arch == "phi3" and name.endswith(".ffn_up.weight"):  # phi3's ffn_up holds gate and up
-        return _map(name, _GGUF_LAYER_RE, {"ffn_up.weight": "feed_forward.w13.weight"}, {})
     m = _GGUF_LAYER_RE.fullmatch(name)
     if m and n_layers is not None and int(m.group(1)) >= n_layers:
         if int(m.group(1)) > n_layers:
             return _unknown(name)  # a second MTP block: llama.cpp and vLLM run one
         inner = _GGUF_MTP.get(m.group(2)) or gguf_to_model(f"blk.0.{m.group(2)}", arch)
         return inner if inner.startswith("mtp.") else "mtp.layer." + inner.removeprefix("layers.0.")
-    layer = _GGUF_HYBRID_LAYER if arch in ("qwen3_5", "qwen3_5_moe") else _GGUF_DENSE_LAYER
+    layer = {**_GGUF_LAYER, **_GGUF_MOE, **families.get(arch).gguf_names}
     mapped = _map(name, _GGUF_LAYER_RE, layer, _GGUF_GLOBAL)
     return mapped if mapped is not None else _unknown(name)
 
@@ -201,21 +173,20 @@ def gguf_model_names(name: str, cfg) -> list[str]:
     return [] if mapped is None else [mapped]
 
 
-def hf_to_model(name: str, arch: str = "llama") -> str | None:
+def hf_to_model(name: str, arch: str) -> str | None:
     """Hugging Face parameter name -> model parameter name; None for tensors the model does not use."""
     if _IGNORED.match(name):
         return None
+    family = families.get(arch)
     name = name.replace("model.language_model.", "model.", 1)  # a multimodal checkpoint's text model
-    if arch in ("qwen3_5", "qwen3_5_moe") and name.startswith("model.visual."):  # the vision tower
+    if family.hf_ignored and name.startswith(family.hf_ignored):  # a part it does not run (a vision tower)
         return None
     if name.startswith(("mtp.", "model.mtp.")):  # qwen3.5's multi-token-prediction block: models/transformer.MTP
-        return _mtp_name(name.removeprefix("model."))
+        return _mtp_name(name.removeprefix("model."), arch)
     expert = _HF_EXPERT_RE.fullmatch(name)
     if expert:
         return _expert_name(expert)
-    if arch in ("gemma2", "gemma3", "gemma4") and name.endswith(".post_attention_layernorm.weight"):
-        return name.replace("model.layers.", "layers.", 1).replace("post_attention_layernorm", "post_attention_norm")
-    mapped = _map(name, _HF_LAYER_RE, _HF_LAYER, _HF_GLOBAL)
+    mapped = _map(name, _HF_LAYER_RE, {**_HF_LAYER, **family.hf_names}, _HF_GLOBAL)
     return mapped if mapped is not None else _unknown(name)
 
 
@@ -223,11 +194,11 @@ _MTP_GLOBAL = {"mtp.fc.weight": "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weig
                "mtp.pre_fc_norm_hidden.weight": "mtp.hnorm.weight", "mtp.norm.weight": "mtp.norm.weight"}
 
 
-def _mtp_name(name: str) -> str | None:
+def _mtp_name(name: str, arch: str) -> str | None:
     """mtp.fc / pre_fc_norm_* / norm, and mtp.layers.0.<a decoder layer's names> -> the MTP module's names."""
     if name in _MTP_GLOBAL:
         return _MTP_GLOBAL[name]
-    inner = hf_to_model(name.replace("mtp.layers.", "model.layers.", 1), "qwen3_5")
+    inner = hf_to_model(name.replace("mtp.layers.", "model.layers.", 1), arch)
     if inner is None or not inner.startswith("layers.0."):
         return _unknown(name)  # a second MTP layer: llama.cpp and vLLM run one
     return "mtp.layer." + inner.removeprefix("layers.0.")

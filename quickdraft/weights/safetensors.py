@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from quickdraft.config import ModelConfig
 from quickdraft.errors import QuickdraftError
+from quickdraft.weights import families
 from quickdraft.weights.hf_config import model_config
 from quickdraft.weights.names import hf_to_model
 
@@ -40,13 +41,11 @@ def shard_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in shard_files(path))
 
 
-# gemma2, gemma3 and qwen3.5 keep their norms' weights centred on 0 and scale by 1 + w: folded into w here (as
-# llama.cpp's converter does), so that every norm is x / rms(x) * w (qwen3.5's linear layers' output norm is not)
-ONE_CENTRED_NORMS = ("gemma2", "gemma3", "qwen3_5", "qwen3_5_moe")
-
-
 def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None):
-    """Every tensor the model uses in `dtype`, one at a time: yields (model name, tensor)."""
+    """Every tensor the model uses in `dtype`, one at a time: yields (model name, tensor). A family whose norms' weights
+    are centred on 0 (scaling by 1 + w: Family.one_centred_norms) has the 1 folded into w here, as llama.cpp's converter
+    does, so that every norm is x / rms(x) * w (qwen3.5's linear layers' output norm is not one of them)."""
+    centred = families.get(cfg.arch).one_centred_norms
     for file in shard_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
@@ -56,7 +55,7 @@ def read_tensors(path: Path, cfg: ModelConfig, dtype: torch.dtype, progress=None
                 if name.startswith("mtp.") and not cfg.mtp_layers:  # MTP tensors a config does not declare
                     continue
                 t = f.get_tensor(key)
-                if cfg.arch in ONE_CENTRED_NORMS and name.endswith("norm.weight") and not name.endswith("out_norm.weight"):
+                if centred and name.endswith("norm.weight") and not name.endswith("out_norm.weight"):
                     t = t.float() + 1
                 yield name, t.to(dtype) if t.is_floating_point() else t  # ids stay ids (an assistant's ordering)
                 if progress is not None:

@@ -137,7 +137,7 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
          weights: str = "auto", context: int | None = None, speculation: SpeculationConfig | None = None,
          draft_device: str | None = None, draft_weights: str = "auto", cuda_graphs: bool = True,
          weight_cache: bool = True, progress: bool | None = None, cache_slots: int = 4,
-         cache_ram: int | str | None = None) -> LLM:
+         cache_ram: int | str | None = None, warn=None) -> LLM:
     """Load a target and its draft.
 
     model: an alias (pulled on first use), a .gguf file or a Hugging Face directory. draft: a Draft or its
@@ -146,14 +146,15 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     speculation: how much to draft (SpeculationConfig: draft_max, adaptive k, ...). cache_slots: sequences kept
     for prefix reuse (a prompt that begins with what one holds prefills only the rest: a chat's history), each a KV
     cache of `context` positions for the target and its draft, made when first needed; cache_ram: at most this many
-    bytes for them ("2G" will do), fewer slots where they would take more."""
+    bytes for them ("2G" will do), fewer slots where they would take more. warn(QuickdraftError): what becomes of a
+    warning about the load (the memory plan's; default: printed to stderr)."""
     engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context, cuda_graphs=cuda_graphs,
                           weight_cache=weight_cache)
     if isinstance(draft, str):
         draft = Draft.parse(draft, device=draft_device, weights=draft_weights)
     if cache_slots < 1:
-        raise QuickdraftError("--cache-slots must be at least 1 (the sequence being generated)")
-    warn = lambda text: print(f"warning: {text}", file=sys.stderr)  # noqa: E731
+        raise QuickdraftError("{cache_slots} must be at least 1 (the sequence being generated)", "cache_slots")
+    warn = warn or (lambda problem: print(f"warning: {problem}", file=sys.stderr))
     if resolve_device(device).type == "cuda":  # what fits is known before any weight is read
         plan, cache_slots = fitting_slots(model, draft, engine, cache_slots, warn)
         memory.check(plan, warn=warn)
@@ -195,11 +196,12 @@ def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int |
 def fitting_slots(target: str, draft: Draft, engine: EngineConfig, slots: int,
                   warn=None) -> tuple[memory.MemoryPlan, int]:
     """The plan with as many of `slots` kept sequences as fit (at least one: the plan then says if even that does
-    not), and that number; warn(text) when fewer than asked."""
+    not), and that number; warn(QuickdraftError) when fewer than asked."""
     for n in range(slots, 0, -1):
         out = memory_plan(target, draft, engine, slots=n)
         if out.fits or n == 1:
             if n < slots and warn is not None:
-                warn(f"{slots} kept sequences do not fit on {out.device}: keeping {n} (--cache-slots)")
+                warn(QuickdraftError(f"{slots} kept sequences do not fit on {out.device}: keeping {n} ({{cache_slots}})",
+                                     "cache_slots"))
             return out, n
     raise AssertionError("unreachable")

@@ -261,7 +261,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """How much to speculate. Flags mirror llama.cpp: --draft-max, --draft-min, --draft-p-min."""
+    """How much to speculate (the command line's flags mirror llama.cpp's: --draft-max, --draft-min, --draft-p-min)."""
 
     draft_max: int = 16  # most tokens drafted in a round
     draft_min: int = 0  # fewest when speculating; 0 lets the policy turn speculation off (plain decoding)
@@ -276,15 +276,18 @@ class SpeculationConfig:
 
     def __post_init__(self):
         if not 0 <= self.draft_min <= self.draft_max:
-            raise QuickdraftError("--draft-min and --draft-max must satisfy 0 <= draft-min <= draft-max")
+            raise QuickdraftError("{draft_min} and {draft_max} must satisfy 0 <= {draft_min} <= {draft_max}",
+                                  "draft_min", "draft_max")
         if self.draft_max > MAX_DRAFT:
-            raise QuickdraftError(f"--draft-max above {MAX_DRAFT} is never useful: rounds that long are rejected early")
+            raise QuickdraftError(f"{{draft_max}} above {MAX_DRAFT} is never useful: rounds that long are rejected "
+                                  "early", "draft_max")
         if not 0 <= self.p_min < 1:
-            raise QuickdraftError("--draft-p-min must be in [0, 1)")
+            raise QuickdraftError("{p_min} must be in [0, 1)", "p_min")
         if not 1 <= self.tree <= 8:
-            raise QuickdraftError("--draft-tree must be 1 (chains alone) to 8 candidates at a position")
+            raise QuickdraftError("{tree} must be 1 (chains alone) to 8 candidates at a position", "tree")
         if self.draft_vocab < 0:
-            raise QuickdraftError("--draft-vocab must be 0 (the whole vocabulary) or a number of ids, e.g. 32768")
+            raise QuickdraftError("{draft_vocab} must be 0 (the whole vocabulary) or a number of ids, e.g. 32768",
+                                  "draft_vocab")
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ def perplexity(model, tokens: list[int], ctx: int, bos_id: int | None = None,
     uses one (the first window's already is), and tokens from ctx/2 on are scored, so every scored token has at least
     ctx/2 tokens of context."""
     if ctx < 8:
-        raise QuickdraftError(f"--ctx {ctx} is too small: use at least 8")
+        raise QuickdraftError(f"{{context}} {ctx} is too small: use at least 8", "context")
     chunks = len(tokens) // ctx
     if chunks == 0:
         raise QuickdraftError(
-            f"the text has {len(tokens)} tokens, fewer than --ctx {ctx}: use a smaller --ctx or a longer text"
-        )
+            f"the text has {len(tokens)} tokens, fewer than {{context}} {ctx}: use a smaller {{context}} or a longer "
+            "text", "context")
     chunks = min(chunks, max_chunks or chunks)
     device = model.device
     cache = KVCache.for_model(model, ctx)

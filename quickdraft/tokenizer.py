@@ -109,9 +109,7 @@ class Tokenizer:
         """Render messages with the model's own chat template, as the model was trained to see them (tools: OpenAI's
         function specs, for templates that describe them; variables: more for the template, e.g. enable_thinking)."""
         if not self.chat_template:
-            raise QuickdraftError(
-                "this model has no chat template in its metadata: drop --chat and give a raw prompt"
-            )
+            raise QuickdraftError("this model has no chat template in its metadata: give a raw prompt, not {chat}", "chat")
         return _compile_template(self.chat_template).render(
             **{**variables, **self.special_tokens},
             messages=messages,

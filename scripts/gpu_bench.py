@@ -5,9 +5,9 @@
    graphs with each token read back to the host as the engine does, and graphs without that sync), and v(k) for
    k = 1..16 in each format;
 2. the default pair: r of the 0.5B draft in int4 against each target format, and the speed-up the speed model
-   predicts at the acceptance the pair reaches on the CPU (--alpha: 0.75 per drafted token, the code prompt of
-   issue 20's table), k chosen as the policy would;
-3. the seeds' case: a 27B-class target in int4 (roofline.STAND_INS, ~15 GiB) with the 0.5B-class draft in int4:
+   predicts at the acceptance the pair reaches on the CPU (--alpha: 0.75 per drafted token, what the pair accepts on
+   the code prompt: docs/performance.md), k chosen as the policy would;
+3. the 27B class (a 4-bit 27B model on a 24-32 GB card, what many run locally): a 27B-class target in int4 (roofline.STAND_INS, ~15 GiB) with the 0.5B-class draft in int4:
    plain tok/s against the roofline, v(k), r, the speed-up predicted at 4.8 tokens a round at k = 7, and the
    memory plan's figures for it on a 24 GiB card and on this one.
 
@@ -41,7 +41,7 @@ from quickdraft.speculative.speed import expected_length, speedup
 from quickdraft.weights import hub
 from quickdraft.weights.loader import LoadedModel, load_model
 
-TARGET, DRAFT, SEEDS = hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT, "dense-27b-class"
+TARGET, DRAFT, CLASS_27B = hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT, "dense-27b-class"
 
 
 def load(name: str, fmt: str, device: torch.device, context: int, quick: bool) -> tuple[LoadedModel, str]:
@@ -90,7 +90,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--alpha", type=float, default=0.75, help="acceptance per drafted token for the default pair's "
                                                               "prediction (default: %(default)s)")
-    ap.add_argument("--skip-27b", action="store_true", help="leave out the seeds' 27B-class case")
+    ap.add_argument("--skip-27b", action="store_true", help="leave out the 27B-class case")
     ap.add_argument("--quick", action="store_true", help="a tiny stand-in for every model (the CPU rehearsal)")
     ap.add_argument("--json", help="write the table here as JSON too")
     args = ap.parse_args()
@@ -131,13 +131,13 @@ def main() -> int:
     del draft
     free(device)
 
-    seeds = None
+    big = None
     if not args.skip_27b:
         torch.cuda.reset_peak_memory_stats(device) if device.type == "cuda" else None
-        lm, source = load(SEEDS, "int4", device, 1024, args.quick)
+        lm, source = load(CLASS_27B, "int4", device, 1024, args.quick)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
         measure("27B-class int4", lm, source)
-        seeds = (lm.load_seconds, peak, sum(t.numel() * t.element_size() for t in lm.model.buffers()) / 2**30)
+        big = (lm.load_seconds, peak, sum(t.numel() * t.element_size() for t in lm.model.buffers()) / 2**30)
         del lm
         free(device)
 
@@ -165,18 +165,18 @@ def main() -> int:
                           "tok_s": s / steps[label]}
         print(f"  target {fmt:5}  r = {r:.2f}  best k = {best:2}  E[L] = {length:.2f}  v(k) = {v[best]:.2f}  "
               f"speed-up {s:.2f}x -> {s / steps[label]:.0f} tok/s")
-    if seeds is not None:
+    if big is not None:
         v, r = curves["27B-class int4"], draft_step / steps["27B-class int4"]
         plain = 1 / steps["27B-class int4"]
         s = speedup(4.8, v[7], 7, r)
         predicted["27B-class int4"] = {"r": r, "k": 7, "expected_length": 4.8, "v_k": v[7], "speedup": s,
                                        "tok_s": s * plain}
-        print("\nseeds' case: 27B-class int4 target + 0.5B int4 draft (random weights of the shapes)")
+        print("\nthe 27B class: a 27B-class int4 target + 0.5B int4 draft (random weights of the shapes)")
         print(f"  plain {plain:.1f} tok/s ({100 * plain / rows[-1][5]:.0f}% of the roofline), r = {r:.3f}, "
               f"v(7) = {v[7]:.2f}; at 4.8 tokens a round, k = 7: predicted {s:.2f}x -> {s * plain:.0f} tok/s")
-        print(f"  load: {seeds[0]:.1f} s module by module on the GPU, peak {seeds[1]:.2f} GiB allocated for "
-              f"{seeds[2]:.2f} GiB of weights")
-        cfg, dcfg = roofline.STAND_INS[SEEDS], roofline.STAND_INS[DRAFT]
+        print(f"  load: {big[0]:.1f} s module by module on the GPU, peak {big[1]:.2f} GiB allocated for "
+              f"{big[2]:.2f} GiB of weights")
+        cfg, dcfg = roofline.STAND_INS[CLASS_27B], roofline.STAND_INS[DRAFT]
         specs = [memory.ModelSpec("target", "27B-class Q4_K_M", cfg, "mixed", roofline.q4_k_m_types(cfg)),
                  memory.ModelSpec("draft", "0.5B-class", dcfg, "int4")]
         for capacity in (24 * 2**30, None):
@@ -188,7 +188,7 @@ def main() -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"device": name, "torch": torch.__version__, "bandwidth_gb_s": bw / 1e9, "decode": table,
                        "v": curves, "predicted": predicted, "graphs_off": graphs_off,
-                       "seeds_load": None if seeds is None else dict(zip(("load_s", "peak_gib", "weights_gib"), seeds))},
+                       "load_27b": None if big is None else dict(zip(("load_s", "peak_gib", "weights_gib"), big))},
                       f, indent=1)
     if graphs_off:
         print(f"\ngpu_bench: CUDA graphs were off for {', '.join(graphs_off)}: those figures are eager passes")

@@ -25,7 +25,7 @@ def test_each_kind_of_draft_has_one_spelling():
     assert Draft.parse("ngram", ngram=True) == Draft("ngram")
     with pytest.raises(QuickdraftError, match=r"write ngram\+d.gguf"):
         Draft.parse("d.gguf+ngram")
-    with pytest.raises(QuickdraftError, match="--draft ngram for lookup alone"):
+    with pytest.raises(QuickdraftError, match="use draft ngram for lookup alone"):
         Draft.parse("none", ngram=True)
     with pytest.raises(QuickdraftError, match="empty draft"):
         Draft.parse(" ")

@@ -58,7 +58,23 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_prompt_longer_than_context(tiny_gguf):
     r = cli("generate", "-m", str(tiny_gguf), "-p", "x" * 100, "--ctx", "32", "-n", "4")
-    assert_one_line_error(r, "exceeds the context of 32", "--ctx")
+    assert_one_line_error(r, "exceeds the context of 32", "lower -n, or raise --ctx")
+
+
+def test_an_error_names_the_setting_as_each_front_end_calls_it():
+    """The core names a setting by the library's keyword; the command line writes its flag, the server its field."""
+    from quickdraft.config import SpeculationConfig
+    from quickdraft.errors import QuickdraftError
+    from quickdraft.server.protocol import say as server_says
+    from quickdraft.tools.flags import say as cli_says
+
+    with pytest.raises(QuickdraftError) as e:
+        SpeculationConfig(draft_max=2, draft_min=3)
+    assert str(e.value) == "draft_min and draft_max must satisfy 0 <= draft_min <= draft_max"
+    assert cli_says(e.value) == "--draft-min and --draft-max must satisfy 0 <= --draft-min <= --draft-max"
+    assert server_says(e.value).startswith("speculative.draft_min and speculative.draft_max must satisfy")
+    assert_one_line_error(cli("generate", "-m", "x.gguf", "-p", "x", "--draft-max", "2", "--draft-min", "3"),
+                          "--draft-min and --draft-max must satisfy")
 
 
 def test_unknown_alias_and_bad_device(tiny_gguf):

@@ -127,8 +127,8 @@ def test_triton_int8_kernel_under_the_interpreter():
 
 # --- the memory plan -------------------------------------------------------------------------------------------
 
-def seeds_case(fmt="mixed"):
-    """The seeds' case: a 27B-class target from a Q4_K_M file (llama.cpp's recipe) with the 0.5B-class draft in
+def case_27b(fmt="mixed"):
+    """The 27B class: a 27B-class target from a Q4_K_M file (llama.cpp's recipe) with the 0.5B-class draft in
     int4 (its file in Q8_0, as the default draft's), 8k positions."""
     from gguf import GGMLQuantizationType as T
 
@@ -144,10 +144,10 @@ def seeds_case(fmt="mixed"):
             memory.ModelSpec("draft", "0.5b-class Q8_0", draft, "int4", d_types, d_bytes)]
 
 
-def test_the_seeds_case_fits_a_24_gb_card_with_its_figures():
+def test_the_27b_class_fits_a_24_gb_card_with_its_figures():
     from quickdraft.weights import memory
 
-    plan = memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=24 * 2**30)
+    plan = memory.plan(case_27b(), 8192, torch.device("cuda"), capacity=24 * 2**30)
     figures = {i.what: i.nbytes / 2**30 for i in plan.items}
     print("\n".join(plan.lines()))
     assert plan.fits and plan.warning() is None and 0.75 < plan.share < 0.9
@@ -157,27 +157,30 @@ def test_the_seeds_case_fits_a_24_gb_card_with_its_figures():
     assert "76% int4, 24% int8" in plan.items[0].detail
 
 
-def test_the_seeds_case_is_refused_on_a_16_gb_card_with_the_numbers():
+def test_the_27b_class_is_refused_on_a_16_gb_card_with_the_numbers():
     from quickdraft.errors import QuickdraftError
+    from quickdraft.tools.flags import say
     from quickdraft.weights import memory
 
-    plan = memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=16 * 2**30)
+    plan = memory.plan(case_27b(), 8192, torch.device("cuda"), capacity=16 * 2**30)
     assert not plan.fits
     with pytest.raises(QuickdraftError) as e:
         memory.check(plan)
-    text = str(e.value)
+    text = say(e.value)  # as the command line writes it: its flags
     assert "do not fit on cuda" in text and "need 20.5 GiB" in text and "16.0 GiB of 16.0 GiB is free" in text
     assert "target weights 16.0" in text and "--ctx" in text and "--weights int4, from mixed" in text
     assert "--draft-weights" not in text  # the draft is in int4 already
 
 
 def test_above_90_percent_a_warning_names_what_to_lower():
+    from quickdraft.tools.flags import say
     from quickdraft.weights import memory
 
-    plan = memory.plan(seeds_case("int4"), 16384, torch.device("cuda"), capacity=24 * 2**30)
+    plan = memory.plan(case_27b("int4"), 16384, torch.device("cuda"), capacity=24 * 2**30)
     warned = []
     memory.check(plan, warn=warned.append)
     assert plan.fits and len(warned) == 1
+    warned = [say(w) for w in warned]
     assert "above 90%" in warned[0] and "--ctx" in warned[0] and "KV caches take 4.2 GiB" in warned[0]
 
 
@@ -185,12 +188,12 @@ def test_doctor_reports_the_plan():
     from quickdraft.tools import doctor
     from quickdraft.weights import memory
 
-    ok = doctor.memory_plan(memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=24 * 2**30))
+    ok = doctor.memory_plan(memory.plan(case_27b(), 8192, torch.device("cuda"), capacity=24 * 2**30))
     assert ok.level == "ok" and "no layer is offloaded" in ok.message and "of 24.0 GiB" in ok.message
     assert ok.figures["items"][0]["what"] == "target weights"
-    tight = doctor.memory_plan(memory.plan(seeds_case("int4"), 16384, torch.device("cuda"), capacity=24 * 2**30))
+    tight = doctor.memory_plan(memory.plan(case_27b("int4"), 16384, torch.device("cuda"), capacity=24 * 2**30))
     assert tight.level == "warn" and "above 90%" in tight.message
-    refused = doctor.memory_plan(memory.plan(seeds_case(), 8192, torch.device("cuda"), capacity=16 * 2**30))
+    refused = doctor.memory_plan(memory.plan(case_27b(), 8192, torch.device("cuda"), capacity=16 * 2**30))
     assert refused.level == "error" and "do not fit" in refused.message
 
 

@@ -292,7 +292,7 @@ def test_a_full_queue_refuses_a_constrained_request_before_compiling_it():
         async def receive(self):
             await asyncio.Event().wait()
 
-    engine = SimpleNamespace(context=64, speculation=None, drafter=None, target=SimpleNamespace(chunk=64),
+    engine = SimpleNamespace(context=64, speculation=None, drafter=None, target=SimpleNamespace(chunk=64), max_rows=64,
                              slots=SimpleNamespace(count=1, free=lambda: 1),
                              grammars=SimpleNamespace(constraint=lambda grammar, text: None))
     worker = EngineWorker(lambda: SimpleNamespace(engine=engine), 0, Metrics())  # every place taken: none

@@ -1,4 +1,4 @@
-"""Clients that misbehave (issue 35), against a real server process on a tiny model: requests abandoned in the
+"""Clients that misbehave, against a real server process on a tiny model: requests abandoned in the
 queue, bodies whose validation multiplies, slow connections, grammar bombs, tool schemas as agent frameworks write
 them, unbounded fields, odd keys and content types, too many tools, special-token text in messages, huge model
 names. Each test prints what it measured; none asserts a speed."""

@@ -112,7 +112,7 @@ def test_the_replay_of_a_cut_head_matches_the_engine(bf16_pair):
 
 def test_a_head_that_cannot_be_cut_says_so(bf16_pair):
     target, draft = bf16_pair
-    with pytest.raises(QuickdraftError, match="--draft-vocab"):
+    with pytest.raises(QuickdraftError, match="draft_vocab must be 0"):
         SpeculationConfig(draft_vocab=-1)
     from quickdraft.speculative.draft import DraftBuilder, Draft
 

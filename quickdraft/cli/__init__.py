@@ -8,6 +8,7 @@ import sys
 from quickdraft.cli.commands import COMMANDS, DEMO_PROMPT  # noqa: F401 (DEMO_PROMPT: the benchmarks' prompt)
 from quickdraft.cli.parser import build_parser
 from quickdraft.errors import QuickdraftError
+from quickdraft.tools.flags import say
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     except QuickdraftError as e:
         if args.debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {say(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

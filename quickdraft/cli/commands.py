@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.tools.flags import say
 
 DEMO_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
 
@@ -54,7 +55,8 @@ def load(args, draft=None):
                     dtype=getattr(args, "dtype", "auto"), weights=getattr(args, "weights", "auto"),
                     context=getattr(args, "ctx", None), speculation=speculation,
                     cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True),
-                    cache_slots=getattr(args, "cache_slots", 1), cache_ram=getattr(args, "cache_ram", None))
+                    cache_slots=getattr(args, "cache_slots", 1), cache_ram=getattr(args, "cache_ram", None),
+                    warn=lambda problem: print(f"warning: {say(problem)}", file=sys.stderr))
 
 
 def engine_config(args):

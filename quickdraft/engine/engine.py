@@ -121,12 +121,12 @@ class Engine:
 
     def check_fits(self, prompt_n: int, max_tokens: int) -> None:
         if prompt_n == 0:
-            raise QuickdraftError("the prompt is empty: give some text with -p or --prompt-file")
+            raise QuickdraftError("{prompt} is empty: give some text", "prompt")
         if prompt_n + max_tokens > self.context:
             raise QuickdraftError(
                 f"the prompt ({prompt_n} tokens) plus {max_tokens} new tokens exceeds the context of "
-                f"{self.context} tokens: shorten the prompt, lower -n, or raise --ctx"
-            )
+                f"{self.context} tokens: shorten the prompt, lower {{max_tokens}}, or raise {{context}}", "max_tokens",
+                "context")
 
     def constraint(self, grammar: Grammar | None) -> Constraint | None:
         """A matcher for one generation (QuickdraftError, with the library's message, if the grammar is invalid)."""

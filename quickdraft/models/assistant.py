@@ -52,10 +52,6 @@ class Assistant(Decoder):
     def state_layout(self):
         return None
 
-    def kv_needs(self) -> dict[str, tuple[int, int]]:
-        """Per kind of layer, the (key/value heads, head size) of the target's keys and values it reads."""
-        return {b.attention.kind: (b.attention.n_kv_heads, b.attention.head_dim) for b in self.layers}
-
     def plan(self, kernels: bool, fused_layers: bool = True) -> dict:
         for block in self.layers:
             block.plan(kernels, False, self._tables(block.attention.kind)[0].shape[-1])

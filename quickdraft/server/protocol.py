@@ -29,6 +29,17 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # a stop string's length (matching is linear in it: server/stops.py)
 
 
+# A request's field (or the server's flag) for each setting a QuickdraftError may name (errors.py)
+FIELDS = {"chat": "messages (/v1/completions takes a raw prompt)", "max_tokens": "max_tokens",
+          "context": "the server's context (serve --ctx)", "prompt": "the prompt", "draft_max": "speculative.draft_max",
+          "draft_min": "speculative.draft_min", "tree": "speculative.tree", "p_min": "speculative.p_min"}
+
+
+def say(problem) -> str:
+    """A QuickdraftError as the server writes it (its settings as the request's fields); other text as it is."""
+    return problem.say(FIELDS) if hasattr(problem, "say") else str(problem)
+
+
 class APIError(Exception):
     """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
 
@@ -432,7 +443,7 @@ class ChatRequest(_Sampling):
         try:
             check_tools(tools)
         except QuickdraftError as e:
-            raise APIError(400, str(e), "tools") from None
+            raise APIError(400, say(e), "tools") from None
         return tools
 
     def tool_choice_name(self) -> str | None:

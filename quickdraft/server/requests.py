@@ -128,8 +128,7 @@ def _render(tokenizer, messages: list[dict], extra: dict, literal: bool) -> list
     try:
         return tokenizer.encode_chat(messages, extra, literal_special_text=literal)
     except QuickdraftError as e:
-        raise p.APIError(400, str(e).replace("drop --chat and give a raw prompt",
-                                             "use /v1/completions with a raw prompt"), "messages") from None
+        raise p.APIError(400, p.say(e), "messages") from None
     except Exception as e:  # the template's own raise_exception, or a template bug on odd input
         raise p.APIError(400, f"the model's chat template refused these messages: {e}", "messages") from None
 
@@ -176,7 +175,7 @@ def sampling(req, max_tokens: int) -> SamplingParams:
             stop_at_eos=not req.ignore_eos, logprobs=req.logprobs_count(), post_sampling=req.post_sampling_probs,
         )
     except QuickdraftError as e:
-        raise p.APIError(400, str(e)) from None
+        raise p.APIError(400, p.say(e)) from None
 
 
 def speculation(state, req):
@@ -205,7 +204,7 @@ async def constraint(state, req, tools: ToolPlan | None = None):
         compiled = await state.sandbox.compile(grammar) if state.sandbox is not None else None
         return await asyncio.to_thread(state.engine.grammars.constraint, grammar, compiled)
     except QuickdraftError as e:
-        raise p.APIError(400, str(e), field) from None
+        raise p.APIError(400, p.say(e), field) from None
     except CompilerUnavailable as e:  # not the client's fault: a 503 it may retry
         raise p.APIError(503, f"{e}; retry later", field, type="server_busy" if isinstance(e, CompilerBusy) else
                          "server_error", headers={"Retry-After": "2"}) from None

@@ -25,6 +25,7 @@ from quickdraft.engine import Batch, Halt, Timings
 from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint, ConstraintError
 from quickdraft.server.metrics import Metrics
+from quickdraft.server.protocol import say
 from quickdraft.server.stops import StopMatcher
 from quickdraft.speculative.stats import SpeculationStats
 
@@ -233,7 +234,7 @@ class EngineWorker:
         try:
             s = batch.add(job.prompt, job.params, job.speculation, job.halt, job.constraint, job.reuse)
         except Exception as e:  # noqa: BLE001 -- the request's (a context the handler did not check): it fails alone
-            job.put(Failed(str(e), 400 if isinstance(e, QuickdraftError) else 500))
+            job.put(Failed(say(e), 400 if isinstance(e, QuickdraftError) else 500))
             return
         self.running[id(s)] = Stream(job, self.engine.target.tokenizer)
         self.metrics.running.set(len(batch.active))

@@ -59,8 +59,8 @@ class Draft:
         if not text:
             raise QuickdraftError(f"an empty draft: give {SPELLINGS}")
         if text == "none" and ngram:
-            raise QuickdraftError("--ngram puts prompt lookup in front of a draft model, and --draft none has none: "
-                                  "use --draft ngram for lookup alone")
+            raise QuickdraftError("{ngram} puts prompt lookup in front of a draft model, and {draft} none has none: "
+                                  "use {draft} ngram for lookup alone", "ngram", "draft")
         if text in ("none", "ngram"):
             return cls(text)
         if text == "auto":
@@ -126,8 +126,8 @@ class DraftBuilder:
         if draft.kind not in KINDS:
             raise QuickdraftError(f"unknown kind of draft {draft.kind!r}: give {SPELLINGS}")
         if getattr(speculation, "draft_vocab", 0) and draft.kind != "model":
-            raise QuickdraftError(f"--draft-vocab cuts a draft model's output head, and --draft {draft} has no draft "
-                                  "model: drop --draft-vocab or give a draft model")
+            raise QuickdraftError(f"{{draft_vocab}} cuts a draft model's output head, and {{draft}} {draft} has no "
+                                  "draft model: drop {draft_vocab} or give a draft model", "draft_vocab", "draft")
         drafter = KINDS[draft.kind].build(draft, self.target, self.models(draft), self.capacity, speculation)
         drafter.name = str(replace(draft, ngram=False))
         if draft.ngram and draft.kind != "ngram":

@@ -75,8 +75,9 @@ class SubsetHead:
         self.base_layer = take_rows(self.layer, torch.arange(self.base, device=self.device))
         if self.base_layer is None:
             raise QuickdraftError(
-                "--draft-vocab: the draft's output head is in a layout that cannot be cut into rows (int4 or int8 off "
-                "quickdraft's CPU kernels); drop --draft-vocab or give the draft --draft-weights bf16")
+                "{draft_vocab}: the draft's output head is in a layout that cannot be cut into rows (int4 or int8 off "
+                "quickdraft's CPU kernels); drop {draft_vocab} or give the draft {draft_weights} bf16", "draft_vocab",
+                "draft_weights")
         self.ids = torch.arange(self.base, device=self.device)  # the id each column of the logits stands for
         self.reset([])
 

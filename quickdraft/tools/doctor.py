@@ -18,6 +18,7 @@ from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.draft import NONE
 from quickdraft.speculative.vocab import check_compatible
+from quickdraft.tools.flags import say
 
 WARN_SHARE = 0.9  # of the device's memory
 
@@ -196,9 +197,9 @@ def memory_plan(plan) -> Finding:
     line = (f"{parts} GiB = {plan.used / 2**30:.2f} GiB of {plan.capacity / 2**30:.1f} GiB on {plan.device} "
             f"({100 * plan.share:.0f}%); no layer is offloaded")
     if not plan.fits:
-        return Finding("memory plan", "error", plan.refusal(), figures)
-    if plan.warning():
-        return Finding("memory plan", "warn", f"{line}: {plan.warning()}", figures)
+        return Finding("memory plan", "error", say(plan.refusal()), figures)
+    if plan.warning() is not None:
+        return Finding("memory plan", "warn", f"{line}: {say(plan.warning())}", figures)
     return Finding("memory plan", "ok", line, figures)
 
 

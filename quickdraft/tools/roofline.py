@@ -18,8 +18,8 @@ from quickdraft.runtime.timing import sync, timed
 
 # Random-weight stand-ins for real models where the files are not at hand (a GPU machine has no network; a pass's
 # speed and a plan's bytes depend on the shapes, not the values): the default pair, and a 27B-class target of
-# Qwen3.5-27B's dimensions with all 64 layers as attention layers (the nearest dense model of the size the seeds'
-# users run: about 24B parameters, 15 GiB in int4). Used by scripts/gpu_bench.py and the memory plan's tests.
+# Qwen3.5-27B's dimensions with all 64 layers as attention layers (the nearest dense model of the size people run
+# locally on a 24-32 GB card: about 24B parameters, 15 GiB in int4). Used by scripts/gpu_bench.py and the memory plan's tests.
 STAND_INS = {
     "qwen2.5-coder-1.5b": ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
     "qwen2.5-coder-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768, qkv_bias=True),

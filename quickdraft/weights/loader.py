@@ -141,11 +141,12 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise QuickdraftError(f"--device {device}: PyTorch sees no CUDA device here; use --device cpu or auto")
+        raise QuickdraftError(f"{{device}} {device}: PyTorch sees no CUDA device here; use {{device}} cpu or auto",
+                              "device")
     try:
         return torch.device(device)
     except RuntimeError as e:
-        raise QuickdraftError(f"--device {device!r} is not a device name: use auto, cpu or cuda") from e
+        raise QuickdraftError(f"{{device}} {device!r} is not a device name: use auto, cpu or cuda", "device") from e
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -155,7 +156,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     if dtype != "auto":
-        raise QuickdraftError(f"--dtype {dtype!r}: choose auto, {', '.join(_DTYPES)}")
+        raise QuickdraftError(f"{{dtype}} {dtype!r}: choose auto, {', '.join(_DTYPES)}", "dtype")
     if device.type == "cuda":
         return torch.bfloat16
     # bf16 halves the bytes every token reads; use it where the CPU computes it natively.
@@ -228,7 +229,7 @@ def ready(lm: LoadedModel, cuda_graphs: bool = True) -> LoadedModel:
 
 
 def _context(engine: EngineConfig, cfg: ModelConfig) -> int:
-    """The context a load gives the model: --ctx, else the model's own, capped at DEFAULT_MAX_CONTEXT."""
+    """The context a load gives the model: the one asked for, else the model's own, capped at DEFAULT_MAX_CONTEXT."""
     return engine.max_context or min(cfg.max_context, DEFAULT_MAX_CONTEXT)
 
 
@@ -344,10 +345,10 @@ def _full(w):
 def _check_format(fmt: str, device: torch.device, dtype: torch.dtype | None) -> None:
 
     if fmt not in quant.FORMATS:
-        raise QuickdraftError(f"--weights {fmt!r}: choose {', '.join(quant.FORMATS)}")
+        raise QuickdraftError(f"{{weights}} {fmt!r}: choose {', '.join(quant.FORMATS)}", "weights")
     if fmt in quant.QUANTIZED and (device.type not in ("cpu", "cuda") or dtype != torch.bfloat16):
-        raise QuickdraftError(f"--weights {fmt} runs with bfloat16 activations on the CPU or CUDA: add --dtype "
-                              "bfloat16, or use --weights bf16")
+        raise QuickdraftError(f"{{weights}} {fmt} runs with bfloat16 activations on the CPU or CUDA: set {{dtype}} "
+                              "bfloat16, or use {weights} bf16", "weights", "dtype")
 
 
 def _accumulate(update):

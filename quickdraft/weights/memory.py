@@ -28,6 +28,7 @@ from quickdraft.runtime.kv_cache import HISTORY
 TIGHT = 0.90  # of the device's memory: above it, a warning
 CUDA_CONTEXT = 600 * 2**20  # the CUDA context, cuBLAS workspaces and the caching allocator's slack (an estimate)
 GIB = 2**30
+HINTS = ("context", "draft_weights", "weights")  # the settings a plan that does not fit names
 
 
 @dataclass
@@ -68,26 +69,27 @@ class MemoryPlan:
         """What to lower, the parts of the plan that can be."""
         kv = sum(i.nbytes for i in self.items if "KV cache" in i.what)
         draft = sum(i.nbytes for i in self.items if i.what.startswith("draft"))
-        hints = [f"the context (--ctx: the KV caches take {kv / GIB:.1f} GiB)"] if kv else []
+        hints = [f"the context ({{context}}: the KV caches take {kv / GIB:.1f} GiB)"] if kv else []
         if draft:
             fmt = self.formats.get("draft")
             hints.append(f"the draft ({draft / GIB:.1f} GiB: " + ("a smaller one, or none" if fmt == "int4" else
-                                                                   "--draft-weights int4, a smaller one, or none") + ")")
+                                                                   "{draft_weights} int4, a smaller one, or none") + ")")
         if self.formats.get("target") not in (None, "int4"):
-            hints.append(f"the target's format (--weights int4, from {self.formats['target']})")
+            hints.append(f"the target's format ({{weights}} int4, from {self.formats['target']})")
         return "; ".join(hints) or "nothing: the models alone are larger than the device"
 
-    def refusal(self) -> str:
-        return (f"the models do not fit on {self.device}: they need {self.used / GIB:.1f} GiB and "
+    def refusal(self) -> QuickdraftError:
+        return QuickdraftError(f"the models do not fit on {self.device}: they need {self.used / GIB:.1f} GiB and "
                 f"{self.free / GIB:.1f} GiB of {self.capacity / GIB:.1f} GiB is free ("
                 + ", ".join(f"{i.what} {i.nbytes / GIB:.1f}" for i in self.items)
-                + f" GiB); lower {self.largest()}")
+                + f" GiB); lower {self.largest()}", *HINTS)
 
-    def warning(self) -> str | None:
+    def warning(self) -> QuickdraftError | None:
         if self.share <= TIGHT:
             return None
-        return (f"the models take {100 * self.share:.0f}% of {self.device}'s {self.capacity / GIB:.1f} GiB "
-                f"(above {TIGHT:.0%}, speculation slows down: no room for its passes); lower {self.largest()}")
+        return QuickdraftError(f"the models take {100 * self.share:.0f}% of {self.device}'s {self.capacity / GIB:.1f} "
+                               f"GiB (above {TIGHT:.0%}, speculation slows down: no room for its passes); lower "
+                               f"{self.largest()}", *HINTS)
 
 
 @functools.lru_cache(maxsize=8)
@@ -208,12 +210,12 @@ def plan(models: list[ModelSpec], context: int, device: torch.device, capacity: 
 
 
 def check(plan_: MemoryPlan, warn=None) -> None:
-    """Refuse a plan that does not fit (QuickdraftError with the numbers); warn (warn(text)) above TIGHT."""
+    """Refuse a plan that does not fit (QuickdraftError with the numbers); warn(QuickdraftError) above TIGHT."""
     if not plan_.fits:
-        raise QuickdraftError(plan_.refusal())
-    text = plan_.warning()
-    if text and warn is not None:
-        warn(text)
+        raise plan_.refusal()
+    problem = plan_.warning()
+    if problem is not None and warn is not None:
+        warn(problem)
 
 
 def _name(device: torch.device) -> str:

@@ -4,7 +4,7 @@ only the rest. A chat or an agent resends its whole history every turn, so each 
 what is new.
 
 Reuse is exact: every pass the engine runs computes each row the way a one-token step computes it (row-invariant
-kernels, prefill in row-wise chunks: engine.py), so a position's keys and values are the same bits whether a
+kernels, prefill in row-wise chunks: engine/engine.py), so a position's keys and values are the same bits whether a
 prefill, a decoding step or a verification wrote them, in this request or in an earlier one.
 
 A hybrid model's recurrent state cannot roll back further than the positions it keeps (runtime/kv_cache.HISTORY):

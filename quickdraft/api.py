@@ -13,7 +13,7 @@ The command line, the server, tune, bench, verify, doctor and the scripts all go
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -155,6 +155,8 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     if cache_slots < 1:
         raise QuickdraftError("{cache_slots} must be at least 1 (the sequence being generated)", "cache_slots")
     warn = warn or (lambda problem: print(f"warning: {problem}", file=sys.stderr))
+    if context is None:  # the model's own context, where its caches fit beside the weights, else the largest that does
+        engine = replace(engine, max_context=fit_context(model, draft, engine, cache_slots, warn))
     if resolve_device(device).type == "cuda":  # what fits is known before any weight is read
         plan, cache_slots = fitting_slots(model, draft, engine, cache_slots, warn)
         memory.check(plan, warn=warn)
@@ -164,6 +166,24 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     ram = memory.parse_size(cache_ram) if isinstance(cache_ram, str) else cache_ram
     target = load_model(model, engine, progress)
     return LLM(target, engine, draft, speculation or SpeculationConfig(), progress, cache_slots, ram)
+
+
+def fit_context(target: str, draft: Draft, engine: EngineConfig, slots: int, warn=None) -> int:
+    """The context a load gives by default: the model's own where the memory plan fits it with `slots` kept
+    sequences within memory.TIGHT of the device, else the largest power of two that does (at least
+    DEFAULT_MAX_CONTEXT), saying so (warn)."""
+    native = memory.spec_from_source("target", target, "bf16").cfg.max_context
+    n = native
+    while True:
+        plan = memory_plan(target, draft, replace(engine, max_context=n), slots=slots)
+        if plan.share <= memory.TIGHT or n <= DEFAULT_MAX_CONTEXT:
+            break
+        n = max(DEFAULT_MAX_CONTEXT, 1 << ((n - 1).bit_length() - 1))
+    if n < native and warn is not None:
+        warn(QuickdraftError(f"the model's context of {native} tokens with {slots} kept sequences would take "
+                             f"{100 * plan.share:.0f}% of {plan.device}'s memory: using {n} tokens ({{context}} sets "
+                             "it, {cache_slots} lowers what it takes)", "context", "cache_slots"))
+    return n
 
 
 def slot_count(slots: int, ram: int | None, slot_bytes: int) -> int:

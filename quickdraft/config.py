@@ -273,6 +273,9 @@ class SpeculationConfig:
     # tree verification: up to this many candidates at the chain's least sure position, verified in the same pass
     # (1: chains alone); adaptive, the policy verifies a tree only while it measures faster than the chain
     tree: int = 1
+    # a draft model drafts from its first tokens and the last draft_window of the rest (0: the whole context; None:
+    # the default for its device: speculative/draft_model.window_of), so its cost does not grow with the prompt
+    draft_window: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.draft_min <= self.draft_max:
@@ -285,6 +288,9 @@ class SpeculationConfig:
             raise QuickdraftError("{p_min} must be in [0, 1)", "p_min")
         if not 1 <= self.tree <= 8:
             raise QuickdraftError("{tree} must be 1 (chains alone) to 8 candidates at a position", "tree")
+        if self.draft_window is not None and self.draft_window < 0:
+            raise QuickdraftError("{draft_window} must be 0 (the whole context) or a number of tokens, e.g. 512",
+                                  "draft_window")
         if self.draft_vocab < 0:
             raise QuickdraftError("{draft_vocab} must be 0 (the whole vocabulary) or a number of ids, e.g. 32768",
                                   "draft_vocab")
@@ -297,7 +303,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda[:N]
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     weights: str = "auto"  # auto | bf16 (the dtype's) | int8 | int4 | mixed (weight-only, CPU)
-    max_context: int | None = None  # None: the model's own, capped at DEFAULT_MAX_CONTEXT
+    max_context: int | None = None  # None: the model's own (load() fits it to memory: api.fit_context), capped at
+    #                                 DEFAULT_MAX_CONTEXT for a model loaded alone (weights/loader.load_model)
     threads: int | None = None
     cuda_graphs: bool = True  # on CUDA, replay decode and verification passes as CUDA graphs (runtime/graphs.py)
     weight_cache: bool = True  # keep quantized conversions on disk for the next load (weights/converted.py)

@@ -58,7 +58,7 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_prompt_longer_than_context(tiny_gguf):
     r = cli("generate", "-m", str(tiny_gguf), "-p", "x" * 100, "--ctx", "32", "-n", "4")
-    assert_one_line_error(r, "exceeds the context of 32", "lower -n, or raise --ctx")
+    assert_one_line_error(r, "fills the context of 32 tokens: shorten it, or raise --ctx (the model takes up to")
 
 
 def test_an_error_names_the_setting_as_each_front_end_calls_it():

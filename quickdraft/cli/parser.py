@@ -31,7 +31,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "CPU with bf16 and AVX-512 VNNI (quickdraft's own kernels: several times bf16's speed "
                              "on a Q4_K_M file, as close to bf16 as int8), else bf16 (default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=None,
-                        help="context length in tokens (default: the model's, at most 4096)")
+                        help="context length in tokens (default: the model's own where its caches fit in memory with "
+                             "the kept sequences, else the largest that does, said on one line)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's choice)")
     parser.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",
                         help="convert the weights again instead of reading back the conversion kept on disk from an "

@@ -9,6 +9,7 @@ many, each step one pass over all their rows. Both go through `Engine.step`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from quickdraft.models.transformer import ROWWISE_MAX
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import Slot, Slots
 from quickdraft.speculative.base import Drafter, KFor, Proposal
-from quickdraft.speculative.policy import AdaptivePolicy, BatchPlan
+from quickdraft.speculative.policy import HORIZON, AdaptivePolicy, BatchPlan
 from quickdraft.speculative.stats import SpeculationStats
 
 if TYPE_CHECKING:  # the engine runs whatever model it is given; it does not load one
@@ -119,14 +120,15 @@ class Engine:
     def vocab(self) -> int:
         return self.target.config.vocab_size
 
-    def check_fits(self, prompt_n: int, max_tokens: int) -> None:
+    def check_fits(self, prompt_n: int) -> None:
+        """A prompt must leave room in the context for a token (QuickdraftError naming the fix)."""
         if prompt_n == 0:
             raise QuickdraftError("{prompt} is empty: give some text", "prompt")
-        if prompt_n + max_tokens > self.context:
+        if prompt_n >= self.context:
+            most = self.target.config.max_context
             raise QuickdraftError(
-                f"the prompt ({prompt_n} tokens) plus {max_tokens} new tokens exceeds the context of "
-                f"{self.context} tokens: shorten the prompt, lower {{max_tokens}}, or raise {{context}}", "max_tokens",
-                "context")
+                f"the prompt ({prompt_n} tokens) fills the context of {self.context} tokens: shorten it"
+                + (f", or raise {{context}} (the model takes up to {most})" if most > self.context else ""), "context")
 
     def constraint(self, grammar: Grammar | None) -> Constraint | None:
         """A matcher for one generation (QuickdraftError, with the library's message, if the grammar is invalid)."""
@@ -166,8 +168,12 @@ class Engine:
     def start(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
               halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True) -> Sequence:
         """A sequence for prompt, in a slot of its own (generate's arguments), not yet prefilled: `step` it until it
-        ends (it is then released), or `release` it. QuickdraftError if it does not fit the context."""
-        self.check_fits(len(prompt), params.max_tokens)
+        ends (it is then released), or `release` it. QuickdraftError if the prompt fills the context; max_tokens beyond
+        it are capped to the room left (the generation then ends with "length" there, as OpenAI's and llama-server's
+        do)."""
+        self.check_fits(len(prompt))
+        if len(prompt) + params.max_tokens > self.context:
+            params = dataclasses.replace(params, max_tokens=self.context - len(prompt))
         slot, reused = self.slots.take(prompt, reuse)
         self.last = slot
         speculation = speculation or self.speculation
@@ -319,8 +325,7 @@ class Engine:
         alternatives). batch: the step's plan where the sequence is stepped beside others (index: its place there)."""
         if batch is None:
             return self._propose(s, self._k_alone(s))
-        lag = (lambda source: s.drafter.lag(s.tokens, source)) if s.drafter is not None else (lambda source: 0)
-        k_for = batch.k_for(index, s.speculation, self._budget(s), s.acceptance, lag)
+        k_for = batch.k_for(index, s.speculation, self._budget(s), s.acceptance, self._lag(s), self._horizon(s))
         feed = self._propose(s, k_for, lambda source, width: batch.branches(source, width, s.speculation))
         proposal = s.work.proposal
         if proposal.parents is not None:  # the alternatives' rows: the plan counts them for the next sequences
@@ -328,8 +333,19 @@ class Engine:
         return feed
 
     def _k_alone(self, s: Sequence) -> KFor:
-        budget = self._budget(s)
-        return lambda source: max(0, min(self.policy.k_for(source, s.speculation), budget))
+        budget, lag, horizon = self._budget(s), self._lag(s), self._horizon(s)
+        return lambda source: max(0, min(self.policy.k_for(source, s.speculation, lag(source), horizon), budget))
+
+    @staticmethod
+    def _lag(s: Sequence):
+        """Per source, the tokens of the sequence its drafter would first have to take in."""
+        return (lambda source: s.drafter.lag(s.tokens, source)) if s.drafter is not None else (lambda source: 0)
+
+    @staticmethod
+    def _horizon(s: Sequence) -> int:
+        """The tokens still to come, as far as a drafter's catch-up must pay back (policy.HORIZON): at most what is
+        left of max_tokens, at least the answer's length so far."""
+        return min(s.params.max_tokens - s.generated, max(HORIZON, s.generated))
 
     def _budget(self, s: Sequence) -> int:
         budget = draft_budget(s.params.max_tokens, s.generated, self.context - len(s.tokens))
@@ -340,8 +356,8 @@ class Engine:
         masks are computed on another thread while the target runs (llguidance releases the GIL). in_batch(source,
         width): the candidates a tree may have in the step's pass (None: the sequence is alone)."""
         batched = in_batch is not None
-        if s.drafter is not None and not s.drafting:  # the draft takes in the prompt once the first token is out:
-            self._begin_drafting(s, prefill=not batched)  # the wait for it is the target's prefill alone
+        if s.drafter is not None and not s.drafting:  # once the first token is out; what the drafter lacks of the
+            self._begin_drafting(s)  # prompt it takes in when it first drafts, where the policy finds that it pays
         proposal, draft_s = Proposal([], "none"), 0.0
         if s.drafter is not None and self._budget(s) > 0:
             t0 = time.perf_counter()
@@ -375,12 +391,10 @@ class Engine:
         return (s.speculation.tree > 1 and s.drafter.trees and self.target.trees
                 and s.constraint is None and s.params.logprobs is None)
 
-    def _begin_drafting(self, s: Sequence, prefill: bool = True) -> None:
-        t0 = time.perf_counter()
-        s.drafter.begin(s.prompt, prefill)
+    def _begin_drafting(self, s: Sequence) -> None:
+        s.drafter.begin(s.prompt, prefill=False)
         s.drafting = True
         self.policy.begin()
-        s.timings.draft_prefill_s = time.perf_counter() - t0
 
     # ---- concluding ---------------------------------------------------------------------------------
 
@@ -401,6 +415,8 @@ class Engine:
             s.stats.record_plain(seconds + draft_s)
             return (*chosen, TARGET)
         drafting_s = draft_s - proposal.catch_up_s
+        s.timings.draft_prefill_s += proposal.catch_up_s
+        self.policy.record_catch_up(proposal.source, proposal.caught_up, proposal.catch_up_s)
         if proposal.parents is not None:
             tokens, path = verify.tree(s, proposal, logits, self.vocab)
             accepted, k = len(path) - 1, len(proposal.tokens)

@@ -19,7 +19,9 @@ class Timings:
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first token -> last token
     n_decoded: int = 0  # tokens generated after the first one
-    draft_prefill_s: float = 0.0  # the draft taking in the prompt, after the first token (part of decode_s)
+    # a drafter taking in what it had not seen (the prompt, or its window of it; tokens of plain steps and of other
+    # sources) before drafting: part of decode_s
+    draft_prefill_s: float = 0.0
 
     @property
     def prefill_tok_s(self) -> float:

@@ -661,9 +661,10 @@ class Transformer(Decoder):
         """
         S = tokens.shape[1]
         start, end = cache.length, cache.length + S
-        if end > min(cache.capacity, self.max_context):
-            raise ValueError(f"positions up to {end} exceed the context of {cache.capacity}")
-        rotary = {kind: tuple(t[start:end] for t in self._tables(kind)) for kind in self.kinds}
+        first = cache.position  # the positions of a windowed draft's cache run ahead of its indices (compact)
+        if end > cache.capacity or first + S > self.max_context:
+            raise ValueError(f"positions up to {first + S} exceed the context of {cache.capacity}")
+        rotary = {kind: tuple(t[first:first + S] for t in self._tables(kind)) for kind in self.kinds}
         masks = dict.fromkeys(self.kinds)
         if S > ROWWISE_MAX:  # query i (at position start + i) sees keys 0 .. start + i (the window's, if sliding)
             positions = torch.arange(start, end, device=tokens.device)[:, None]
@@ -690,8 +691,8 @@ class Transformer(Decoder):
                 raise ValueError(f"positions up to {cache.length + n} exceed the context of {cache.capacity}")
         trees = trees or [None] * len(caches)
         tokens = torch.cat(feeds)[None]
-        positions = torch.cat([torch.arange(c.length, c.length + n) if tree is None else
-                               torch.tensor([c.length + d for d in tree[0]])
+        positions = torch.cat([torch.arange(c.position, c.position + n) if tree is None else
+                               torch.tensor([c.position + d for d in tree[0]])
                                for c, n, tree in zip(caches, sizes, trees)])
         positions = positions.to(self._tables(self.kinds[0])[0].device)
         rotary = {kind: tuple(t[positions] for t in self._tables(kind)) for kind in self.kinds}

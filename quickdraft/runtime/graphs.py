@@ -101,7 +101,7 @@ class StepGraphs:
             self.disabled = "a mixture of experts runs eagerly (its routing picks experts on the host)"
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
-        return (self.disabled is None and tokens.shape[0] == 1 and cache.batch == 1
+        return (self.disabled is None and tokens.shape[0] == 1 and cache.batch == 1 and not cache.offset
                 and tokens.shape[1] <= self.width
                 and cache.length + self.width <= min(cache.capacity, self.model.max_context))
 

@@ -85,6 +85,10 @@ class KVCache:
     `length` is the number of valid positions. A forward pass writes its S positions at
     [length, length + S) and advances `length`; `rollback(n)` makes positions >= n invalid again
     (their stale values are simply overwritten by the next write).
+
+    A draft model's cache may hold a window of its sequence (`compact`): its first positions (sinks), then the recent
+    ones, each index i past the sinks standing for position i + `offset`. Keys keep the rotary of their own position,
+    so each query attends to them as at their true distance; the positions between are simply not there.
     """
 
     def __init__(self, layout: list[tuple[int, int, int]], capacity: int, *, batch: int = 1, dtype=torch.float32,
@@ -101,15 +105,20 @@ class KVCache:
         self.recurrent = [s for s in self.states if s is not None]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        # On the CPU the keys and values are not zeroed: a position is read only once a pass has written it, and
+        # memory the system has not handed out until it is first written costs nothing until then: a cache of a long
+        # context takes memory as it fills. (On CUDA a masked pass reads positions past the length: zeros there.)
+        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
         for i, (heads, dim, source) in enumerate(layout):
             if source != i:
                 self.k.append(self.k[source])
                 self.v.append(self.v[source])
                 continue
-            self.k.append(torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device))
-            self.v.append(torch.zeros(batch, heads, capacity, dim, dtype=dtype, device=device))
+            self.k.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
+            self.v.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
         self.owners = [source == i for i, (_, _, source) in enumerate(layout)]
         self.length = 0
+        self.offset = 0  # positions dropped from the middle (compact): index i past the sinks is position i + offset
 
     @classmethod
     def for_model(cls, model, capacity: int | None = None, batch: int = 1) -> "KVCache":
@@ -187,8 +196,25 @@ class KVCache:
             s.restore(length)
         self.length = length
 
+    @property
+    def position(self) -> int:
+        """The position the next pass's first row is at (its index is `length`)."""
+        return self.length + self.offset
+
+    def compact(self, sinks: int, start: int, offset: int) -> None:
+        """Drop the indices [sinks, start) and move the rest down behind the sinks (a copy, no pass), `offset` being
+        the positions dropped in all from now on (a windowed draft: speculative/draft_model.py). Not for recurrent
+        states, whose history is not positions."""
+        assert not self.recurrent and sinks <= start <= self.length and offset >= self.offset
+        n = self.length - start
+        if n and start > sinks:
+            for t in self.tensors():
+                t[:, :, sinks:sinks + n] = t[:, :, start:start + n].clone()
+        self.length, self.offset = sinks + n, offset
+
     def reset(self) -> None:
         self.length = 0
+        self.offset = 0
         self.tree = None  # (a tree pass whose path was never kept: what it held of its leaves goes too)
         for s in self.recurrent:
             s.reset()
@@ -214,7 +240,7 @@ class KVCache:
             self.hidden[:n].copy_(other.hidden[:n])
         if self.features is not None and other.features is not None:
             self.features[:n].copy_(other.features[:n])
-        self.length = n
+        self.length, self.offset = n, 0
 
 
 class Segments:

@@ -22,14 +22,12 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
     if not prompt:
         raise p.APIError(400, "the prompt is empty: send some text", field)
     if len(prompt) >= context:
-        raise p.APIError(400, f"the prompt ({len(prompt)} tokens) fills the context of {context} tokens: "
-                              "shorten it", field, code="context_length_exceeded")
-    if max_tokens is None:  # as OpenAI: up to the end of the context
-        max_tokens = context - len(prompt)
-    if len(prompt) + max_tokens > context:
-        raise p.APIError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the "
-                              f"context of {context} tokens: shorten the prompt or lower max_tokens",
-                         "max_tokens", code="context_length_exceeded")
+        most = state.engine.target.config.max_context
+        raise p.APIError(400, f"the prompt ({len(prompt)} tokens) fills the context of {context} tokens: shorten it"
+                         + (f" (the server's context: serve --ctx; the model takes up to {most})" if most > context
+                            else ""), field, code="context_length_exceeded")
+    # as OpenAI and llama-server: up to the end of the context, where max_tokens is left out or asks for more
+    max_tokens = context - len(prompt) if max_tokens is None else min(max_tokens, context - len(prompt))
     params, speculation = prepare.sampling(req, max_tokens), prepare.speculation(state, req)
     stops = req.stop_strings()
     try:

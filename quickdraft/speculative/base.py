@@ -21,6 +21,7 @@ class Proposal:
     source: str  # which drafter proposed them ("draft", "ngram")
     q_draft: torch.Tensor | None = None  # (len(tokens), V) processed distributions; None: deterministic
     catch_up_s: float = 0.0  # time spent feeding tokens the drafter had not seen (not drafting proper)
+    caught_up: int = 0  # how many: the policy's cost of a token taken in (AdaptivePolicy.t_feed)
     # A tree (tree verification): node i's parent node (-1: the pending token); the first `chain` nodes are a chain,
     # each further one a leaf beside the chain node at its depth (an alternative candidate). None: a chain.
     parents: list[int] | None = None

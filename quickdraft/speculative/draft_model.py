@@ -8,7 +8,8 @@ import time
 import torch
 
 from quickdraft import constraint as constraints, quant, sampling
-from quickdraft.config import SamplingParams
+from quickdraft.config import MAX_DRAFT, SamplingParams
+from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
 from quickdraft.speculative.base import Branches, Drafter, KFor, Offer, Proposal, branch, replay_chain
@@ -25,6 +26,21 @@ CATCH_UP = 2
 # pay. The round that resumes speculation catches up in full.
 PROBE_AFTER = 16
 PROBE_WINDOW = 32
+# A draft with a window (--draft-window W) keeps its first SINKS tokens (attention sinks: StreamingLLM) and the last W
+# of the rest, each at its own position; the window grows by up to SLACK tokens before the oldest are dropped (a copy
+# of keys and values behind the sinks, no pass), and its cache holds no more than that and a round's drafts.
+SINKS = 4
+SLACK = 64
+DEFAULT_WINDOW = 1024  # on the CPU, where a draft's prefill of a long prompt costs more than its drafts save
+
+
+def window_of(speculation, device) -> int:
+    """The window a draft model drafts from: --draft-window, else DEFAULT_WINDOW on the CPU and the whole context on a
+    GPU (its prefill is cheap there, and its graphs replay a cache without one)."""
+    window = getattr(speculation, "draft_window", None)
+    if window is not None:
+        return window
+    return DEFAULT_WINDOW if torch.device(device).type == "cpu" else 0
 
 
 class DraftModelDrafter(Drafter):
@@ -33,14 +49,17 @@ class DraftModelDrafter(Drafter):
     samples = True
     trees = True
     dists: list | None = None  # while a tree is drafted: the draft's distribution at each position
+    window = 0  # tokens of the context it drafts from past its sinks (0: all of them)
+    dropped = 0  # tokens of the sequence between the sinks and the window: not in its cache (KVCache.offset)
 
     def __init__(self, lm, target_vocab: int, capacity: int, p_min: float = 0.0, shared: int | None = None,
-                 vocab: int = 0):
+                 vocab: int = 0, window: int = 0):
         """lm: the draft's LoadedModel; target_vocab: the target's rows (the width of the distributions);
         capacity: positions of the draft's KV cache; shared: the ids both vocabularies share (check_compatible's
         answer; default: the draft tokenizer's ids up to target_vocab): no other id is proposed, and a target token
         past them reaches the draft as a stand-in; vocab: score only the first this many ids and the text's
-        (speculative/subset.py; 0: every id)."""
+        (speculative/subset.py; 0: every id); window: draft from the first SINKS tokens and the last `window` of the
+        rest (0: the whole context; a recurrent draft, whose state holds everything, always has it whole)."""
         self.lm = lm
         self.device = lm.device
         self.name = lm.name
@@ -48,7 +67,8 @@ class DraftModelDrafter(Drafter):
         self.shared = min(target_vocab, lm.tokenizer.vocab_size) if shared is None else shared
         self.p_min = p_min
         self.capacity = capacity
-        self.cache = KVCache.for_model(lm.model, capacity)
+        self.window = window if window and not lm.model.state_layout() else 0
+        self.cache = KVCache.for_model(lm.model, self.cache_positions(capacity, self.window))
         self.tokens: list[int] = []  # the tokens whose keys and values the cache holds
         self.matched = 0  # length of the prefix of tokens known to equal the sequence
         self.skipped = 0  # plain steps (k = 0) since its last round
@@ -63,12 +83,24 @@ class DraftModelDrafter(Drafter):
     def build(cls, draft, target, models, capacity, speculation) -> "DraftModelDrafter":
         (lm,) = models
         shared = check_compatible(target.tokenizer, lm.tokenizer, target.config.vocab_size, lm.config.vocab_size)
-        return cls(lm, target.config.vocab_size, capacity, speculation.p_min, shared, speculation.draft_vocab)
+        window = window_of(speculation, lm.device)
+        if window > capacity and getattr(speculation, "draft_window", None) is not None:
+            raise QuickdraftError(f"{{draft_window}} {window} is beyond the context of {capacity} tokens: give 0 (the "
+                                  f"whole context) to {capacity}", "draft_window")
+        window = window if window < capacity else 0  # a default as long as the context: the whole context
+        return cls(lm, target.config.vocab_size, capacity, speculation.p_min, shared, speculation.draft_vocab,
+                   window)
+
+    @staticmethod
+    def cache_positions(context: int, window: int) -> int:
+        """Positions its cache holds: the context's, or a window's (its sinks, the window and its slack, a round's
+        drafts)."""
+        return min(context, SINKS + window + SLACK + MAX_DRAFT + 1) if window else context
 
     def fork(self) -> "DraftModelDrafter":
         other = copy.copy(self)  # the same model, settings and cut head's rows; a cache and a sequence of its own
-        other.cache = KVCache.for_model(self.lm.model, self.capacity)
-        other.tokens, other.matched, other.skipped, other.seen = [], 0, 0, 0
+        other.cache = KVCache.for_model(self.lm.model, self.cache_positions(self.capacity, self.window))
+        other.tokens, other.matched, other.skipped, other.seen, other.dropped = [], 0, 0, 0, 0
         other.subset = self.subset.fork() if self.subset is not None else None
         return other
 
@@ -80,49 +112,96 @@ class DraftModelDrafter(Drafter):
         n = min(n, len(other.tokens))
         if self.cache.recurrent:  # a recurrent draft's state is not copied: it prefills what it needs
             n = 0
+        if other.dropped:  # its window is not a prefix: the sinks are, the rest is caught up when it drafts
+            n = min(n, SINKS)
         self.cache.copy_prefix(other.cache, n)
-        self.tokens, self.matched = other.tokens[:n], 0
+        self.tokens, self.matched, self.dropped = other.tokens[:n], 0, 0
 
     def forget(self) -> None:
         self.cache.reset()
-        self.tokens, self.matched = [], 0
+        self.tokens, self.matched, self.dropped = [], 0, 0
 
     def lag(self, seq: list[int], source: str) -> int:
-        return max(0, len(seq) - 1 - len(self.tokens)) if source == "draft" else 0
+        if source != "draft":
+            return 0
+        behind = max(0, len(seq) - 1 - len(self.tokens))
+        return min(behind, SINKS + self.window) if self.window else behind
 
     @torch.inference_mode()
     def begin(self, prompt: list[int], prefill: bool = True) -> None:
         """Prefill the prompt now, so that a round's draft time is the cost of drafting alone. What the cache holds
         of it already (this slot's last generation: the conversation so far) is kept; a recurrent draft keeps it
         only where its state can return to."""
-        n = common_prefix(self.tokens, prompt)
-        if self.cache.recurrent and n not in self.cache.recurrent[0].saved:
-            n = 0
-        self.cache.rollback(n) if n else self.cache.reset()
-        del self.tokens[n:]
-        self.matched, self.skipped = n, 0
+        self.matched = 0  # a new sequence: what it holds is compared from the start
+        if self.cache.recurrent:
+            n = common_prefix(self.tokens, prompt)
+            if n not in self.cache.recurrent[0].saved:
+                n = 0
+            self.cache.rollback(n) if n else self.cache.reset()
+            del self.tokens[n:]
+            self.matched = n
+        self.skipped = 0
         if self.subset is not None:
             self.subset.reset(prompt)
             self.seen = len(prompt)
-        if len(prompt) > n and prefill:
-            self._logits(prompt[n:])
+        if not prefill:  # what it lacks is caught up when it first drafts
+            self._match(prompt, len(prompt))
+            return
+        feed = self._sync(prompt, keep_last=False)
+        if feed:
+            self._logits(feed)
 
-    def _sync(self, seq: list[int]) -> list[int]:
+    def _sync(self, seq: list[int], keep_last: bool = True) -> list[int]:
         """Keep the longest cached prefix that still matches seq; return the tokens still to feed.
 
         This is the one place that knows the draft's cache can run behind or beside the sequence: after a
         fully accepted round the draft never fed its own last drafted token, so that token and the
         target's extra one are both pending; after a rejection, its cache holds drafts the target did not
-        keep. At least one token is always left to feed: the next draft needs its logits.
+        keep. At least one token is always left to feed (keep_last; begin's prefill feeds them all): the next
+        draft needs its logits.
+
+        With a window, what it would feed is cut to the window: once the tokens past its sinks would outgrow the
+        window by SLACK, the oldest are dropped (those it holds move behind the sinks; those it does not hold are
+        never fed), so what it feeds, and a draft step's attention, is bounded by the window however long the
+        sequence.
         """
-        limit = min(len(self.tokens), len(seq) - 1)
+        n = self._match(seq, len(seq) - 1 if keep_last else len(seq))
+        start = len(seq) - self.window  # where the window begins once it is cut
+        if not self.window or start - (SINKS + self.dropped) <= SLACK or start <= SINKS:
+            return seq[n:]
+        if n < SINKS:  # the sinks first, at their own positions
+            self._logits(seq[n:SINKS])
+            n = SINKS
+        if n > start:  # it holds the window's beginning: moved behind the sinks
+            self.cache.compact(SINKS, start - self.dropped, start - SINKS)
+        else:  # it holds none of the window: it is fed from its beginning
+            self.cache.compact(SINKS, self.cache.length, start - SINKS)
+            self.tokens[n:] = seq[n:start]  # (the tokens between: not in the cache, known to match)
+            n = self.matched = start
+        self.dropped = start - SINKS
+        return seq[n:]
+
+    def _match(self, seq: list[int], end: int) -> int:
+        """Keep what it holds of seq[:end] (the longest prefix that matches: what it holds of a dropped part of the
+        window does not count), forget the rest; how many tokens of seq that is."""
+        limit = min(len(self.tokens), end)
         n = min(self.matched, limit)  # tokens[:matched] == seq[:matched] held at the last sync; seq only grows
         while n < limit and self.tokens[n] == seq[n]:
             n += 1
-        self.cache.rollback(n)
-        del self.tokens[n:]
+        if self.dropped and n < SINKS + self.dropped:  # what it needs of the window was dropped: start after the sinks
+            n = min(n, SINKS)
+        self._truncate(n)
         self.matched = n
-        return seq[n:]
+        return n
+
+    def _truncate(self, n: int) -> None:
+        """Forget every token from the n-th of the sequence on (n past the window's drop, or at most SINKS)."""
+        if self.dropped and n < SINKS + self.dropped:
+            self.cache.rollback(n)
+            self.cache.offset = self.dropped = 0
+        else:
+            self.cache.rollback(n - self.dropped)
+        del self.tokens[n:]
 
     def _ids(self, ids) -> torch.Tensor:
         """The ids as the draft reads them, (1, n) on its device: a token the draft does not share (a target's added
@@ -161,6 +240,7 @@ class DraftModelDrafter(Drafter):
         if k == 0:  # a plain step: nothing is fed now (the next round catches up in one pass, timed apart), so that
             self.skipped += 1  # decoding plainly costs what plain decoding costs
             return Proposal([], "draft")
+        t0 = time.perf_counter()  # what it takes in first (its window, once the prompt's; after plain steps) is timed
         feed = self._sync(seq)
         if self.subset is not None:  # the answer's tokens are scored from now on
             self.subset.add(seq[self.seen:], answer=True)
@@ -169,26 +249,28 @@ class DraftModelDrafter(Drafter):
         probe = self.skipped >= PROBE_AFTER and len(feed) > PROBE_WINDOW and self.cache.max_draft is None
         self.skipped = 0
         kept = len(self.tokens)  # a probe's window and drafts are forgotten after it: the cache is the prefix again
+        dropped = self.dropped
         if probe:
             feed = feed[-PROBE_WINDOW:]
-        catch_up_s = 0.0
+        catch_up_s, caught_up = 0.0, 0
         if len(feed) > CATCH_UP:  # after plain steps: catch up first, so that timing a round times drafting
-            t0 = time.perf_counter()
             self._logits(feed[:-1])
-            feed = feed[-1:]
+            caught_up, feed = len(feed) - 1, feed[-1:]
             catch_up_s = time.perf_counter() - t0
         tokens, q_rows = [], []
         self.dists = [] if branches is not None and constraint is None else None
         try:
             drawn = self._draft(seq, k, feed, params, generator, constraint, tokens, q_rows)
-            self.tokens += drawn[:self.cache.length - len(self.tokens)]  # the drafts fed before they were read
+            self.tokens += drawn[:self.cache.length + self.dropped - len(self.tokens)]  # the drafts fed before read
         finally:
             if constraint is not None:  # the drafts were looked ahead: the state is the sequence's again
                 constraint.pop(len(tokens))
             if probe:
-                self.cache.rollback(kept)
+                self.cache.rollback(kept - dropped)
                 del self.tokens[kept:]
-        return self._proposal(tokens, q_rows, "draft", catch_up_s, branches)
+        proposal = self._proposal(tokens, q_rows, "draft", catch_up_s, branches)
+        proposal.caught_up = caught_up
+        return proposal
 
     def _pending_chain(self, seq, k, params, generator, constraint, source: str, branches: Branches | None,
                        catch_up_s: float = 0.0) -> Proposal:
@@ -298,8 +380,10 @@ class DraftModelDrafter(Drafter):
         spec = cls.planned_model(draft, device, dtype)
         if spec is None:
             return []
+        window = window_of(None, device)  # (the default's: a window as long as the context is the whole context)
+        positions = cls.cache_positions(context, window if window < context else 0)
         return cls.planned_weights(spec, device) + [
-            memory.Item("draft KV cache", memory.kv_bytes(spec.cfg, context), f"{context} positions, bf16"),
+            memory.Item("draft KV cache", memory.kv_bytes(spec.cfg, positions), f"{positions} positions, bf16"),
             memory.Item("activations", memory.activation_bytes(spec.cfg, context))]
 
     @staticmethod

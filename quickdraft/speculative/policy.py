@@ -46,6 +46,14 @@ MARGIN = 1.15
 # PREFILL_ROW of a one-token step (a 64-row pass took 12x a one-row one on this machine's kernels).
 OWN_PRIOR = 2.0
 PREFILL_ROW = 0.2
+# A drafter that must first take in many tokens it has not seen (a draft model at a generation's start: the prompt, or
+# its window; after a long run of plain steps) starts only where what it is expected to save over the tokens still to
+# come pays for that catch-up, at its measured cost per token (t_feed, timed on catch-ups of FEED_MIN tokens or more).
+# The tokens still to come: at most max_tokens, and HORIZON unless the answer is already longer (an answer's length
+# so far is the best guess of what remains). Catch-ups of CATCH_UP_FREE tokens or fewer are a round's own cost.
+HORIZON = 512
+FEED_MIN = 16
+CATCH_UP_FREE = 2
 # Tree verification: the alternatives' kept share decays by this weight per tree round; while chains win, a tree is
 # tried again after TREE_PROBE chain rounds.
 TREE_EMA = 0.1
@@ -62,6 +70,7 @@ class AdaptivePolicy:
         # source -> mean seconds per round spent feeding the drafter what it missed while another source drafted
         # (a draft model after n-gram rounds: one pass over their tokens); paid once per round, whatever its k
         self.t_catch_up: dict[str, float] = {}
+        self.t_feed: dict[str, float] = {}  # source -> seconds per token of a catch-up pass (a drafter taking in tokens)
         self.samples: dict = {}  # timing key -> its last samples (WINDOW of them; PLAIN_WINDOW for "plain")
         self.resuming: set = set()  # sources that plain decoding was chosen over: their next round is a switch
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
@@ -121,6 +130,30 @@ class AdaptivePolicy:
         if t is not None:
             self.t_draft[source] = t
         self._record_acceptance(source, drafted, accepted)
+
+    def record_catch_up(self, source: str, tokens: int, seconds: float) -> None:
+        """A drafter took in `tokens` tokens it had not seen in `seconds` (Proposal.caught_up, catch_up_s)."""
+        if tokens >= FEED_MIN:
+            t = self._timed(("feed", source), seconds / tokens)
+            if t is not None:
+                self.t_feed[source] = t
+
+    def feed_seconds(self, source: str) -> float | None:
+        """Seconds a drafter of `source` takes per token it catches up on: measured, else a PREFILL_ROW share of its
+        drafted token's, else unknown."""
+        if source in self.t_feed:
+            return self.t_feed[source]
+        return PREFILL_ROW * self.t_draft[source] if source in self.t_draft else None
+
+    def pays_back(self, source: str, k: int, lag: int, horizon: int | None) -> bool:
+        """Whether drafting k tokens from `source` now, after first taking in the `lag` tokens it has not seen, is
+        expected to save more than that catch-up costs over the `horizon` tokens still to come (yes where either cost
+        is unknown: it is measured by doing it)."""
+        per_token = self.feed_seconds(source)
+        if lag <= CATCH_UP_FREE or horizon is None or per_token is None or not self.t_plain or k < 1:
+            return True
+        saving = horizon * (self.t_plain - 1.0 / self.predicted_rate(source, k))
+        return saving > lag * per_token
 
     def _unit(self, source: str, draft_s: float, drafted: int) -> float:
         """What t_draft counts of a round's drafting time: its share per drafted token, or the round's own."""
@@ -264,23 +297,22 @@ class AdaptivePolicy:
         return max(t0 + slope * (rows - r0), 1e-9)
 
     def k_in_batch(self, source: str, cfg: SpeculationConfig, plan: "BatchPlan", limit: int,
-                   own: "Acceptance | None" = None, lag: int = 0) -> int:
+                   own: "Acceptance | None" = None, lag: int = 0, horizon: int | None = None) -> int:
         """The k for one sequence of a batched step, given what the sequences planned before it draft (plan): the
         one that maximises the step's expected tokens per second over the whole batch, 0 included (a step of
         plain decoding for every sequence when the batch already fills the compute). A source whose drafting has
         not been timed yet drafts here only where it has nothing to take in first (n-gram lookup; a draft model is
         timed by the steps of a sequence alone). own: this sequence's
         acceptance of the source so far (weighed against the pooled estimate); lag: tokens the drafter must take
-        in before it drafts (a pass over them)."""
+        in before it drafts (a pass over them); horizon: the tokens still to come, over which that must pay back."""
         top = min(cfg.draft_max, limit)
         if not cfg.adaptive or cfg.draft_min > 0:
             return max(0, min(cfg.draft_max if not cfg.adaptive else cfg.draft_min, limit))
         if top <= 0 or (source not in self.t_draft and lag > 0) or plan.seconds(0, 0.0) is None:
             return 0
-        t_draft = self.t_draft.get(source, 0.0)  # untimed with nothing to take in (n-gram lookup): tried, then timed
         pooled = self.acceptance(source, top)
         rates = own.rates(source, pooled) if own is not None else pooled
-        catch_up = lag * PREFILL_ROW * t_draft
+        catch_up = lag * (self.feed_seconds(source) or 0.0) if lag > CATCH_UP_FREE else 0.0
         best, best_rate = 0, plan.tokens / plan.seconds(0, 0.0)
         expected, run = plan.tokens, 1.0
         for k in range(1, top + 1):
@@ -289,12 +321,14 @@ class AdaptivePolicy:
             rate = expected / plan.seconds(k, self.draft_seconds(source, k) + catch_up)
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best
+        return best if self.pays_back(source, best, lag, horizon) else 0
 
     # ---- the decision -----------------------------------------------------------------------
 
-    def k_for(self, source: str, cfg: SpeculationConfig | None = None) -> int:
-        """The k to draft now from `source`; cfg (e.g. one request's settings) bounds it instead of self.cfg."""
+    def k_for(self, source: str, cfg: SpeculationConfig | None = None, lag: int = 0, horizon: int | None = None) -> int:
+        """The k to draft now from `source`; cfg (e.g. one request's settings) bounds it instead of self.cfg. lag: the
+        tokens its drafter must take in first; horizon: the tokens still to come (a catch-up that does not pay back
+        over them is not started: pays_back)."""
         cfg = cfg or self.cfg
         if not cfg.adaptive:
             return cfg.draft_max
@@ -314,6 +348,8 @@ class AdaptivePolicy:
                 return 0
             self.probe_after[source] = min(2 * wait, max(PROBE_MAX, cfg.probe_every))  # next time, wait longer
             return min(best, PROBE_SHORT)
+        if cfg.draft_min == 0 and not self.pays_back(source, best, lag, horizon):
+            return 0  # its catch-up would cost more than it saves: not started (another source may draft)
         self.probe_after.pop(source, None)  # speculation wins: probe promptly again once it stops winning
         return best
 
@@ -391,19 +427,18 @@ class BatchPlan:
         return width if (self.tokens + gain) / more > self.tokens / now else 1
 
     def k_for(self, key: int, cfg: SpeculationConfig, budget: int, own: "Acceptance | None" = None,
-              lag=lambda source: 0):
+              lag=lambda source: 0, horizon: int | None = None):
         """The KFor of the sequence `key` (its drafter asks per source; its last answer is the one that counts): own,
         its acceptance so far; lag(source), what that source's drafter must take in first."""
         def choose(source: str) -> int:
             self.choices.pop(key, None)
             behind = lag(source)
-            k = self.policy.k_in_batch(source, cfg, self, min(budget, self.max_rows - self.rows), own, behind)
+            k = self.policy.k_in_batch(source, cfg, self, min(budget, self.max_rows - self.rows), own, behind, horizon)
             if k > 0:
                 rates = self.policy.acceptance(source, k)
                 rates = own.rates(source, rates) if own is not None else rates
-                t_draft = self.policy.t_draft.get(source, 0.0)
-                self.choices[key] = (k, speed.expected_length(rates) - 1,
-                                     self.policy.draft_seconds(source, k) + behind * PREFILL_ROW * t_draft)
+                catch_up = behind * (self.policy.feed_seconds(source) or 0.0) if behind > CATCH_UP_FREE else 0.0
+                self.choices[key] = (k, speed.expected_length(rates) - 1, self.policy.draft_seconds(source, k) + catch_up)
             return k
         return choose
 

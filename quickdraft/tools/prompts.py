@@ -41,9 +41,22 @@ def reference_text() -> str:
     return resources.files("quickdraft").joinpath("data/ppl.txt").read_text(encoding="utf-8")
 
 
-# Long prompts (about 1,000 and 4,000 tokens): what the time to first token is made of. Not in the default set (a
-# cold prefill of each per run); name them with --prompts.
-LONG = {"long-1k": lambda: _long(reference_text(), 1), "long-4k": lambda: _long(reference_text(), 4)}
+def _review(module: str) -> str:
+    """A code review of a module of Python's standard library (its text is fixed for a Python version: 3.11 here)."""
+    import importlib
+    import inspect
+
+    source = inspect.getsource(importlib.import_module(module))
+    return ("Review the following Python module: point out bugs, unclear code and missing tests, quoting the lines "
+            f"you mean.\n\n```python\n{source}```")
+
+
+# Long prompts: what the time to first token is made of, and what a draft's cost grows with (about 1,000, 4,000, 1,000,
+# 5,500 and 11,500 tokens with the default pair's tokenizer; long-4k repeats one text, the reviews do not). Not in the
+# default set (a cold prefill of each per run); name them with --prompts.
+LONG = {"long-1k": lambda: _long(reference_text(), 1), "long-4k": lambda: _long(reference_text(), 4),
+        "review-1k": lambda: _review("bisect"), "review-5k": lambda: _review("pprint"),
+        "review-12k": lambda: _review("configparser")}
 NAMES = [*PROMPTS, *LONG]
 
 

@@ -53,7 +53,7 @@ class LoadedModel:
             return self.graphs.run(tokens, cache, last_only)
         S, width = tokens.shape[1], self.rows
         if (width is not None and S < width and tokens.shape[0] == 1 and isinstance(self.model, Transformer)
-                and cache.length + width <= min(cache.capacity, self.model.max_context)):
+                and cache.length + width <= cache.capacity and cache.position + width <= self.model.max_context):
             start = cache.length
             logits = self.model(F.pad(tokens, (0, width - S)), cache, False, head, rows=S)
             cache.rollback(start + S)  # the padding's positions are not the sequence's

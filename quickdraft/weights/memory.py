@@ -140,13 +140,17 @@ def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
                     for conv, kernel, heads, k_dim, v_dim in states)
 
 
-def activation_bytes(cfg: ModelConfig, rows: int, width: int = 17) -> int:
-    """The largest pass's activations, estimated: a prefill of `rows` tokens (the hidden states, q/k/v, the
-    FFN's gate, up and product in bf16, the attention mask) and a verification's float32 logits."""
+PASS_ROWS = 64  # the most rows of a pass: a prefill runs in passes of this many (weights/loader.LoadedModel.chunk)
+
+
+def activation_bytes(cfg: ModelConfig, context: int, rows: int = PASS_ROWS, width: int = 17) -> int:
+    """The largest pass's activations, estimated: a prefill pass of `rows` tokens at the end of `context` positions
+    (the hidden states, q/k/v, the FFN's gate, up and product in bf16, each head's float32 scores over the context)
+    and a verification's float32 logits."""
     q = cfg.n_heads * cfg.head_dim
     kv = 2 * cfg.n_kv_heads * cfg.head_dim
     per_row = 2 * (4 * cfg.dim + q + kv + 3 * max(cfg.ffn_dim, cfg.ffn_dim_shared or 0))
-    return rows * per_row + rows * rows * 2 + 2 * width * cfg.vocab_size * 4
+    return rows * per_row + rows * cfg.n_heads * context * 4 + 2 * width * cfg.vocab_size * 4
 
 
 @dataclass
@@ -171,6 +175,7 @@ def spec_from_source(role: str, source: str, fmt: str) -> ModelSpec:
         return ModelSpec(role, Path(source).name, st_io.read_config(path), fmt)
     reader = gguf_io.open_gguf(path)
     cfg = gguf_io.config_from_metadata(gguf_io.metadata(reader), reader)
+    gguf_io.check_tensor_types(reader)  # (as the loader does, before a tensor's name is looked at)
     types, nbytes = {}, {}
     for t in reader.tensors:
         got = gguf_io.gguf_model_names(t.name, cfg)

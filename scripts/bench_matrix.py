@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""The benchmark matrix: decode speed by prompt length x temperature x configuration, quickdraft beside llama.cpp's
+llama-server on the same GGUF files, in one run on this machine (named in the printout).
+
+Rows: a prompt (the bundled code-en, about 100 tokens; long-1k; review-5k, about 5,500; review-12k with --prompts) at
+temperature 0 (greedy) and 0.7 (seeded). Columns: llama-server plain and with the 0.5B draft (-md), quickdraft with
+drafting off, its default (the pair with n-gram lookup, adaptive k, the draft's window) and, with --profile, what
+`quickdraft tune` chose. Each cell: decode tok/s (tokens after the first over the time from the first: a drafter's
+catch-up is in it), the median of --runs, configurations taken in turn (rotated each run); every run its own request
+with the prompt cached (its cold prefill is the warm-up's: the TTFT column). Ratios: the default against llama-server
+plain and against quickdraft's own drafting off; "same": the default's output equals drafting off's, token for token.
+
+Usage: python scripts/bench_matrix.py [--prompts code-en,long-1k,review-5k] [-n 128] [--runs 2] [--profile FILE]
+       [--weights int4,int8] [--no-llama] [--json FILE]    (llama-server is built on first use: about 10 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+import quickdraft
+from quickdraft.config import SamplingParams, SpeculationConfig
+from quickdraft.tools import prompts as bundled
+from quickdraft.tools.runs import Figures, machine, rotated
+from quickdraft.weights import hub
+
+SEED = 1
+
+
+def ours(engine, prompt: list[int], n: int, temperature: float) -> tuple[float, list[int], float]:
+    """decode tok/s, the tokens, TTFT of one request."""
+    params = SamplingParams(temperature=temperature, seed=SEED if temperature else None, max_tokens=n,
+                            stop_at_eos=False)
+    events = list(engine.generate(prompt, params))
+    t = events[-1].timings
+    return t.decode_tok_s, [e.token for e in events if e.token is not None], t.ttft_s
+
+
+def theirs(url: str, prompt: list[int], n: int, temperature: float) -> tuple[float, list[int], float]:
+    reply = httpx.post(f"{url}/completion", json={
+        "prompt": prompt, "n_predict": n, "temperature": temperature, "seed": SEED, "repeat_penalty": 1.0,
+        "top_k": 1 if temperature == 0 else 40, "top_p": 1.0, "min_p": 0.0, "return_tokens": True,
+        "cache_prompt": True, "ignore_eos": True}, timeout=3600).json()
+    t = reply["timings"]
+    return t["predicted_per_second"], reply["tokens"], t["prompt_ms"] / 1000
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", default="code-en,long-1k,review-5k")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("-n", type=int, default=128, help="tokens a request (end of text ignored)")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--profile", type=Path, help="a profile `quickdraft tune` wrote: its configuration as a column")
+    ap.add_argument("--no-llama", action="store_true", help="quickdraft's columns alone")
+    ap.add_argument("--weights", help="also the target in these formats (comma-separated), drafting off and default")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    names = args.prompts.split(",")
+
+    llm = quickdraft.load(hub.DEFAULT_TARGET, "none", context=args.ctx, progress=False)
+    engines = {"quickdraft plain": llm.engine, "quickdraft default": llm.engine_for("auto", SpeculationConfig())}
+    for fmt in args.weights.split(",") if args.weights else ():  # other formats of the target beside the default's
+        other = quickdraft.load(hub.DEFAULT_TARGET, "none", context=args.ctx, weights=fmt, progress=False)
+        engines[f"quickdraft plain {fmt}"] = other.engine
+        engines[f"quickdraft default {fmt}"] = other.engine_for("auto", SpeculationConfig())
+    if args.profile:
+        from quickdraft.tools.tune import read_profile
+
+        p = read_profile(args.profile)
+        spec = SpeculationConfig(draft_max=int(p.get("draft_max", 16)), adaptive=not p.get("fixed_k", True),
+                                 p_min=float(p.get("p_min", 0.5)), draft_vocab=int(p.get("draft_vocab", 0)),
+                                 tree=int(p.get("draft_tree", 1)))
+        engines["quickdraft tuned"] = llm.engine_for(p["draft"], spec)
+    servers = {}
+    if not args.no_llama:
+        from quickdraft.tools import llamacpp
+        from quickdraft.tools.servers import LlamaServer
+
+        binary = llamacpp.server_binary()
+        path, draft = str(hub.model_path(hub.DEFAULT_TARGET)), str(hub.model_path(hub.DEFAULT_DRAFT))
+        servers["llama-server plain"] = LlamaServer(binary, "-m", path, "-c", str(args.ctx))
+        servers["llama-server -md"] = LlamaServer(binary, "-m", path, "-c", str(args.ctx), "-md", draft,
+                                                  "--spec-type", "draft-simple")
+    columns = list(servers) + list(engines)
+    print(f"machine: {machine()}; {hub.DEFAULT_TARGET} (quickdraft: {llm.target.weights}) with "
+          f"{hub.DEFAULT_DRAFT}; {args.n} tokens a request, medians of {args.runs}", flush=True)
+    figures, ttft, rows = Figures(), {}, []
+    try:
+        for name in names:
+            prompt = bundled.encoded(llm.tokenizer, [name])[name]
+            for c in columns:  # warm-up, and the prompt's cold prefill
+                run = (lambda *a: theirs(servers[c].url, *a)) if c in servers else (lambda *a: ours(engines[c], *a))
+                ttft[name, c] = run(prompt, 8, 0.0)[2]
+            for temperature in temperatures:
+                outputs = {}
+                for r in range(args.runs):
+                    for c in rotated(columns, r):
+                        if c in servers:
+                            tok_s, tokens, _ = theirs(servers[c].url, prompt, args.n, temperature)
+                        else:
+                            tok_s, tokens, _ = ours(engines[c], prompt, args.n, temperature)
+                        figures.add((name, temperature, c), tok_s)
+                        outputs.setdefault(c, []).append(tokens)
+                row = {"prompt": name, "tokens": len(prompt), "temperature": temperature,
+                       **{c: figures.median((name, temperature, c)) for c in columns}}
+                rows.append(row)
+                cells = " ".join(f"{row[c]:7.2f}" for c in columns)
+                default = (name, temperature, "quickdraft default")
+                vs_llama = figures.ratio(default, (name, temperature, "llama-server plain")) if servers else None
+                vs_plain = figures.ratio(default, (name, temperature, "quickdraft plain"))
+                row["default_vs_llama_plain"], row["default_vs_plain"] = vs_llama, vs_plain
+                plain = outputs["quickdraft plain"][0]
+                row["same"] = all(o == plain for c in engines for o in outputs[c])
+                print(f"{name:10} {len(prompt):6} T={temperature:<3} {cells}  x llama {vs_llama or 0:4.2f}  "
+                      f"x plain {vs_plain:4.2f}  same {row['same']}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    print("\ncolumns: " + ", ".join(columns))
+    print("cold prefill (TTFT of the warm-up, s): " + "; ".join(
+        f"{n}: " + ", ".join(f"{c.split()[0]} {c.split()[-1]} {ttft[n, c]:.1f}" for c in columns) for n in names))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "n": args.n, "runs": args.runs, "rows": rows,
+                                         "ttft_s": {f"{n}/{c}": v for (n, c), v in ttft.items()},
+                                         "time": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

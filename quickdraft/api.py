@@ -26,7 +26,7 @@ from quickdraft.constraint import Constraint
 from quickdraft.grammar import Grammar
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.speculative.stats import SpeculationStats
-from quickdraft.weights import hub, memory
+from quickdraft.weights import hub, machine, memory
 from quickdraft.weights.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 
 
@@ -137,7 +137,7 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
          weights: str = "auto", context: int | None = None, speculation: SpeculationConfig | None = None,
          draft_device: str | None = None, draft_weights: str = "auto", cuda_graphs: bool = True,
          weight_cache: bool = True, progress: bool | None = None, cache_slots: int = 4,
-         cache_ram: int | str | None = None, warn=None) -> LLM:
+         cache_ram: int | str | None = None, warn=None, threads: int | None = None) -> LLM:
     """Load a target and its draft.
 
     model: an alias (pulled on first use), a .gguf file or a Hugging Face directory. draft: a Draft or its
@@ -147,9 +147,12 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     for prefix reuse (a prompt that begins with what one holds prefills only the rest: a chat's history), each a KV
     cache of `context` positions for the target and its draft, made when first needed; cache_ram: at most this many
     bytes for them ("2G" will do), fewer slots where they would take more. warn(QuickdraftError): what becomes of a
-    warning about the load (the memory plan's; default: printed to stderr)."""
+    warning about the load (the memory plan's; default: printed to stderr). threads: the CPU threads (default: what
+    this machine's kernels run fastest with: weights/machine.py); weights "auto" on such a CPU is the format they
+    decode this model fastest in."""
     engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context, cuda_graphs=cuda_graphs,
-                          weight_cache=weight_cache)
+                          weight_cache=weight_cache, threads=threads)
+    engine = for_this_machine(model, engine, progress)
     if isinstance(draft, str):
         draft = Draft.parse(draft, device=draft_device, weights=draft_weights)
     if cache_slots < 1:
@@ -166,6 +169,30 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     ram = memory.parse_size(cache_ram) if isinstance(cache_ram, str) else cache_ram
     target = load_model(model, engine, progress)
     return LLM(target, engine, draft, speculation or SpeculationConfig(), progress, cache_slots, ram)
+
+
+def for_this_machine(target: str, engine: EngineConfig, progress: bool | None = None) -> EngineConfig:
+    """The engine config with what this machine's measured kernels choose (weights/machine.py) where it leaves them to
+    us: the threads, and a 4-bit GGUF target's format under "auto" (mixed or int4). Measured once per machine, saying
+    so on one line; nothing changes where quickdraft's CPU kernels do not run."""
+    device = resolve_device(engine.device)
+    if device.type != "cpu" or (engine.threads is not None and engine.weights != "auto"):
+        if engine.threads:
+            torch.set_num_threads(engine.threads)
+        return engine
+    say = machine.say_on_stderr if (sys.stderr.isatty() if progress is None else progress) else None
+    found = machine.figures(hub.cache_dir(), say)
+    if found is None:
+        return engine
+    torch.set_num_threads(engine.threads or found["threads"])
+    if engine.weights != "auto" or quant.resolve("auto", device, resolve_dtype(engine.dtype, device)) != "mixed":
+        return engine
+    spec = memory.spec_from_source("target", target, "mixed")
+    counts = {fmt: memory.linear_weights(spec.cfg, fmt, device, spec.types) for fmt in ("mixed", "int4")}
+    if "int4" not in counts["mixed"]:  # a float checkpoint, or a file without 4-bit blocks: int8 keeps its quality
+        return engine
+    fmt, _ = machine.target_format(counts, found)
+    return replace(engine, weights=fmt)
 
 
 def fit_context(target: str, draft: Draft, engine: EngineConfig, slots: int, warn=None) -> int:

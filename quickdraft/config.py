@@ -305,7 +305,7 @@ class EngineConfig:
     weights: str = "auto"  # auto | bf16 (the dtype's) | int8 | int4 | mixed (weight-only, CPU)
     max_context: int | None = None  # None: the model's own (load() fits it to memory: api.fit_context), capped at
     #                                 DEFAULT_MAX_CONTEXT for a model loaded alone (weights/loader.load_model)
-    threads: int | None = None
+    threads: int | None = None  # CPU threads (None: what this machine's kernels run fastest with: weights/machine.py)
     cuda_graphs: bool = True  # on CUDA, replay decode and verification passes as CUDA graphs (runtime/graphs.py)
     weight_cache: bool = True  # keep quantized conversions on disk for the next load (weights/converted.py)
 

@@ -268,3 +268,28 @@ def test_a_tree_in_a_batch_takes_the_rows_left_and_pays_for_them():
     saturated.tree_gain["ngram"] = 0.3
     plan = BatchPlan(saturated, 2, 2, 64)
     assert plan.k_for(0, fixed, 4)("ngram") == 4 and plan.branches("ngram", 3, adaptive) == 1
+
+
+def test_a_drafter_is_started_only_where_its_catch_up_pays_back():
+    """A draft model that must first take in its window of a long prompt: started where what it saves over the tokens
+    still to come (counted at 1 / START_MARGIN) pays for that at its measured cost per token; else not (another source,
+    n-gram lookup, may draft meanwhile), in a sequence alone and in a batch alike."""
+    from quickdraft.speculative import policy as policies
+
+    policy = trained(acceptance=0.8, verify_slope=0.05, draft_cost=0.1)  # speculation pays: t_plain 1
+    for seconds in (0.05, 0.02, 0.02):  # a catch-up costs 0.02 of a plain step per token (the first is a warm-up)
+        assert policy.record_catch_up("draft", 100, 100 * seconds) == 0.0  # a start: not a round's own cost
+    assert policy.record_catch_up("draft", 3, 0.06) == 0.06  # after n-gram rounds: the round's cost
+    assert policy.t_feed["draft"] == 0.02
+    k = policy.k_for("draft")
+    saving = 1 - 1 / policy.predicted_rate("draft", k)  # of a plain step, per token
+    lag = 1000  # costs 20 plain steps
+    short, long = int(policies.START_MARGIN * 20 / saving) - 5, int(policies.START_MARGIN * 20 / saving) + 5
+    assert policy.k_for("draft", lag=lag, horizon=short) == 0
+    assert policy.k_for("draft", lag=lag, horizon=long) == k
+    assert policy.k_for("draft", lag=2, horizon=1) == k  # a round's own catch-up: no start to weigh
+    for rows in (2, 2, 8, 8):  # batched passes: 2 rows cost 1.05 plain steps, 8 rows 1.3
+        policy.record_pass(rows, 1.05 if rows == 2 else 1.3)
+    for horizon, started in ((short, False), (long, True), (None, True)):
+        plan = policies.BatchPlan(policy, 1, 1, 64)  # (a sequence of a batch, stepped alone this time)
+        assert (plan.k_for(0, policy.cfg, 16, lag=lambda source: lag, horizon=horizon)("draft") > 0) == started

@@ -56,7 +56,8 @@ def load(args, draft=None):
                     context=getattr(args, "ctx", None), speculation=speculation,
                     cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True),
                     cache_slots=getattr(args, "cache_slots", 1), cache_ram=getattr(args, "cache_ram", None),
-                    warn=lambda problem: print(f"warning: {say(problem)}", file=sys.stderr))
+                    warn=lambda problem: print(f"warning: {say(problem)}", file=sys.stderr),
+                    threads=getattr(args, "threads", None))
 
 
 def engine_config(args):

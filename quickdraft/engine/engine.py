@@ -416,7 +416,7 @@ class Engine:
             return (*chosen, TARGET)
         drafting_s = draft_s - proposal.catch_up_s
         s.timings.draft_prefill_s += proposal.catch_up_s
-        self.policy.record_catch_up(proposal.source, proposal.caught_up, proposal.catch_up_s)
+        catch_up_s = self.policy.record_catch_up(proposal.source, proposal.caught_up, proposal.catch_up_s)
         if proposal.parents is not None:
             tokens, path = verify.tree(s, proposal, logits, self.vocab)
             accepted, k = len(path) - 1, len(proposal.tokens)
@@ -425,7 +425,7 @@ class Engine:
             s.acceptance.record(proposal.source, proposal.chain, chain)
             if p.alone:
                 self.policy.record_round(proposal.source, proposal.chain, chain, drafting_s, verify_s,
-                                         proposal.catch_up_s, rows=k)
+                                         catch_up_s, rows=k)
             else:
                 self.policy.record_drafts(proposal.source, proposal.chain, chain, drafting_s)
             self.policy.record_tree(proposal.source, accepted - chain)
@@ -438,7 +438,7 @@ class Engine:
         k = len(proposal.tokens)
         s.acceptance.record(proposal.source, k, accepted)
         if p.alone:
-            self.policy.record_round(proposal.source, k, accepted, drafting_s, verify_s, proposal.catch_up_s)
+            self.policy.record_round(proposal.source, k, accepted, drafting_s, verify_s, catch_up_s)
             if self._trees(s):
                 self.policy.record_tree(proposal.source, None)  # a chain round where a tree could have run
         else:

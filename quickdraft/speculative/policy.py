@@ -51,9 +51,13 @@ PREFILL_ROW = 0.2
 # come pays for that catch-up, at its measured cost per token (t_feed, timed on catch-ups of FEED_MIN tokens or more).
 # The tokens still to come: at most max_tokens, and HORIZON unless the answer is already longer (an answer's length
 # so far is the best guess of what remains). Catch-ups of CATCH_UP_FREE tokens or fewer are a round's own cost.
+# What it is expected to save is counted at 1 / START_MARGIN: the acceptance it is predicted with was measured on
+# other text, and a catch-up spent on a text that drafts badly is lost whole.
 HORIZON = 512
 FEED_MIN = 16
 CATCH_UP_FREE = 2
+START_MARGIN = 2.0
+START = 64
 # Tree verification: the alternatives' kept share decays by this weight per tree round; while chains win, a tree is
 # tried again after TREE_PROBE chain rounds.
 TREE_EMA = 0.1
@@ -131,12 +135,15 @@ class AdaptivePolicy:
             self.t_draft[source] = t
         self._record_acceptance(source, drafted, accepted)
 
-    def record_catch_up(self, source: str, tokens: int, seconds: float) -> None:
-        """A drafter took in `tokens` tokens it had not seen in `seconds` (Proposal.caught_up, catch_up_s)."""
+    def record_catch_up(self, source: str, tokens: int, seconds: float) -> float:
+        """A drafter took in `tokens` tokens it had not seen in `seconds` (Proposal.caught_up, catch_up_s). Returns
+        what of it is its round's cost (record_round's catch_up_s): none where it was a start (START tokens or more: a
+        prompt, its window, a long run of plain steps), which pays_back weighed when it was decided."""
         if tokens >= FEED_MIN:
             t = self._timed(("feed", source), seconds / tokens)
             if t is not None:
                 self.t_feed[source] = t
+        return 0.0 if tokens >= START else seconds
 
     def feed_seconds(self, source: str) -> float | None:
         """Seconds a drafter of `source` takes per token it catches up on: measured, else a PREFILL_ROW share of its
@@ -153,7 +160,7 @@ class AdaptivePolicy:
         if lag <= CATCH_UP_FREE or horizon is None or per_token is None or not self.t_plain or k < 1:
             return True
         saving = horizon * (self.t_plain - 1.0 / self.predicted_rate(source, k))
-        return saving > lag * per_token
+        return saving > START_MARGIN * lag * per_token
 
     def _unit(self, source: str, draft_s: float, drafted: int) -> float:
         """What t_draft counts of a round's drafting time: its share per drafted token, or the round's own."""
@@ -312,7 +319,10 @@ class AdaptivePolicy:
             return 0
         pooled = self.acceptance(source, top)
         rates = own.rates(source, pooled) if own is not None else pooled
-        catch_up = lag * (self.feed_seconds(source) or 0.0) if lag > CATCH_UP_FREE else 0.0
+        # a round's own catch-up is its step's cost; a start's (START tokens or more) is weighed over the tokens still
+        # to come, the whole batch waiting for it (every sequence of the step)
+        start = lag >= START
+        catch_up = lag * (self.feed_seconds(source) or 0.0) if CATCH_UP_FREE < lag < START else 0.0
         best, best_rate = 0, plan.tokens / plan.seconds(0, 0.0)
         expected, run = plan.tokens, 1.0
         for k in range(1, top + 1):
@@ -321,7 +331,8 @@ class AdaptivePolicy:
             rate = expected / plan.seconds(k, self.draft_seconds(source, k) + catch_up)
             if rate > best_rate:
                 best, best_rate = k, rate
-        return best if self.pays_back(source, best, lag, horizon) else 0
+        waiting = max(1, round(plan.base_tokens))
+        return best if not start or self.pays_back(source, best, lag * waiting, horizon) else 0
 
     # ---- the decision -----------------------------------------------------------------------
 
@@ -438,6 +449,7 @@ class BatchPlan:
                 rates = self.policy.acceptance(source, k)
                 rates = own.rates(source, rates) if own is not None else rates
                 catch_up = behind * (self.policy.feed_seconds(source) or 0.0) if behind > CATCH_UP_FREE else 0.0
+                # (a start's catch-up too: the step's pass waits for it)
                 self.choices[key] = (k, speed.expected_length(rates) - 1, self.policy.draft_seconds(source, k) + catch_up)
             return k
         return choose

@@ -105,6 +105,33 @@ def kernels(*models) -> Finding:
                    {**figures, "reason": reason})
 
 
+def machine_defaults(target) -> Finding:
+    """What this machine's measured kernels chose by default (weights/machine.py): the threads and a 4-bit GGUF
+    target's format, with the figures they were chosen by."""
+    from quickdraft.weights import hub, machine, memory
+
+    if target.device.type != "cpu":
+        return Finding("machine", "ok", f"{target.device}: the defaults are the device's (docs/gpu.md)")
+    found = machine.figures(hub.cache_dir())
+    if found is None:
+        return Finding("machine", "ok", "quickdraft's CPU kernels do not run here: PyTorch's choices")
+    per = {kind: {rows: 1e12 * s for rows, s in by.items()} for kind, by in found["seconds_per_weight"].items()}
+    costs = "; ".join(f"{kind} {per[kind]['1']:.0f} ps a weight for a step's row, {per[kind]['5']:.0f} for a "
+                      "verification's 5" for kind in per)
+    line = f"{found['threads']} threads; {costs}"
+    figures = {**found, "target_weights": target.weights}
+    try:
+        spec = memory.spec_from_source("target", target.name, "mixed")
+        counts = {fmt: memory.linear_weights(spec.cfg, fmt, target.device, spec.types) for fmt in ("mixed", "int4")}
+    except Exception:  # noqa: BLE001 -- a model not from a file (a stand-in): the figures alone
+        counts = None
+    if counts and "int4" in counts["mixed"]:
+        fmt, why = machine.target_format(counts, found)
+        line += f"; auto gives this target {fmt}: {why}"
+        figures["auto_format"] = fmt
+    return Finding("machine", "ok", line, figures)
+
+
 def loading(*models) -> Finding:
     """How each model was loaded: converted now (and kept on disk for the next load), or its kept conversion read
     back; on CUDA, whether its passes replay CUDA graphs."""
@@ -160,15 +187,15 @@ def memory(target, drafts: list, engine, available: int) -> Finding:
     """Weights of the target and the draft models, the KV caches of the engine and its drafter for the context in
     each kept sequence (cache slot), and the activations of a round, against `available` bytes; warn above 90%,
     error above 100%."""
+    from quickdraft.weights import memory as memory_plan
+
     weights = sum(sum(_bytes(m.model).values()) for m in [target, *drafts])
     slots = engine.slots.count
     kv = slots * (kv_bytes(engine.cache) + (engine.drafter.cache_bytes() if engine.drafter is not None else 0))
     cfg = target.config
     k = engine.speculation.draft_max + 1
-    # a prefill of the whole context (hidden states, the MLP's widest tensors) and a pass's logits (float32): a
-    # round's, or a batched pass's rows (serve --parallel: at most a prefill chunk's)
-    rows = max(k, target.chunk) if slots > 1 else k
-    activations = engine.context * (cfg.dim + 2 * cfg.ffn_dim) * 4 + 3 * rows * cfg.vocab_size * 4
+    # the largest pass (a prefill runs in passes of a chunk's rows) over the whole context, and its float32 logits
+    activations = memory_plan.activation_bytes(cfg, engine.context, max(k, target.chunk), max(k, target.chunk))
     total = weights + kv + activations
     share = total / available
     figures = {"weights_bytes": weights, "kv_cache_bytes": kv, "activation_bytes": activations,
@@ -297,7 +324,7 @@ def run(llm, draft, available: int | None = None, prompt: list[int] | None = Non
     findings = [planned] if planned is not None else []
     findings += [placement(target.model, target.device, "target")]
     findings += [placement(m.model, m.device, "draft") for m in drafts]
-    findings += [kernels(target, *drafts), loading(target, *drafts),
+    findings += [kernels(target, *drafts), machine_defaults(target), loading(target, *drafts),
                  draft_device(target.device, first.device if first else None), tokenizer]
     resolved = llm.drafts.resolve(draft)
     engine = llm.engine_for(resolved if tokenizer.level != "error" else NONE, llm.engine.speculation)

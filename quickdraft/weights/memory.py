@@ -129,6 +129,19 @@ def weight_bytes(cfg: ModelConfig, fmt: str, device: torch.device, types: dict |
     return total, f"{fmt}: linear layers {how}"
 
 
+def linear_weights(cfg: ModelConfig, fmt: str, device: torch.device, types: dict | None = None) -> dict[str, int]:
+    """How many weights of the model's linear layers (a tied head's copy included) take each concrete kind (int4,
+    int8, bf16) in format fmt: what a decoding step reads of each kernel's weights (weights/machine.py)."""
+    types, model, counts = types or {}, _skeleton(cfg), {}
+    for owner, module in model.named_modules():
+        shape = module.weight.shape if isinstance(module, Linear) else (
+            module.weight.shape if owner == "tok_embeddings" and model.output is None else None)
+        if shape is not None:
+            kind, _ = placement.linear_bytes(placement.linear_kind(fmt, owner, types), *shape, device)
+            counts[kind] = counts.get(kind, 0) + shape[0] * shape[1]
+    return counts
+
+
 def kv_bytes(cfg: ModelConfig, capacity: int, dtype_size: int = 2) -> int:
     """The KV cache of `capacity` positions (runtime/kv_cache.py: every layer that owns one, at full capacity), and a
     hybrid's recurrent states: each linear layer's HISTORY + 2 preallocated state slots and its convolution's inputs."""

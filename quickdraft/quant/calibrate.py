@@ -1,0 +1,75 @@
+"""What this machine's weight-only kernels cost: seconds per weight of an int4 and an int8 layer, for a decoding step's
+one row and a verification's five, over a working set larger than the caches (as a model's layers are), and the
+thread count that runs them fastest. Measured in a few seconds; weights/machine.py keeps the figures per machine and
+chooses a target's format from them."""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+N = K = 4096  # a layer about the size of a 1.5B model's FFN projections
+LAYERS = 16  # 128 MB of int4 and 256 MB of int8 weights passed through in turn
+ROWS = (1, 5)  # a decoding step's and a verification's (k = 4) rows
+REPS = 5
+
+
+def measure(threads: int | None = None) -> dict:
+    """{"int4": {rows: seconds per weight}, "int8": {...}} on the CPU with quickdraft's kernels, with `threads`
+    (default: PyTorch's)."""
+    from quickdraft.quant.int4 import Int4Linear
+    from quickdraft.quant.int8 import Int8Linear
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        weight = torch.randn(N, K, dtype=torch.bfloat16)
+        out = {}
+        with torch.inference_mode():
+            for name, cls in (("int4", Int4Linear), ("int8", Int8Linear)):
+                first = cls(weight, None)
+                layers = [first] + [copy.deepcopy(first) for _ in range(LAYERS - 1)]
+                out[name] = {rows: _per_weight(layers, rows) for rows in ROWS}
+                del layers, first
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+def _per_weight(layers, rows: int) -> float:
+    x = torch.randn(rows, K, dtype=torch.bfloat16)
+    times = []
+    for _ in range(REPS + 1):
+        t0 = time.perf_counter()
+        for layer in layers:
+            layer(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / (len(layers) * N * K)
+
+
+def thread_counts() -> list[int]:
+    """The thread counts worth trying: PyTorch's default (every logical CPU), and the physical cores where SMT gives
+    more logical ones."""
+    logical = torch.get_num_threads()
+    physical = _physical_cores()
+    return sorted({logical, physical} - {0}, reverse=True) if physical else [logical]
+
+
+def _physical_cores() -> int:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cores = {line.split(":")[1].strip() for line in f if line.startswith("core id")}
+        return min(len(cores) * max(1, _sockets()), os.cpu_count() or 1) if cores else 0
+    except OSError:
+        return 0
+
+
+def _sockets() -> int:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        return len({line.split(":")[1].strip() for line in f if line.startswith("physical id")})

@@ -117,8 +117,9 @@ def main() -> int:
                 vs_llama = figures.ratio(default, (name, temperature, "llama-server plain")) if servers else None
                 vs_plain = figures.ratio(default, (name, temperature, "quickdraft plain"))
                 row["default_vs_llama_plain"], row["default_vs_plain"] = vs_llama, vs_plain
-                plain = outputs["quickdraft plain"][0]
-                row["same"] = all(o == plain for c in engines for o in outputs[c])
+                # every quickdraft column's output is its format's drafting-off output, run after run
+                row["same"] = all(o == outputs[c.replace("default", "plain").replace("tuned", "plain")][0]
+                                  for c in engines for o in outputs[c])
                 print(f"{name:10} {len(prompt):6} T={temperature:<3} {cells}  x llama {vs_llama or 0:4.2f}  "
                       f"x plain {vs_plain:4.2f}  same {row['same']}", flush=True)
     finally:

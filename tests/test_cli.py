@@ -145,3 +145,10 @@ def test_generate_with_a_constraint(tmp_path):
                           "invalid JSON schema", "nosuch")
     assert_one_line_error(cli("generate", "-m", str(gguf), "-p", "x", "--regex", "a("),
                           "invalid regular expression", "unclosed group")
+
+
+def test_a_draft_window_out_of_range_is_one_line(tiny_gguf):
+    assert_one_line_error(cli("generate", "-m", str(tiny_gguf), "-p", "x", "--draft-window", "-1"),
+                          "--draft-window must be 0 (the whole context) or a number of tokens")
+    assert_one_line_error(cli("generate", "-m", str(tiny_gguf), "-p", "x", "--ctx", "64", "--draft", str(tiny_gguf),
+                              "--draft-window", "100"), "--draft-window 100 is beyond the context of 64 tokens")

@@ -30,7 +30,9 @@ GREEDY = {"temperature": 0}
 def server(real_model_path):
     real_model_path(MODEL)
     real_model_path("qwen2.5-coder-0.5b")
-    with ServerProcess("-m", MODEL, "--ctx", "2048") as s:  # --draft auto: n-gram + the 0.5B
+    # --draft auto: n-gram + the 0.5B; the format these answers were written against (auto may take int4 on a machine
+    # where it decodes faster: its greedy answers are another model's, its tool calls too)
+    with ServerProcess("-m", MODEL, "--ctx", "2048", "--weights", "mixed") as s:
         yield s
 
 

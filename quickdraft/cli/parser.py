@@ -74,6 +74,10 @@ def _speculation_args(parser: argparse.ArgumentParser) -> None:
                         "chain, up to B candidates at the position it is least sure of, verified in the same target "
                         "pass (exact at any temperature; alone or in a batch); the policy uses the tree only while it "
                         "measures faster than the chain; on the CPU (1: chains alone; default: a --profile's, else 1)")
+    s.add_argument("--draft-window", type=int, default=None, metavar="W",
+                   help="a draft model drafts from the first 4 tokens and the last W of the rest, each at its own "
+                        "position, so its catch-up on a long prompt and each of its steps cost what W tokens cost "
+                        "(0: the whole context; default: 1024 on the CPU, the whole context on a GPU)")
     s.add_argument("--fixed-k", action="store_true",
                    help="always draft --draft-max tokens instead of choosing k by measurement")
     s.add_argument("--profile", type=Path, default=None, metavar="FILE",

@@ -416,7 +416,8 @@ class Engine:
             return (*chosen, TARGET)
         drafting_s = draft_s - proposal.catch_up_s
         s.timings.draft_prefill_s += proposal.catch_up_s
-        catch_up_s = self.policy.record_catch_up(proposal.source, proposal.caught_up, proposal.catch_up_s)
+        first = s.stats.sources[proposal.source] == 0  # its first round in this generation: a start
+        catch_up_s = self.policy.record_catch_up(proposal.source, proposal.caught_up, proposal.catch_up_s, first)
         if proposal.parents is not None:
             tokens, path = verify.tree(s, proposal, logits, self.vocab)
             accepted, k = len(path) - 1, len(proposal.tokens)

@@ -105,10 +105,13 @@ class KVCache:
         self.recurrent = [s for s in self.states if s is not None]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        # On the CPU the keys and values are not zeroed: a position is read only once a pass has written it, and
-        # memory the system has not handed out until it is first written costs nothing until then: a cache of a long
-        # context takes memory as it fills. (On CUDA a masked pass reads positions past the length: zeros there.)
-        alloc = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        # On the CPU the keys and values are not zeroed: memory the system hands out only once it is first written
+        # costs nothing until then, so a cache of a long context takes memory as it fills. A pass reads a position
+        # only once it has written it, but for one with fixed shapes (a graph's: `at`), which reads a span past the
+        # length under a mask: zeros there (a masked weight times a stray NaN would be NaN), written as it first reaches
+        # them (`zeroed`). On CUDA the memory is taken whole anyway: zeros from the start.
+        on_cpu = torch.device(device).type == "cpu"
+        alloc = torch.empty if on_cpu else torch.zeros
         for i, (heads, dim, source) in enumerate(layout):
             if source != i:
                 self.k.append(self.k[source])
@@ -117,6 +120,7 @@ class KVCache:
             self.k.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
             self.v.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
         self.owners = [source == i for i, (_, _, source) in enumerate(layout)]
+        self.zeroed = 0 if on_cpu else capacity  # positions from which on the memory may hold anything
         self.length = 0
         self.offset = 0  # positions dropped from the middle (compact): index i past the sinks is position i + offset
 
@@ -187,6 +191,11 @@ class KVCache:
     def at(self, positions: torch.Tensor, span: int) -> "PositionedWrites":
         """This cache as a pass at `positions` (a device tensor) writes and reads it, with shapes that do not
         depend on where the pass is (for CUDA graphs: Transformer.forward_at)."""
+        if span > self.zeroed:  # (below the length every position was written: finite, whatever it holds)
+            start = max(self.zeroed, self.length)
+            for t in self.tensors():
+                t[:, :, start:span].zero_()
+            self.zeroed = span
         return PositionedWrites(self, positions, span)
 
     def rollback(self, length: int) -> None:

@@ -135,15 +135,16 @@ class AdaptivePolicy:
             self.t_draft[source] = t
         self._record_acceptance(source, drafted, accepted)
 
-    def record_catch_up(self, source: str, tokens: int, seconds: float) -> float:
+    def record_catch_up(self, source: str, tokens: int, seconds: float, first: bool = False) -> float:
         """A drafter took in `tokens` tokens it had not seen in `seconds` (Proposal.caught_up, catch_up_s). Returns
-        what of it is its round's cost (record_round's catch_up_s): none where it was a start (START tokens or more: a
-        prompt, its window, a long run of plain steps), which pays_back weighed when it was decided."""
+        what of it is its round's cost (record_round's catch_up_s): none where it was a start (its first round of a
+        generation, or START tokens or more: a prompt, its window, a long run of plain steps), which pays_back
+        weighed when it was decided."""
         if tokens >= FEED_MIN:
             t = self._timed(("feed", source), seconds / tokens)
             if t is not None:
                 self.t_feed[source] = t
-        return 0.0 if tokens >= START else seconds
+        return 0.0 if first or tokens >= START else seconds
 
     def feed_seconds(self, source: str) -> float | None:
         """Seconds a drafter of `source` takes per token it catches up on: measured, else a PREFILL_ROW share of its

@@ -50,6 +50,9 @@ def main() -> int:
     if args.sample:
         print(json.dumps(sample()))
         return 0
+    from quickdraft.tools.runs import machine  # (not at the top: a sample runs an old checkout, which may lack it)
+
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     samples: dict[str, list[dict]] = {"old": [], "new": []}
     for r in range(args.rounds):
         order = [("old", args.old), ("new", args.new)]

@@ -28,6 +28,7 @@ import httpx
 from quickdraft.tools import conversation, llamacpp, remote
 from quickdraft.weights import hub
 from quickdraft.tools.servers import LlamaServer, ServerProcess
+from quickdraft.tools.runs import machine
 
 LENGTHS = (512, 1024, 2048, 4000)
 
@@ -119,6 +120,7 @@ def main() -> int:
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-conversation", action="store_true")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     target, draft = (hub.model_path(a) for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT))
     llamacpp.server_binary()  # built before anything is timed
     started = time.perf_counter()

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from quickdraft.tools.runs import machine
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -96,6 +98,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     if args.child:
         return child(args)
     import torch

@@ -33,6 +33,7 @@ import quickdraft
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.grammar import Grammar
 from quickdraft.weights import hub
+from quickdraft.tools.runs import machine
 
 CTX = 1024
 SCHEMA = {
@@ -151,6 +152,7 @@ def main() -> int:
                     help="seeded samples at temperature 1 (speculation on) checked against the schema")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", context=CTX, progress=False)
     target, tok = llm.target, llm.tokenizer
     prompts = {k: llm.chat_prompt([{"role": "user", "content": PROMPTS[k].format(text=v)}]) for k, v in TEXTS.items()}

@@ -29,6 +29,7 @@ from quickdraft.engine import Engine
 from quickdraft.runtime.kv_cache import HISTORY, KVCache, RecurrentState
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
+from quickdraft.tools.runs import machine
 
 
 def timed(fn) -> float:
@@ -44,6 +45,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("-n", type=int, default=64, help="tokens decoded per generation (default: %(default)s)")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     lm = roofline.stand_in("hybrid-0.8b-class", "cpu", args.weights, 1024)
     model = lm.model
     linear = [b.attention for b in model.layers if b.attention.kind == "linear"]

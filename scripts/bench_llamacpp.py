@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 
+from quickdraft.tools.runs import machine
 
 
 def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -67,6 +68,7 @@ def main() -> int:
                     "model (-md): built from the vendored source on first use (about 10 minutes)")
     ap.add_argument("--draft-vocab", type=int, default=0, help="also the default pair with this --draft-vocab")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

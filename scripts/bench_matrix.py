@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -41,7 +42,17 @@ def ours(engine, prompt: list[int], n: int, temperature: float) -> tuple[float, 
     return t.decode_tok_s, [e.token for e in events if e.token is not None], t.ttft_s
 
 
-def theirs(url: str, prompt: list[int], n: int, temperature: float) -> tuple[float, list[int], float]:
+def theirs(server, prompt: list[int], n: int, temperature: float) -> tuple[float, list[int], float]:
+    """One request to a llama-server, woken for it: between its requests it is stopped (SIGSTOP), since its threads
+    spin-wait after a request and would take the cores from whatever runs next (another server, quickdraft)."""
+    server.proc.send_signal(signal.SIGCONT)
+    try:
+        return _request(server.url, prompt, n, temperature)
+    finally:
+        server.proc.send_signal(signal.SIGSTOP)
+
+
+def _request(url: str, prompt: list[int], n: int, temperature: float) -> tuple[float, list[int], float]:
     reply = httpx.post(f"{url}/completion", json={
         "prompt": prompt, "n_predict": n, "temperature": temperature, "seed": SEED, "repeat_penalty": 1.0,
         "top_k": 1 if temperature == 0 else 40, "top_p": 1.0, "min_p": 0.0, "return_tokens": True,
@@ -89,6 +100,8 @@ def main() -> int:
         servers["llama-server plain"] = LlamaServer(binary, "-m", path, "-c", str(args.ctx))
         servers["llama-server -md"] = LlamaServer(binary, "-m", path, "-c", str(args.ctx), "-md", draft,
                                                   "--spec-type", "draft-simple")
+        for server in servers.values():
+            server.proc.send_signal(signal.SIGSTOP)
     columns = list(servers) + list(engines)
     print(f"machine: {machine()}; {hub.DEFAULT_TARGET} (quickdraft: {llm.target.weights}) with "
           f"{hub.DEFAULT_DRAFT}; {args.n} tokens a request, medians of {args.runs}", flush=True)
@@ -97,14 +110,14 @@ def main() -> int:
         for name in names:
             prompt = bundled.encoded(llm.tokenizer, [name])[name]
             for c in columns:  # warm-up, and the prompt's cold prefill
-                run = (lambda *a: theirs(servers[c].url, *a)) if c in servers else (lambda *a: ours(engines[c], *a))
+                run = (lambda *a: theirs(servers[c], *a)) if c in servers else (lambda *a: ours(engines[c], *a))
                 ttft[name, c] = run(prompt, 8, 0.0)[2]
             for temperature in temperatures:
                 outputs = {}
                 for r in range(args.runs):
                     for c in rotated(columns, r):
                         if c in servers:
-                            tok_s, tokens, _ = theirs(servers[c].url, prompt, args.n, temperature)
+                            tok_s, tokens, _ = theirs(servers[c], prompt, args.n, temperature)
                         else:
                             tok_s, tokens, _ = ours(engines[c], prompt, args.n, temperature)
                         figures.add((name, temperature, c), tok_s)
@@ -124,6 +137,7 @@ def main() -> int:
                       f"x plain {vs_plain:4.2f}  same {row['same']}", flush=True)
     finally:
         for server in servers.values():
+            server.proc.send_signal(signal.SIGCONT)
             server.stop()
     print("\ncolumns: " + ", ".join(columns))
     print("cold prefill (TTFT of the warm-up, s): " + "; ".join(

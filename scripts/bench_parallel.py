@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from quickdraft.tools import llamacpp, prompts as bundled, remote  # noqa: E402
 from quickdraft.tools.servers import LlamaServer, ServerProcess  # noqa: E402
 from quickdraft.weights import hub  # noqa: E402
+from quickdraft.tools.runs import machine
 
 
 def cells(endpoint: remote.Endpoint, texts: list[str], n: int, streams: int, count: int) -> dict:
@@ -48,6 +49,7 @@ def main() -> int:
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--skip-llama", action="store_true")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     counts = [int(x) for x in args.streams.split(",")]
     target, draft = (hub.model_path(a) for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT))
     texts = [bundled.text(name) for name in bundled.PROMPTS]

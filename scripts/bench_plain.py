@@ -20,6 +20,7 @@ from quickdraft.cli import DEMO_PROMPT
 from quickdraft.config import SamplingParams
 from quickdraft.quant import FORMATS
 from quickdraft.weights import hub
+from quickdraft.tools.runs import machine
 
 
 def peak_rss_gib() -> float:
@@ -45,6 +46,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=64)
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     options = dict(device=args.device, dtype=args.dtype, weights=args.weights, context=1024, progress=False)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype={args.dtype}, "
           f"weights={args.weights}", file=sys.stderr)

@@ -27,6 +27,7 @@ import quickdraft
 from quickdraft.tools import prompts as bundled
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.speculative.draft import Draft
+from quickdraft.tools.runs import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +58,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=256, help="greedy tokens per run (end of text ignored)")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     names = args.prompts.split(",")
     unknown = [n for n in names if n not in bundled.PROMPTS]
     if unknown:

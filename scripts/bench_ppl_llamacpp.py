@@ -24,6 +24,7 @@ from quickdraft.config import EngineConfig  # noqa: E402
 from quickdraft.perplexity import perplexity, window_nll  # noqa: E402
 from quickdraft.tools.quality import TEXT as QUALITY_TEXT  # noqa: E402
 from quickdraft.weights.loader import load_model, resolve  # noqa: E402
+from quickdraft.tools.runs import machine
 
 TEXT = QUALITY_TEXT
 
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--formats", default="bf16,mixed,int8,int4")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     text = TEXT.read_text(encoding="utf-8")
     print("| model | tokens | llama.cpp | " + " | ".join(f"quickdraft {f} (vs llama.cpp)" for f in
                                                         args.formats.split(",")) + " |")

@@ -20,6 +20,7 @@ from quickdraft.config import EngineConfig
 from quickdraft.tools import quality
 from quickdraft.weights import hub
 from quickdraft.weights.loader import load_model
+from quickdraft.tools.runs import machine
 
 
 def load(fmt: str):
@@ -31,6 +32,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="int8,int4,mixed")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     lm = load("bf16")
     tokens = quality.text_tokens(lm.tokenizer)
     reference = quality.log_probs(lm.model, tokens)

@@ -16,6 +16,7 @@ import sys
 import httpx
 
 from quickdraft.tools.servers import ServerProcess
+from quickdraft.tools.runs import machine
 
 PROMPTS = {
     "code": "Write a Python function that checks whether a string is a palindrome, with a short docstring.",
@@ -32,6 +33,7 @@ def main() -> int:
     ap.add_argument("-n", "--max-tokens", type=int, default=128)
     ap.add_argument("serve_args", nargs="*", help="extra arguments for `quickdraft serve` (after --)")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     print(f"{'prompt':8} {'config':12} {'tok/s (median)':>14} {'x off':>6} {'accept':>7} {'tok/round':>9} "
           f"{'same text':>9}")
     with ServerProcess(*args.serve_args) as server:

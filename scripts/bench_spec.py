@@ -22,6 +22,7 @@ import quickdraft
 from quickdraft.tools.quality import TEXT as QUALITY_TEXT
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.weights import hub
+from quickdraft.tools.runs import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = "\n\n".join(QUALITY_TEXT.read_text(encoding="utf-8").split("\n\n")[:2])
@@ -57,6 +58,7 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", context=CTX, progress=False)
     prompts = {k: llm.chat_prompt([{"role": "user", "content": v}]) for k, v in PROMPTS.items()}
     engines = configs(llm)

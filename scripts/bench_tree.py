@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import quickdraft  # noqa: E402
 from quickdraft.config import SamplingParams, SpeculationConfig  # noqa: E402
 from quickdraft.weights import hub  # noqa: E402
+from quickdraft.tools.runs import machine
 from scripts.bench_spec import CTX, PROMPTS  # noqa: E402
 
 
@@ -51,6 +52,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("-n", type=int, default=128)
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     llm = quickdraft.load(hub.DEFAULT_TARGET, "none", device="cpu", dtype="bfloat16", context=CTX, progress=False)
     prompts = {k: llm.chat_prompt([{"role": "user", "content": v}]) for k, v in PROMPTS.items()}
     engines = configs(llm)

@@ -16,8 +16,6 @@ Usage: python scripts/bench_window.py [--windows 64,128,256,512,1024,0] [--promp
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 
 import torch
@@ -28,6 +26,7 @@ from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.timing import median_seconds
 from quickdraft.speculative.draft import Draft
 from quickdraft.tools import prompts as bundled
+from quickdraft.tools.runs import machine
 
 
 def replay(drafter, prompt: list[int], answer: list[int], k: int) -> dict:
@@ -69,11 +68,12 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=128, help="greedy tokens of each answer")
     ap.add_argument("-k", type=int, default=4, help="tokens drafted a round")
     args = ap.parse_args()
+    print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     windows = [int(w) for w in args.windows.split(",")]
     llm = quickdraft.load("qwen2.5-coder-1.5b", "none", context=16384, progress=False)
     draft = Draft.parse("qwen2.5-coder-0.5b")
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; the default pair, k = {args.k}"
-          f", {args.n} greedy tokens a prompt; x: the speed-up over plain decoding predicted for the answer")
+    print(f"the default pair, k = {args.k}, {args.n} greedy tokens a prompt; x: the speed-up over plain decoding "
+          "predicted for the answer")
     print(f"{'prompt':11} {'tokens':>6} {'window':>6} {'catch-up s':>10} {'accepted':>8} {'tok/round':>9} "
           f"{'ms/draft':>8} {'x':>5}")
     for name in args.prompts.split(","):

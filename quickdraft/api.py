@@ -62,7 +62,22 @@ class LLM:
         self.drafts = DraftBuilder(target, engine, target.model.max_context, progress)
         self.draft = self.drafts.resolve(draft)  # `auto` made concrete
         self.engine = self.engine_for(self.draft, speculation)
-        self.engine.slots.count = slot_count(cache_slots, cache_ram, self.engine.slots.nbytes())
+        slots = self.engine.slots
+        if cache_ram is not None and self.engine.cache.lazy:  # memory taken as the caches fill: the budget bounds them
+            slots.count, slots.budget = max(cache_slots, KEPT_MAX), cache_ram
+        else:
+            slots.count = slot_count(cache_slots, cache_ram, slots.nbytes())
+
+    def cache_summary(self) -> str:
+        """What the kept sequences may hold, in words (serve's start line)."""
+        slots, context = self.engine.slots, self.context
+        if slots.budget is None:
+            return f"{slots.count} kept sequences of up to {context} tokens"
+        per = self.engine.cache.position_bytes() + getattr(self.engine.drafter, "position_bytes", lambda: 0)()
+        positions = slots.budget // max(per, 1)
+        return (f"{slots.budget / 2**30:.1f} GiB for kept sequences: {positions} tokens in all, e.g. "
+                f"{min(slots.count, max(1, positions // 4096))} conversations of 4096 tokens or "
+                f"{max(1, positions // context)} of the whole context ({context})")
 
     @property
     def tokenizer(self):
@@ -211,6 +226,9 @@ def fit_context(target: str, draft: Draft, engine: EngineConfig, slots: int, war
                              f"{100 * plan.share:.0f}% of {plan.device}'s memory: using {n} tokens ({{context}} sets "
                              "it, {cache_slots} lowers what it takes)", "context", "cache_slots"))
     return n
+
+
+KEPT_MAX = 64  # the most sequences kept where the memory they take is what bounds them (--cache-ram on the CPU)
 
 
 def slot_count(slots: int, ram: int | None, slot_bytes: int) -> int:

@@ -219,3 +219,38 @@ def test_a_request_that_fails_leaves_no_slot_running(pair):
 def test_a_batch_keeps_a_row_for_each_sequence_and_a_newcomer(pair):
     engine = Engine(pair[0], CTX, slots=100)
     assert Batch(engine, 100).parallel == engine.target.chunk - 1
+
+
+def test_a_short_prompt_behind_a_long_one_is_prefilled_first_and_a_prefill_beside_streams_takes_its_share(pair):
+    """A long prompt prefills a chunk a step; a short one added behind it is prefilled in the next step (the shortest
+    first) and has its first token then; once it decodes, the long prompt's chunks beside it take no more rows than
+    the policy's prefill budget (its pass within SLOWDOWN of a decoding step); each gets what it gets alone."""
+    from quickdraft.speculative import policy as policies
+
+    target, draft = pair
+    enc = target.tokenizer.encode
+    long_prompt, short_prompt = enc("a long prompt, " * 14), enc("hi")
+    assert len(long_prompt) > 3 * 64
+    params = SamplingParams(max_tokens=12, stop_at_eos=False)
+    engine = Engine(target, CTX, None, SpeculationConfig(draft_max=0), slots=3)
+    batch = Batch(engine, 2)
+    got: dict = {}
+    deliver = lambda s, e: got.setdefault(id(s), []).append(e)  # noqa: E731
+    long = batch.add(long_prompt, params)
+    batch.step(deliver)  # its first chunk
+    short = batch.add(short_prompt, params)
+    batch.step(deliver)
+    assert [e.token for e in got[id(short)]] and id(long) not in got  # the short one's first token, and not the long's
+    for rows in (2, 8, 16, 32, 64):  # what passes cost here, made up: 1 plain step + 1/16 of one per row
+        for _ in range(2):
+            engine.policy.record_pass(rows, 1 + rows / 16)
+    engine.policy.t_plain = 1.0
+    budget = engine.policy.prefill_rows(1, engine.max_rows)
+    assert budget == 15 and engine.policy.pass_seconds(1 + budget) <= policies.SLOWDOWN * engine.policy.t_plain
+    batch.step(deliver)
+    assert batch.last_rows == 1 + budget
+    while batch.active:
+        batch.step(deliver)
+    for s, prompt in ((long, long_prompt), (short, short_prompt)):
+        tokens = [e.token for e in got[id(s)] if e.token is not None]
+        assert tokens == [e.token for e in Engine(target, CTX).generate(prompt, params) if e.token is not None]

@@ -308,6 +308,32 @@ def test_a_request_asks_for_trees(server):
     assert tree["timings"]["tree_rounds"] > 0 and tree["timings"]["tree_alternatives_kept"] >= 0
     chain = post(server, "/v1/chat/completions", {**body, "speculative": {"draft_max": 4, "adaptive": False}}).json()
     assert chain["timings"]["tree_rounds"] == 0 and chain["timings"]["rounds"] > 0  # the server's default: chains
+    assert chain["timings"]["tree_note"] is None  # (none asked for)
+
+
+def test_a_tree_asked_for_and_not_verified_says_why(server):
+    """A request that asks for trees and gets none is told why in its timings (here: log-probabilities are per
+    position of a chain); the adaptive policy's own refusals name the figures it measured."""
+    body = {"messages": ASK, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "speculative": {"draft_max": 4, "adaptive": False, "tree": 3}}
+    t = post(server, "/v1/chat/completions", body).json()["timings"]
+    assert t["tree_rounds"] == 0 and "chains only" in t["tree_note"]
+    adaptive = post(server, "/v1/chat/completions", {**body, "logprobs": False, "speculative": {"tree": 8}}).json()
+    t = adaptive["timings"]
+    assert t["tree_rounds"] > 0 or t["tree_note"], t  # verified, or declined saying why
+
+
+# ---- what the server shows, and to whom --------------------------------------------------------------------------
+
+def test_the_api_pages_are_off_and_the_key_must_come_as_a_bearer_token(server):
+    """FastAPI's /docs, /redoc and /openapi.json are not served (serve --api-docs turns them on: their pages load
+    scripts from a public CDN); the key is accepted as "Bearer KEY" only, as OpenAI sends it."""
+    for route in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.url + route, headers=AUTH, timeout=30).status_code == 404, route
+    bare = httpx.get(server.url + "/v1/models", headers={"Authorization": KEY}, timeout=30)
+    assert bare.status_code == 401 and "Bearer" in bare.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=30).status_code \
+        == 200
 
 
 # ---- prefix reuse ---------------------------------------------------------------------------------------------------

@@ -492,7 +492,7 @@ def cmd_serve(args) -> int:
     cors = tuple(o.strip().rstrip("/") for o in args.cors_origins.split(",") if o.strip()) if args.cors_origins else None
     state = ServerState(worker, model_id, frozenset({args.model, target.name, *args.alias}), api_key, allowed,
                         strict_model_name=args.strict_model_name, cors_origins=cors,
-                        special_tokens_in_messages=args.special_tokens_in_messages)
+                        special_tokens_in_messages=args.special_tokens_in_messages, api_docs=args.api_docs)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     parallel = min(args.parallel, engine.slots.count)  # the memory plan may have kept fewer slots
     if parallel < args.parallel:
@@ -500,6 +500,7 @@ def cmd_serve(args) -> int:
               f"{args.parallel} (--parallel); lower --ctx to fit more", file=sys.stderr)
     print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}, {parallel} "
           f"request{'s' if parallel > 1 else ''} in parallel) at {url}/v1", flush=True)
+    print(f"cache: {worker.llm.cache_summary()}", flush=True)
     print(f"chat page: {url}/", flush=True)
     auth = ' -H "Authorization: Bearer $QUICKDRAFT_API_KEY"' if api_key else ""  # the key itself is never printed
     print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "

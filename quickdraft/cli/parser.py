@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated browser origins (e.g. https://chat.example.org) whose pages may call the "
                          "API, '*' for any; pages served from this machine (http://localhost:PORT, 127.0.0.1, [::1]) "
                          "always may (default: only those). The API key is still required when one is set")
+    sv.add_argument("--api-docs", action="store_true",
+                    help="serve FastAPI's /docs, /redoc and /openapi.json (behind the API key where one is set; "
+                         "their pages load scripts from a public CDN): off by default")
     sv.add_argument("--special-tokens-in-messages", action="store_true",
                     help="let special-token text in chat messages (e.g. <|im_start|>) become control tokens, as "
                          "llama-server does (default: it stays text, so no message can forge a turn or a role)")
@@ -229,8 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "Each is a KV cache of --ctx positions for the target and its draft, made when first "
                          "needed, the least recently used reused (default: %(default)s)")
     sv.add_argument("--cache-ram", default=None, metavar="SIZE",
-                    help="at most this much memory for the kept sequences (e.g. 2G, 512M): fewer slots than "
-                         "--cache-slots where they would take more (default: no bound but --cache-slots)")
+                    help="at most this much memory for the kept sequences (e.g. 2G, 512M). On the CPU a cache takes "
+                         "memory as it fills, so as many conversations are kept as their tokens fit (up to 64; the "
+                         "least recently used dropped first), many short ones or a few long ones; on a GPU fewer "
+                         "slots than --cache-slots where they would take more (default: no bound but --cache-slots)")
     _common(sv)
 
     v = sub.add_parser("verify", help="prove that speculation changes nothing for a target and a draft",

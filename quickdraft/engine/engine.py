@@ -243,7 +243,9 @@ class Engine:
     def plan(self, sequences: list[Sequence]) -> Pass:
         """Each sequence's rows for one pass: a decoding sequence's last token and what its drafter proposes (how many
         by the policy: a sequence's own rule alone, the step's plan beside others, speculative/policy.BatchPlan),
-        then the prefilling ones' next chunks of prompt in the rows left (first come, first prefilled). A sequence
+        then the prefilling ones' next chunks of prompt in the rows left: the shortest prompt first (a short request
+        behind a long one gets its first token after a step or two), and beside decoding sequences no more rows than
+        keep their steps at least half as fast as without (policy.prefill_rows, from measured pass costs). A sequence
         whose drafting fails (its drafter, its constraint) is failed and left out of the pass."""
         alone = len(sequences) == 1
         decoding = [s for s in sequences if not s.prefilling]
@@ -257,8 +259,11 @@ class Engine:
                 feeds[s] = self._rows(s, i, batch)
             except Exception as e:  # noqa: BLE001 -- its drafter or constraint: that sequence fails
                 failed.append((s, self.fail(s, e)))
-        room = self.max_rows - sum(len(f) for f in feeds.values())
-        for s in prefilling:
+        taken = sum(len(f) for f in feeds.values())
+        room = self.max_rows - taken
+        if feeds:  # beside decoding sequences: the prefill's share of the pass
+            room = min(room, self.policy.prefill_rows(taken, self.max_rows))
+        for s in sorted(prefilling, key=lambda s: len(s.prompt) - s.prefilled):
             n = min(room, len(s.prompt) - s.prefilled)
             if n <= 0:
                 break
@@ -391,6 +396,21 @@ class Engine:
         return (s.speculation.tree > 1 and s.drafter.trees and self.target.trees
                 and s.constraint is None and s.params.logprobs is None)
 
+    def _tree_note(self, s: Sequence) -> str:
+        """Why a sequence that asked for trees verified none."""
+        if not s.drafter.trees:
+            return f"{self.drafter_name} offers no candidates beside its chain: chains only"
+        if not self.target.trees:
+            return "trees are verified on the CPU only (a GPU pass's shape decides its arithmetic): chains only"
+        if s.constraint is not None or s.params.logprobs is not None:
+            return "a grammar or log-probabilities are per position of a chain: chains only"
+        choices = [c for source, c in self.policy.tree_choice.items() if source in s.drafter.sources]
+        if not choices:
+            return "no round drafted a chain to put candidates beside"
+        width, k, tree, chain = choices[-1]
+        return (f"declined by measurement: a tree of {width} beside {k} drafts predicted {tree:.1f} tokens/s, the "
+                f"chain alone {chain:.1f}")
+
     def _begin_drafting(self, s: Sequence) -> None:
         s.drafter.begin(s.prompt, prefill=False)
         s.drafting = True
@@ -490,6 +510,8 @@ class Engine:
         if s.first is None:  # max_tokens == 0, or halted before its first token
             t.prefill_s = t.ttft_s = time.perf_counter() - s.started
         s.stats.policy = self.policy.snapshot() if s.drafter is not None else {}
+        if s.speculation.tree > 1 and s.drafter is not None and not s.stats.tree_rounds:
+            s.stats.tree_note = self._tree_note(s)
         if s.constraint is not None:
             s.stats.constraint = s.constraint.grammar.kind
             s.stats.mask_s, s.stats.masks_computed = s.constraint.seconds, s.constraint.masks_computed

@@ -110,19 +110,55 @@ class KVCache:
         # only once it has written it, but for one with fixed shapes (a graph's: `at`), which reads a span past the
         # length under a mask: zeros there (a masked weight times a stray NaN would be NaN), written as it first reaches
         # them (`zeroed`). On CUDA the memory is taken whole anyway: zeros from the start.
-        on_cpu = torch.device(device).type == "cpu"
-        alloc = torch.empty if on_cpu else torch.zeros
-        for i, (heads, dim, source) in enumerate(layout):
+        self.layout, self.shape = layout, (batch, capacity, dtype, torch.device(device))
+        self.lazy = self.shape[3].type == "cpu"  # its memory is taken as positions are written (used_bytes)
+        self._allocate()
+        self.owners = [source == i for i, (_, _, source) in enumerate(layout)]
+        self.high = 0  # the most positions it has held since it was made (or released): what its memory holds
+        self._length = 0
+        self.offset = 0  # positions dropped from the middle (compact): index i past the sinks is position i + offset
+
+    def _allocate(self) -> None:
+        batch, capacity, dtype, device = self.shape
+        alloc = torch.empty if self.lazy else torch.zeros
+        self.k, self.v = [], []
+        for i, (heads, dim, source) in enumerate(self.layout):
             if source != i:
                 self.k.append(self.k[source])
                 self.v.append(self.v[source])
                 continue
             self.k.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
             self.v.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
-        self.owners = [source == i for i, (_, _, source) in enumerate(layout)]
-        self.zeroed = 0 if on_cpu else capacity  # positions from which on the memory may hold anything
-        self.length = 0
-        self.offset = 0  # positions dropped from the middle (compact): index i past the sinks is position i + offset
+        self.zeroed = 0 if self.lazy else capacity  # positions from which on the memory may hold anything
+
+    @property
+    def length(self) -> int:
+        """The number of valid positions."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+        self.high = max(self.high, value)
+
+    def position_bytes(self) -> int:
+        """Bytes of the keys and values (and kept hidden states) of one position."""
+        per = sum(t[:, :, :1].numel() * t.element_size() for t in self.tensors())
+        return per + sum(t[:1].numel() * t.element_size() for t in (self.hidden, self.features) if t is not None)
+
+    def used_bytes(self) -> int:
+        """The memory it takes now: on the CPU what the positions it has held take (the system hands memory out as
+        it is first written), on a GPU all of it."""
+        if not self.lazy:
+            return self.nbytes()
+        return max(self.high, self.zeroed) * self.position_bytes() + sum(s.nbytes() for s in self.recurrent)
+
+    def release(self) -> None:
+        """Forget everything and give its keys' and values' memory back (on the CPU: taken again as it fills)."""
+        self.reset()
+        if self.lazy and max(self.high, self.zeroed):
+            self._allocate()
+        self.high = 0
 
     @classmethod
     def for_model(cls, model, capacity: int | None = None, batch: int = 1) -> "KVCache":

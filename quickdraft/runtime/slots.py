@@ -12,7 +12,9 @@ a slot also keeps snapshots of it (checkpoints) where turns end, at the end of e
 generation, and a prompt that leaves a slot between them restarts from the last checkpoint before it.
 
 Slots are made when first needed, up to `count`; one whose conversation ends is reused for the next (least recently
-used first). Taking a slot for a prompt that shares only its beginning (an agent's sub-agent, a second conversation
+used first). With a memory budget (--cache-ram), what bounds them is the memory their positions take (on the CPU a
+cache takes memory as it fills: KVCache.used_bytes): a new prompt that would take the slots past it drops the least
+recently used conversations other than the one it continues, their memory given back. Taking a slot for a prompt that shares only its beginning (an agent's sub-agent, a second conversation
 under the same system prompt) would cut the slot's own conversation: while another slot is free or older, the
 common prefix is copied there instead (a copy of keys and values, far cheaper than prefilling them).
 """
@@ -110,17 +112,32 @@ class Slot:
         return True
 
     def nbytes(self) -> int:
-        kept = sum(t.numel() * t.element_size() for states in self.checkpoints.values() for s in states for t in s)
-        return self.cache.nbytes() + kept + (self.drafter.cache_bytes() if self.drafter is not None else 0)
+        """Its memory if every position of its context were taken."""
+        return self.cache.nbytes() + self._kept() + (self.drafter.cache_bytes() if self.drafter is not None else 0)
+
+    def used_bytes(self) -> int:
+        """The memory it takes now (KVCache.used_bytes; a draft's cache is its window's, or counted whole)."""
+        return self.cache.used_bytes() + self._kept() + (self.drafter.cache_bytes() if self.drafter is not None
+                                                         else 0)
+
+    def _kept(self) -> int:
+        return sum(t.numel() * t.element_size() for states in self.checkpoints.values() for s in states for t in s)
+
+    def drop(self) -> None:
+        """Forget its conversation and give its memory back (a budget's least recently used)."""
+        self.forget()
+        self.cache.release()
 
 
 class Slots:
     """Up to `count` slots, each made by `make` when first needed."""
 
-    def __init__(self, make: Callable[[], Slot], count: int = 1):
+    def __init__(self, make: Callable[[], Slot], count: int = 1, budget: int | None = None):
+        """budget: bytes the slots' memory may take (Slot.used_bytes), else no bound but `count`."""
         if count < 1:
             raise ValueError("at least one slot")
-        self.make, self.count = make, count
+        self.make, self.count, self.budget = make, count, budget
+        self.dropped = 0  # conversations dropped to keep within the budget
         self.slots: list[Slot] = []
         self.clock = itertools.count(1)
 
@@ -161,7 +178,25 @@ class Slots:
 
     def _taken(self, slot: Slot, n: int, prompt: list[int]) -> tuple[Slot, int]:
         slot.used, slot.prompt_n, slot.busy = next(self.clock), len(prompt), True
+        self._fit(slot, len(prompt) - n)
         return slot, n
+
+    def _fit(self, taken: Slot, new: int) -> None:
+        """Within the budget once the taken slot holds `new` more positions: drop the least recently used idle
+        conversations until it is (what running ones hold is theirs)."""
+        if self.budget is None:
+            return
+        need = self.used_bytes() + new * taken.cache.position_bytes()
+        for victim in sorted((s for s in self.slots if not s.busy and s.tokens), key=lambda s: s.used):
+            if need <= self.budget:
+                break
+            before = victim.used_bytes()
+            victim.drop()
+            need -= before - victim.used_bytes()
+            self.dropped += 1
+
+    def used_bytes(self) -> int:
+        return sum(s.used_bytes() for s in self.slots)
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.slots)

@@ -47,6 +47,7 @@ class ServerState:
     # special-token text in a message becomes control tokens (llama-server's way); else it stays text, and no message
     # can forge a turn (tokenizer.encode_chat)
     special_tokens_in_messages: bool = False
+    api_docs: bool = False  # FastAPI's /docs, /redoc and /openapi.json (their pages load scripts from a public CDN)
     tool_format: object | None = None  # the model's tool-call format (server/toolcalls.py), found on first use
     other_names: set[str] = field(default_factory=set)  # names requests used that are not the model's
     created: int = field(default_factory=p.now)
@@ -84,8 +85,9 @@ def create_app(state: ServerState) -> FastAPI:
         await state.sandbox.close()
         await asyncio.to_thread(state.worker.stop)
 
+    docs = {} if state.api_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="quickdraft", description="OpenAI-compatible API with exact speculative decoding",
-                  lifespan=lifespan)
+                  lifespan=lifespan, **docs)
     app.state.quickdraft = state
     _errors(app, state)
     _guards(app, state)
@@ -246,8 +248,8 @@ def check_key(state: ServerState, request: Request) -> p.APIError | None:
     path = request.url.path
     if not state.api_key or path in ("/health", "/") or path.startswith("/page/"):
         return None
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if hmac.compare_digest(given.encode(), state.api_key.encode()):
+    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), state.api_key.encode()):
         return None
     return p.APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                       type="authentication_error", code="invalid_api_key")

@@ -532,4 +532,5 @@ def timings(t: Timings, stats: SpeculationStats, completion_n: int) -> dict:
         "mask_share": stats.mask_share,
         "tree_rounds": stats.tree_rounds,
         "tree_alternatives_kept": stats.tree_alternatives_kept,
+        "tree_note": stats.tree_note,
     }

@@ -22,6 +22,7 @@ WINDOW = 5
 PLAIN_WINDOW = 3
 CATCH_UP_EMA = 0.1  # weight of a new round in a source's mean catch-up seconds per round (about the last 10)
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
+CARRY = 0.2  # a new generation keeps this share of the acceptance counts: a prior, not its text's own
 PROBE_K = 4  # the first round of a source not yet measured
 # While plain decoding wins, a source is probed after probe_every plain steps, then after twice as many each time
 # a probe loses (at most PROBE_MAX; each generation starts over), with at most PROBE_SHORT drafts: a probe costs a
@@ -62,6 +63,11 @@ START = 64
 # tried again after TREE_PROBE chain rounds.
 TREE_EMA = 0.1
 TREE_PROBE = 32
+# A prompt prefilled beside decoding sequences takes at most the rows that keep their step within SLOWDOWN of a step
+# without it (vLLM's chunked-prefill budget, llama.cpp's n_ubatch, chosen from measured pass costs), and at least
+# PREFILL_MIN rows: the prompt goes on, the streams keep half their speed or more.
+SLOWDOWN = 2.0
+PREFILL_MIN = 4
 
 
 class AdaptivePolicy:
@@ -90,13 +96,18 @@ class AdaptivePolicy:
         self.tree_gain: dict[str, float] = {}
         self.since_tree: dict[str, int] = {}
         self.since_chain: dict[str, int] = {}  # tree rounds since the source's last chain round
+        # source -> its last measured choice between a tree and its chain: (candidates, k, tokens/s of each)
+        self.tree_choice: dict[str, tuple[int, int, float, float]] = {}
 
     def begin(self) -> None:
         """A new generation: its text may draft better or worse than the last one's, so probing starts over at
-        probe_every, and how often lookup leaves a draft model behind is its own (the timings and acceptance
-        measured so far are kept)."""
+        probe_every, how often lookup leaves a draft model behind is its own, and the acceptance measured so far
+        stays as a prior worth CARRY of its rounds (the new text's own rounds outweigh it after a few; the timings
+        are kept whole: they describe the machine)."""
         self.probe_after.clear()
         self.t_catch_up.clear()
+        for counts in (*self.tried.values(), *self.accepted.values()):
+            counts[:] = [CARRY * c for c in counts]
 
     def _warm(self, key) -> bool:
         """False the first time `key` is timed (that sample is dropped), True after."""
@@ -231,7 +242,9 @@ class AdaptivePolicy:
         tree_s = self.tree_seconds(k + cfg.tree - 1)
         cost = self.draft_seconds(source, k) + self.t_catch_up.get(source, 0.0)
         tree_rate = (self.expected_length(source, k) + gain) / (tree_s + cost)
-        return cfg.tree if tree_rate > self.predicted_rate(source, k) else 1
+        chain_rate = self.predicted_rate(source, k)
+        self.tree_choice[source] = (cfg.tree, k, tree_rate, chain_rate)
+        return cfg.tree if tree_rate > chain_rate else 1
 
     def tree_seconds(self, rows: int) -> float:
         """A tree pass of `rows` drafted rows: measured, else the nearest measured tree's scaled by the chain's
@@ -303,6 +316,17 @@ class AdaptivePolicy:
             slope = 0.1 * (self.t_plain or points[0][1] / points[0][0])
         r0, t0 = below[-1] if below else above[0]
         return max(t0 + slope * (rows - r0), 1e-9)
+
+    def prefill_rows(self, rows: int, max_rows: int) -> int:
+        """The rows of prompt a pass beside `rows` decoding rows may take (max_rows in all): the most whose pass is
+        estimated within SLOWDOWN of one without them, at least PREFILL_MIN; all that is left before any pass was
+        timed."""
+        room = max_rows - rows
+        now = self.pass_seconds(rows) if rows > 1 or rows in self.t_pass else self.t_plain
+        if now is None or not self.t_pass:
+            return room
+        fits = [r for r in range(1, room + 1) if (self.pass_seconds(rows + r) or 0.0) <= SLOWDOWN * now]
+        return max(min(PREFILL_MIN, room), max(fits, default=0))
 
     def k_in_batch(self, source: str, cfg: SpeculationConfig, plan: "BatchPlan", limit: int,
                    own: "Acceptance | None" = None, lag: int = 0, horizon: int | None = None) -> int:

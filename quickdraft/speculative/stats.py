@@ -29,6 +29,7 @@ class SpeculationStats:
     masks_computed: int = 0
     tree_rounds: int = 0  # rounds that verified a tree (--draft-tree)
     tree_alternatives_kept: int = 0  # of them, rounds that kept an alternative candidate
+    tree_note: str | None = None  # where trees were asked for and none was verified: why
 
     def record_round(self, source: str, drafted: int, accepted: int, emitted: int,
                      draft_s: float, verify_s: float) -> None:
@@ -101,6 +102,7 @@ class SpeculationStats:
             "mask_share": self.mask_share,
             "tree_rounds": self.tree_rounds,
             "tree_alternatives_kept": self.tree_alternatives_kept,
+            "tree_note": self.tree_note,
         }
 
     def summary(self) -> str:

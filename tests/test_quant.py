@@ -176,18 +176,20 @@ def test_fit_recovers_a_4bit_grid_min_max_misses(backend):
 
 
 @pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
-@pytest.mark.parametrize("start,rows,window", [(0, 1, 0), (20, 1, 0), (37, 5, 0), (3, 17, 0), (37, 5, 8), (3, 17, 4)])
-def test_decode_attention_matches_sdpa_row_by_row(start, rows, window):
+@pytest.mark.parametrize("start,rows,window,batch", [(0, 1, 0, 1), (20, 1, 0, 1), (37, 5, 0, 1), (3, 17, 0, 1),
+                                                     (37, 5, 8, 1), (3, 17, 4, 1), (150, 5, 0, 2), (150, 3, 70, 1)])
+def test_decode_attention_matches_sdpa_row_by_row(start, rows, window, batch):
     """The CPU attention kernel against PyTorch's attention (in float32) row by row, over a cache view
-    with room to spare (as the KV cache hands it), and each row equal to a one-row call: batch invariant. With a
+    with room to spare (as the KV cache hands it), and each row equal to a one-row call: batch invariant, whichever
+    heads and rows share a tile of keys (several tiles of 64 positions; two sequences; 1 or 2 threads). With a
     window, each row sees its last `window` positions (a sliding-window layer)."""
     import torch.nn.functional as F
 
     torch.manual_seed(start + rows)
-    cache_k = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
-    cache_v = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
+    cache_k = torch.randn(batch, 2, 256, 32, dtype=torch.bfloat16)
+    cache_v = torch.randn(batch, 2, 256, 32, dtype=torch.bfloat16)
     keys, values = cache_k[:, :, :start + rows], cache_v[:, :, :start + rows]
-    q = torch.randn(1, 6, rows, 32, dtype=torch.bfloat16) * 3
+    q = torch.randn(batch, 6, rows, 32, dtype=torch.bfloat16) * 3
     got = torch.ops.quickdraft_vnni.decode_attention(q, keys, values, start, window)
     for i in range(rows):
         seen = slice(max(0, start + i + 1 - window) if window else 0, start + i + 1)
@@ -197,6 +199,12 @@ def test_decode_attention_matches_sdpa_row_by_row(start, rows, window):
         alone = torch.ops.quickdraft_vnni.decode_attention(q[:, :, i:i + 1].contiguous(), keys[:, :, :start + i + 1],
                                                            values[:, :, :start + i + 1], start + i, window)
         assert torch.equal(alone, got[:, :, i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the pairs split among threads otherwise
+        assert torch.equal(torch.ops.quickdraft_vnni.decode_attention(q, keys, values, start, window), got)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")

@@ -435,6 +435,29 @@ inline __m512 exp_nonpositive(__m512 x) {
 // verification pass gives each row exactly what a one-token decoding step gives it. q (B, H, S, D) contiguous,
 // already scaled for logits q.k / sqrt(D); keys/values (B, Hkv, >= start + S, D) with unit stride along D; D a
 // multiple of 16 (at most 256).
+//
+// The (head, row) pairs that share a key-value head are taken together, a tile of TILE positions at a time: the
+// tile is read from memory once (converted to float once) for all of them, not once per head and row, which is what
+// bounds a long context's step. Each pair's arithmetic is still its own and in the same order (its scores position
+// by position, its sum over positions in order), so the bits do not depend on which pairs share a tile.
+// Sixteen dot products' last step: lane l of the result is the sum of a[l]'s lanes, always in the same order (pairs
+// of lanes, then pairs of those, ...), whichever other vectors share the call.
+inline __m512 sum16(const __m512* a) {
+  __m512 s[8], u[4], w[2];
+  for (int m = 0; m < 8; ++m)
+    s[m] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * m], a[2 * m + 1]), _mm512_unpackhi_ps(a[2 * m], a[2 * m + 1]));
+  for (int m = 0; m < 4; ++m) {
+    const __m512d x = _mm512_castps_pd(s[2 * m]), y = _mm512_castps_pd(s[2 * m + 1]);
+    u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int m = 0; m < 2; ++m)
+    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+constexpr int64_t TILE = 64;
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                             int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
@@ -451,51 +474,110 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const int64_t kb = keys.stride(0), kh = keys.stride(1), kt = keys.stride(2);
   const int64_t vb = values.stride(0), vh = values.stride(1), vt = values.stride(2);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const int64_t chunks = D / 16;
-  at::parallel_for(0, B * H * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(start + S + 16);
+  const int64_t chunks = D / 16, per_group = (H / Hkv) * S;  // the (head, row) pairs of one key-value head
+  // each group's pairs split into as many parts as keep every thread busy
+  const int64_t parts = std::min<int64_t>(per_group, (at::get_num_threads() + B * Hkv - 1) / (B * Hkv));
+  const int64_t part_size = (per_group + parts - 1) / parts;
+  at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(part_size * D), acc(part_size * D), tile(TILE * D);
+    std::vector<std::vector<float>> scores(part_size);
+    std::vector<int64_t> firsts(part_size), lasts(part_size), rows_of(part_size), heads_of(part_size);
+    std::vector<float> maxes(part_size), invs(part_size);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t b = job / (H * S), h = (job / S) % H, i = job % S, g = h / (H / Hkv);
-      const int64_t last = start + i + 1, first = window > 0 ? std::max<int64_t>(0, last - window) : 0;
-      const int64_t L = last - first;
-      const uint16_t* qrow = qp + ((b * H + h) * S + i) * D;
-      __m512 qv[16];
-      for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_mul_ps(load_bf16x16(qrow + 16 * c), _mm512_set1_ps(scale));
-      const uint16_t* kbase = kp + b * kb + g * kh + first * kt;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < L; ++t) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; ++c) acc = _mm512_fmadd_ps(qv[c], load_bf16x16(kbase + t * kt + 16 * c), acc);
-        scores[t] = _mm512_reduce_add_ps(acc);
-        mx = std::max(mx, scores[t]);
+      const int64_t b = job / (Hkv * parts), g = (job / parts) % Hkv, part = job % parts;
+      const int64_t p0 = part * part_size, n = std::min(per_group, p0 + part_size) - p0;
+      if (n <= 0) continue;
+      int64_t lo = INT64_MAX, hi = 0;  // the positions any pair of the part sees
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t pair = p0 + j, h = g * (H / Hkv) + pair / S, i = pair % S;
+        heads_of[j] = h, rows_of[j] = i;
+        lasts[j] = start + i + 1;
+        firsts[j] = window > 0 ? std::max<int64_t>(0, lasts[j] - window) : 0;
+        lo = std::min(lo, firsts[j]), hi = std::max(hi, lasts[j]);
+        scores[j].resize(lasts[j] - firsts[j] + 16);
+        const uint16_t* qrow = qp + ((b * H + h) * S + i) * D;
+        for (int64_t c = 0; c < chunks; ++c)
+          _mm512_storeu_ps(&qs[j * D + 16 * c], _mm512_mul_ps(load_bf16x16(qrow + 16 * c), _mm512_set1_ps(scale)));
+        maxes[j] = -INFINITY;
       }
-      __m512 total = _mm512_setzero_ps();
-      int64_t t = 0;
-      for (; t + 16 <= L; t += 16) {
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), _mm512_set1_ps(mx)));
-        _mm512_storeu_ps(&scores[t], e);
-        total = _mm512_add_ps(total, e);
+      const uint16_t* kbase = kp + b * kb + g * kh;
+      const uint16_t* vbase = vp + b * vb + g * vh;
+      for (int64_t t0 = lo; t0 < hi; t0 += TILE) {  // scores, a tile of keys at a time
+        const int64_t t1 = std::min(hi, t0 + TILE), blocks = (t1 - t0 + 15) / 16;
+        for (int64_t t = t0; t < t0 + 16 * blocks; ++t)
+          for (int64_t c = 0; c < chunks; ++c)
+            _mm512_storeu_ps(&tile[(t - t0) * D + 16 * c],
+                             t < t1 ? load_bf16x16(kbase + t * kt + 16 * c) : _mm512_setzero_ps());
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t from = std::max(t0, firsts[j]), to = std::min(t1, lasts[j]);
+          const float* qj = &qs[j * D];
+          float* sj = scores[j].data() - firsts[j];
+          float mx = maxes[j];
+          for (int64_t t = t0 + (from - t0) / 16 * 16; t < to; t += 16) {  // 16 positions' scores at once
+            __m512 a[16];
+            for (int l = 0; l < 16; ++l) a[l] = _mm512_setzero_ps();
+            const float* kt_ = &tile[(t - t0) * D];
+            for (int64_t c = 0; c < chunks; ++c) {
+              const __m512 qc = _mm512_loadu_ps(qj + 16 * c);
+              for (int l = 0; l < 16; ++l) a[l] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kt_ + l * D + 16 * c), a[l]);
+            }
+            float got[16];
+            _mm512_storeu_ps(got, sum16(a));
+            for (int64_t u = std::max(t, from); u < std::min(t + 16, to); ++u) {
+              sj[u] = got[u - t];
+              mx = std::max(mx, sj[u]);
+            }
+          }
+          maxes[j] = mx;
+        }
       }
-      if (t < L) {
-        __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &scores[t]), _mm512_set1_ps(mx)));
-        e = _mm512_maskz_mov_ps(m, e);
-        _mm512_mask_storeu_ps(&scores[t], m, e);
-        total = _mm512_add_ps(total, e);
+      for (int64_t j = 0; j < n; ++j) {  // each pair's weights: exp(score - max), and their sum in order
+        const int64_t L = lasts[j] - firsts[j];
+        float* sj = scores[j].data();
+        const __m512 mx = _mm512_set1_ps(maxes[j]);
+        __m512 total = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= L; t += 16) {
+          __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&sj[t]), mx));
+          _mm512_storeu_ps(&sj[t], e);
+          total = _mm512_add_ps(total, e);
+        }
+        if (t < L) {
+          __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
+          __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sj[t]), mx));
+          e = _mm512_maskz_mov_ps(m, e);
+          _mm512_mask_storeu_ps(&sj[t], m, e);
+          total = _mm512_add_ps(total, e);
+        }
+        invs[j] = 1.0f / _mm512_reduce_add_ps(total);
+        std::fill(&acc[j * D], &acc[j * D] + D, 0.0f);
       }
-      const float inv = 1.0f / _mm512_reduce_add_ps(total);
-      __m512 ov[16];
-      for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_setzero_ps();
-      const uint16_t* vbase = vp + b * vb + g * vh + first * vt;
-      for (int64_t u = 0; u < L; ++u) {
-        __m512 p = _mm512_set1_ps(scores[u]);
-        for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_fmadd_ps(p, load_bf16x16(vbase + u * vt + 16 * c), ov[c]);
+      for (int64_t u0 = lo; u0 < hi; u0 += TILE) {  // the weighted values, a tile at a time, each pair in order
+        const int64_t u1 = std::min(hi, u0 + TILE);
+        for (int64_t u = u0; u < u1; ++u)
+          for (int64_t c = 0; c < chunks; ++c)
+            _mm512_storeu_ps(&tile[(u - u0) * D + 16 * c], load_bf16x16(vbase + u * vt + 16 * c));
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t from = std::max(u0, firsts[j]), to = std::min(u1, lasts[j]);
+          if (from >= to) continue;
+          const float* sj = scores[j].data() - firsts[j];
+          __m512 ov[16];
+          for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_loadu_ps(&acc[j * D + 16 * c]);
+          for (int64_t u = from; u < to; ++u) {
+            const __m512 p = _mm512_set1_ps(sj[u]);
+            const float* vu = &tile[(u - u0) * D];
+            for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vu + 16 * c), ov[c]);
+          }
+          for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(&acc[j * D + 16 * c], ov[c]);
+        }
       }
-      uint16_t* orow = op + ((b * H + h) * S + i) * D;
-      for (int64_t c = 0; c < chunks; ++c) {
-        float tmp[16];
-        _mm512_storeu_ps(tmp, _mm512_mul_ps(ov[c], _mm512_set1_ps(inv)));
-        for (int e = 0; e < 16; ++e) orow[16 * c + e] = float_to_bf16(tmp[e]);
+      for (int64_t j = 0; j < n; ++j) {
+        uint16_t* orow = op + ((b * H + heads_of[j]) * S + rows_of[j]) * D;
+        for (int64_t c = 0; c < chunks; ++c) {
+          float tmp[16];
+          _mm512_storeu_ps(tmp, _mm512_mul_ps(_mm512_loadu_ps(&acc[j * D + 16 * c]), _mm512_set1_ps(invs[j])));
+          for (int e = 0; e < 16; ++e) orow[16 * c + e] = float_to_bf16(tmp[e]);
+        }
       }
     }
   });

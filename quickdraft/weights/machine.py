@@ -22,7 +22,7 @@ import torch
 from quickdraft.quant import calibrate, vnni
 from quickdraft.quant.calibrate import ROWS
 
-VERSION = 1
+VERSION = 2
 MARGIN = 0.10  # int4 must be predicted this much faster than mixed, whose quality is the file's own (KL from bf16 0.011
 #                against int4's 0.028 on the default target: docs/performance.md)
 TOKENS_PER_ROUND = 2.5  # a verification of 5 rows emits about this many tokens (what its cost is shared by)

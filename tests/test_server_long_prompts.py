@@ -15,7 +15,7 @@ from tests.server_process import metric
 
 MODEL = "smollm2-135m"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
-LONG = SENTENCE * 300  # about 5,500 tokens
+LONG = SENTENCE * 110  # about 2,000 tokens: 32 chunks of 64
 pytestmark = pytest.mark.slow
 
 
@@ -39,7 +39,7 @@ def first_token_at(server, prompt: str, out: dict, key: str) -> None:
 @pytest.fixture(scope="module")
 def server(real_model_path):
     real_model_path(MODEL)
-    with ServerProcess("-m", MODEL, "--draft", "none", "--ctx", "8192", startup_timeout=300) as s:
+    with ServerProcess("-m", MODEL, "--draft", "none", "--ctx", "4096", startup_timeout=300) as s:
         yield s
 
 
@@ -60,7 +60,7 @@ def test_a_short_request_behind_a_long_prompt_is_answered_first(server):
 
 def test_a_client_that_leaves_during_a_prefill_stops_it_at_the_next_chunk(server):
     """A request whose client goes away half a second into a long prefill ends at the next step: the engine runs
-    a few more passes, not the rest of the prefill (about 90 chunks of 64 rows)."""
+    a few more passes, not the rest of the prefill (32 chunks of 64 rows)."""
     headers = {}
     passes = lambda: metric(server.url, headers, "quickdraft_batch_rows_count")  # noqa: E731
     before = passes()
@@ -74,21 +74,21 @@ def test_a_client_that_leaves_during_a_prefill_stops_it_at_the_next_chunk(server
         time.sleep(0.05)
     ran = passes() - before
     assert metric(server.url, headers, "quickdraft_num_requests_running") == 0
-    assert ran < 45, f"{ran} passes ran for a request whose client left after 0.5 s"
+    assert ran < 16, f"{ran} passes ran for a request whose client left after 0.5 s"
 
 
 def test_conversations_keep_their_prefixes_in_the_memory_two_whole_contexts_took(real_model_path):
-    """--cache-ram the size of two 8k-token caches held two kept sequences; caches that take memory as they fill
-    hold the eight 1,500-token conversations of three clients, and every second turn reuses its first."""
+    """--cache-ram the size of two 4k-token caches held two kept sequences; caches that take memory as they fill
+    hold the eight 550-token conversations of three clients, and every second turn reuses its first."""
     real_model_path(MODEL)
-    with ServerProcess("-m", MODEL, "--draft", "none", "--ctx", "8192", "--cache-ram", "380M", "--parallel", "3",
+    with ServerProcess("-m", MODEL, "--draft", "none", "--ctx", "4096", "--cache-ram", "190M", "--parallel", "3",
                        startup_timeout=300) as server:
         assert any(line.startswith("cache: ") for line in server.printed)
         turns: dict = {}
 
         def client(conversations: list[int]) -> None:
             for c in conversations:
-                prompt = f"Conversation {c}. " + SENTENCE * 90
+                prompt = f"Conversation {c}. " + SENTENCE * 30
                 first = complete(server, prompt, 8)
                 turns[c] = (prompt + first["choices"][0]["text"], first["usage"]["prompt_tokens"])
             for c in conversations:

@@ -500,8 +500,8 @@ def cmd_serve(args) -> int:
               f"{args.parallel} (--parallel); lower --ctx to fit more", file=sys.stderr)
     print(f"quickdraft: serving {model_id} (draft: {engine.drafter_name}, context {engine.context}, {parallel} "
           f"request{'s' if parallel > 1 else ''} in parallel) at {url}/v1", flush=True)
-    print(f"cache: {worker.llm.cache_summary()}", flush=True)
     print(f"chat page: {url}/", flush=True)
+    print(f"cache: {worker.llm.cache_summary()}", flush=True)
     auth = ' -H "Authorization: Bearer $QUICKDRAFT_API_KEY"' if api_key else ""  # the key itself is never printed
     print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           """-d '{"messages": [{"role": "user", "content": "Write hello world in C"}], "max_tokens": 64}'""",

@@ -293,3 +293,42 @@ def test_a_drafter_is_started_only_where_its_catch_up_pays_back():
     for horizon, started in ((short, False), (long, True), (None, True)):
         plan = policies.BatchPlan(policy, 1, 1, 64)  # (a sequence of a batch, stepped alone this time)
         assert (plan.k_for(0, policy.cfg, 16, lag=lambda source: lag, horizon=horizon)("draft") > 0) == started
+
+
+def test_a_verification_timed_on_a_short_prompt_is_moved_to_a_long_ones_length():
+    """A row's attention grows with the positions it reads: plain steps at two lengths far apart give what a position
+    costs a row, and a verification of k + 1 rows timed on a short prompt is counted at the long one as k + 1 rows
+    reading the longer context. The draft that paid on the short prompt (60% accepted; t_plain 1, k = 4 verified in 1.2) is
+    predicted to lose at 10,000 positions, where a plain step costs 3 (each row 2 more), and is not started there."""
+    policy = trained(acceptance=0.6, verify_slope=0.05, draft_cost=0.05)
+    policy.position = 100
+    for _ in range(6):
+        policy.record_plain(1.0)
+    assert policy.k_for("draft") > 0 and policy.per_position() == 0.0  # only short prompts seen: nothing to move
+    short_verify = policy.verify_seconds(4)
+    policy.position = 10_100
+    for _ in range(6):
+        policy.record_plain(3.0)  # a plain step there: its one row reads 10,000 more positions
+    assert policy.per_position() == pytest.approx(2.0 / 10_000, rel=0.02)
+    assert policy.plain_seconds() == pytest.approx(3.0, rel=0.02)
+    assert policy.verify_seconds(4) == pytest.approx(short_verify + 5 * 2.0, rel=0.02)
+    assert all(policy.predicted_rate("draft", k) < policy.predicted_rate("draft", 0) for k in range(1, 7))
+    assert policy.k_for("draft", lag=1000, horizon=128) == 0  # its catch-up is not started
+    policy.position = 0  # back to where the verifications were timed: their timings stand
+    assert policy.verify_seconds(4) == pytest.approx(short_verify, rel=0.01)
+
+
+def test_a_probe_that_would_start_a_drafter_on_a_long_prompt_is_weighed_as_a_start():
+    """Where plain decoding wins, a probe drafts a few tokens now and then to measure acceptance again; one whose
+    drafter must first take in its window of a long prompt (seconds) is a start, weighed as one: not taken where
+    it cannot pay back (a draft model that loses here), taken where its drafter has little to take in."""
+    def losing():
+        policy = trained(acceptance=0.2, verify_slope=0.3, draft_cost=0.3)
+        for _ in range(3):
+            policy.record_catch_up("draft", 100, 100 * 0.02)
+        for _ in range(40):  # plain steps: a probe is due
+            policy.record_plain(1.0)
+        return policy
+
+    assert losing().k_for("draft", lag=3, horizon=128) > 0  # a probe
+    assert losing().k_for("draft", lag=1000, horizon=128) == 0  # a start that cannot pay back

@@ -248,6 +248,8 @@ class Engine:
         keep their steps at least half as fast as without (policy.prefill_rows, from measured pass costs). A sequence
         whose drafting fails (its drafter, its constraint) is failed and left out of the pass."""
         alone = len(sequences) == 1
+        if alone:  # the length its step's choice and timings are for (policy.per_position moves timings by it)
+            self.policy.position = len(sequences[0].tokens)
         decoding = [s for s in sequences if not s.prefilling]
         prefilling = [s for s in sequences if s.prefilling]
         batch = None if alone else BatchPlan(self.policy, len(decoding) + bool(prefilling), len(decoding),

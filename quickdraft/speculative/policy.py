@@ -68,6 +68,12 @@ TREE_PROBE = 32
 # PREFILL_MIN rows: the prompt goes on, the streams keep half their speed or more.
 SLOWDOWN = 2.0
 PREFILL_MIN = 4
+# A row's attention costs in proportion to the positions it reads: a timing taken at one length of the sequence is
+# moved to another by rows x (the seconds a position adds to a row) x (the difference), that cost learned from plain
+# steps taken SPREAD positions apart or more (PLACES of them kept). A verification of k + 1 rows timed on a short
+# prompt would otherwise be taken for one on a 10,000-token prompt, where each of its rows reads 10,000 positions.
+SPREAD = 512
+PLACES = 256
 
 
 class AdaptivePolicy:
@@ -82,6 +88,11 @@ class AdaptivePolicy:
         self.t_catch_up: dict[str, float] = {}
         self.t_feed: dict[str, float] = {}  # source -> seconds per token of a catch-up pass (a drafter taking in tokens)
         self.samples: dict = {}  # timing key -> its last samples (WINDOW of them; PLAIN_WINDOW for "plain")
+        self.places: dict = {}  # timing key -> the sequence's length at each of those samples
+        self.place: dict = {}  # timing key -> the mean of those lengths
+        self.position = 0  # the length of the sequence the next choice and timings are for (the engine sets it)
+        self.plain_at: deque = deque(maxlen=PLACES)  # (length, seconds) of plain steps, across generations
+        self.t_position = 0.0  # seconds a position adds to a row (per_position), learned from plain_at
         self.resuming: set = set()  # sources that plain decoding was chosen over: their next round is a switch
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
         self.accepted: dict[str, list[float]] = {}
@@ -124,12 +135,43 @@ class AdaptivePolicy:
             return None
         window = self.samples.setdefault(key, deque(maxlen=PLAIN_WINDOW if key == "plain" else WINDOW))
         window.append(seconds)
+        places = self.places.setdefault(key, deque(maxlen=window.maxlen))
+        places.append(self.position)
+        self.place[key] = statistics.fmean(places)
         return statistics.median(window)
+
+    def per_position(self) -> float:
+        """Seconds a position of the sequence adds to a row's pass (its attention reading it): the slope between the
+        plain steps taken at the shortest and the longest lengths seen, where they lie SPREAD apart; else 0."""
+        return self.t_position
+
+    def _slope(self) -> float:
+        if len(self.plain_at) < 6:
+            return 0.0
+        seen = sorted(self.plain_at)
+        third = len(seen) // 3
+        low, high = seen[:third], seen[-third:]
+        apart = statistics.fmean(n for n, _ in high) - statistics.fmean(n for n, _ in low)
+        if apart < SPREAD:
+            return 0.0
+        return max(0.0, (statistics.median(t for _, t in high) - statistics.median(t for _, t in low)) / apart)
+
+    def _moved(self, key, rows: int, seconds: float) -> float:
+        """A timing of `rows` rows, taken at the lengths its samples were, moved to the sequence's length now."""
+        if key not in self.place or not self.t_position:
+            return seconds
+        return max(seconds + rows * self.t_position * (self.position - self.place[key]), 1e-9)
+
+    def plain_seconds(self) -> float | None:
+        """A plain step at the sequence's length now: t_plain, moved there."""
+        return None if self.t_plain is None else self._moved("plain", 1, self.t_plain)
 
     def record_plain(self, seconds: float) -> None:
         t = self._timed("plain", seconds)
         if t is not None:
             self.t_plain = t
+            self.plain_at.append((self.position, seconds))
+            self.t_position = self._slope()
         self.plain_since_round += 1
         self.rounds_since_plain = 0
 
@@ -171,7 +213,7 @@ class AdaptivePolicy:
         per_token = self.feed_seconds(source)
         if lag <= CATCH_UP_FREE or horizon is None or per_token is None or not self.t_plain or k < 1:
             return True
-        saving = horizon * (self.t_plain - 1.0 / self.predicted_rate(source, k))
+        saving = horizon * (self.plain_seconds() - 1.0 / self.predicted_rate(source, k))
         return saving > START_MARGIN * lag * per_token
 
     def _unit(self, source: str, draft_s: float, drafted: int) -> float:
@@ -250,10 +292,11 @@ class AdaptivePolicy:
         """A tree pass of `rows` drafted rows: measured, else the nearest measured tree's scaled by the chain's
         verification cost between the two row counts, else a chain pass's of as many rows."""
         if rows in self.t_tree:
-            return self.t_tree[rows]
+            return self._moved(("tree", rows), rows + 1, self.t_tree[rows])
         if self.t_tree:
             near = min(self.t_tree, key=lambda n: abs(n - rows))
-            return self.t_tree[near] * self.verify_seconds(rows) / max(self.verify_seconds(near), 1e-9)
+            return (self._moved(("tree", near), near + 1, self.t_tree[near]) * self.verify_seconds(rows)
+                    / max(self.verify_seconds(near), 1e-9))
         return self.verify_seconds(rows)
 
     def _record_acceptance(self, source: str, drafted: int, accepted: int) -> None:
@@ -271,10 +314,12 @@ class AdaptivePolicy:
         return speed.expected_length(self.acceptance(source, k))
 
     def verify_seconds(self, k: int) -> float:
-        """Measured t_verify(k), else interpolated linearly between measured k (t_plain at k = 0)."""
+        """Measured t_verify(k), else interpolated linearly between measured k (t_plain at k = 0), at the sequence's
+        length now (_moved)."""
         if k in self.t_verify:
-            return self.t_verify[k]
-        points = sorted({0: self.t_plain, **self.t_verify}.items())
+            return self._moved(("verify", k), k + 1, self.t_verify[k])
+        moved = {n: self._moved(("verify", n), n + 1, t) for n, t in self.t_verify.items()}
+        points = sorted({0: self.plain_seconds(), **moved}.items())
         below = [p for p in points if p[0] < k]
         above = [p for p in points if p[0] > k]
         if below and above:
@@ -285,12 +330,12 @@ class AdaptivePolicy:
             (ka, ta) = below[-2]
             slope = max((t0 - ta) / (k0 - ka), 0.0)
         else:
-            slope = 0.1 * self.t_plain  # prior before two points exist: each extra token costs 10% of a step
+            slope = 0.1 * self.plain_seconds()  # prior before two points exist: each extra token costs 10% of a step
         return t0 + slope * (k - k0)
 
     def predicted_rate(self, source: str, k: int) -> float:
         if k == 0:
-            return 1.0 / self.t_plain
+            return 1.0 / self.plain_seconds()
         return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.draft_seconds(source, k) / k,
                           self.t_catch_up.get(source, 0.0))
 
@@ -383,6 +428,8 @@ class AdaptivePolicy:
             if self.plain_since_round < wait:
                 return 0
             self.probe_after[source] = min(2 * wait, max(PROBE_MAX, cfg.probe_every))  # next time, wait longer
+            if lag >= START and not self.pays_back(source, min(best, PROBE_SHORT), lag, horizon):
+                return 0  # a probe that must first take in a window of the prompt: a start, not a probe's cost
             return min(best, PROBE_SHORT)
         if cfg.draft_min == 0 and not self.pays_back(source, best, lag, horizon):
             return 0  # its catch-up would cost more than it saves: not started (another source may draft)

@@ -320,8 +320,8 @@ def test_a_verification_timed_on_a_short_prompt_is_moved_to_a_long_ones_length()
 
 def test_a_probe_that_would_start_a_drafter_on_a_long_prompt_is_weighed_as_a_start():
     """Where plain decoding wins, a probe drafts a few tokens now and then to measure acceptance again; one whose
-    drafter must first take in its window of a long prompt (seconds) is a start, weighed as one: not taken where
-    it cannot pay back (a draft model that loses here), taken where its drafter has little to take in."""
+    drafter must first take in its window of a long prompt (here 20 plain steps' worth) is not taken, one whose
+    drafter has little to take in (a short prompt: 2 plain steps' worth, or a few tokens) is."""
     def losing():
         policy = trained(acceptance=0.2, verify_slope=0.3, draft_cost=0.3)
         for _ in range(3):
@@ -331,4 +331,5 @@ def test_a_probe_that_would_start_a_drafter_on_a_long_prompt_is_weighed_as_a_sta
         return policy
 
     assert losing().k_for("draft", lag=3, horizon=128) > 0  # a probe
-    assert losing().k_for("draft", lag=1000, horizon=128) == 0  # a start that cannot pay back
+    assert losing().k_for("draft", lag=100, horizon=128) > 0  # its catch-up costs 2 plain steps: still a probe
+    assert losing().k_for("draft", lag=1000, horizon=128) == 0  # 20 plain steps: not a probe's cost

@@ -59,6 +59,9 @@ FEED_MIN = 16
 CATCH_UP_FREE = 2
 START_MARGIN = 2.0
 START = 64
+# A probe (a few drafts while plain decoding wins, to measure acceptance again) is not taken where its drafter must
+# first take in more than this many plain steps' worth of tokens (a draft model's window of a long prompt: seconds).
+PROBE_CATCH_UP = 4.0
 # Tree verification: the alternatives' kept share decays by this weight per tree round; while chains win, a tree is
 # tried again after TREE_PROBE chain rounds.
 TREE_EMA = 0.1
@@ -428,8 +431,8 @@ class AdaptivePolicy:
             if self.plain_since_round < wait:
                 return 0
             self.probe_after[source] = min(2 * wait, max(PROBE_MAX, cfg.probe_every))  # next time, wait longer
-            if lag >= START and not self.pays_back(source, min(best, PROBE_SHORT), lag, horizon):
-                return 0  # a probe that must first take in a window of the prompt: a start, not a probe's cost
+            if lag >= START and lag * (self.feed_seconds(source) or 0.0) > PROBE_CATCH_UP * self.plain_seconds():
+                return 0  # a probe that must first take in a window of a long prompt: seconds, not a probe's cost
             return min(best, PROBE_SHORT)
         if cfg.draft_min == 0 and not self.pays_back(source, best, lag, horizon):
             return 0  # its catch-up would cost more than it saves: not started (another source may draft)

@@ -2,7 +2,7 @@
 
 Starts `quickdraft serve` (default: SmolLM2-135M with itself as the draft, --ctx 16384, the attack run's setup), then
 `--tries` times: a ~6,000-token prompt is sent, and `--after` seconds into its prefill a short streamed request; prints
-the short request's time to first token (median, p90) and the long one's. Then `--tries` times: a client sends the long
+the short request's time to first token (median, p90); the long request then leaves. Then `--tries` times: a client sends the long
 prompt and leaves after `--after` seconds; prints how long the engine stays busy after it left (median, p90).
 
     .venv/bin/python scripts/bench_long_prompt.py --tries 10
@@ -37,6 +37,26 @@ def first_token(url: str, prompt: str, out: dict, key: str) -> None:
                 return
 
 
+def hold(url: str, prompt: str, held: dict) -> None:
+    """A streamed request of prompt, held open until held["response"] is closed."""
+    body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True, "cache_prompt": False}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
+            held["response"] = r
+            for _ in r.iter_lines():
+                pass
+    except (httpx.HTTPError, RuntimeError):  # closed under it: the client left
+        pass
+
+
+def wait_idle(url: str, limit: float = 120) -> float:
+    """Seconds until the server runs no request."""
+    t0 = time.perf_counter()
+    while running(url) > 0 and time.perf_counter() - t0 < limit:
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
 def p90(xs: list[float]) -> float:
     return sorted(xs)[max(0, -(-9 * len(xs) // 10) - 1)]
 
@@ -55,24 +75,25 @@ def main() -> int:
         url = server.url
         tokens = httpx.post(url + "/v1/completions", json={"prompt": SENTENCE * args.repeat, "max_tokens": 1},
                             timeout=900).json()["usage"]["prompt_tokens"]
-        short, long = [], []
+        short = []
         for i in range(args.tries):
             times: dict = {}
+            held: dict = {}
             prompt = f"Try {i}. " + SENTENCE * args.repeat  # a prompt no slot holds
-            t0 = time.perf_counter()
-            t = threading.Thread(target=first_token, args=(url, prompt, times, "long"))
+            t = threading.Thread(target=hold, args=(url, prompt, held), daemon=True)
             t.start()
             time.sleep(args.after)
             sent = time.perf_counter()
             first_token(url, "Say hello.", times, "short")
-            t.join()
             short.append(times["short"] - sent)
-            long.append(times["long"] - t0)
-            print(f"try {i}: short request's first token {short[-1]:.2f} s after it was sent; the long prompt's "
-                  f"{long[-1]:.1f} s after it was", flush=True)
+            while "response" not in held:  # (its headers come before its prefill)
+                time.sleep(0.01)
+            held["response"].close()  # the long request leaves (its prefill stops at the next chunk)
+            t.join()
+            wait_idle(url)
+            print(f"try {i}: the short request's first token {short[-1]:.2f} s after it was sent", flush=True)
         print(f"\n{tokens}-token prompt prefilling, a short request sent {args.after:.0f} s into it: first token "
-              f"median {statistics.median(short):.2f} s, p90 {p90(short):.2f} s; the long prompt's own first token "
-              f"median {statistics.median(long):.1f} s")
+              f"median {statistics.median(short):.2f} s, p90 {p90(short):.2f} s")
         busy = []
         for i in range(args.tries):
             body = {"prompt": f"Leave {i}. " + SENTENCE * args.repeat, "max_tokens": 4, "cache_prompt": False}
@@ -80,10 +101,7 @@ def main() -> int:
                 httpx.post(url + "/v1/completions", json=body, timeout=args.after)
             except httpx.TimeoutException:
                 pass  # the client is gone
-            left = time.perf_counter()
-            while running(url) > 0 and time.perf_counter() - left < 120:
-                time.sleep(0.02)
-            busy.append(time.perf_counter() - left)
+            busy.append(wait_idle(url))
         print(f"a client that leaves {args.after:.0f} s into the prefill: the engine free "
               f"{statistics.median(busy):.2f} s later (median), p90 {p90(busy):.2f} s")
     return 0

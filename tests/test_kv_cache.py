@@ -38,3 +38,28 @@ def test_cache_is_preallocated_and_written_in_place():
     k_storage = cache.k[0].data_ptr()
     keys, _ = cache.write(0, torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4))
     assert keys.shape == (1, 1, 3, 4) and cache.k[0].data_ptr() == k_storage
+
+
+def test_a_budget_counts_what_a_slot_holds_once_and_drops_the_least_recently_used():
+    """Slots under a byte budget (serve --cache-ram on the CPU): a slot taken for a new prompt no longer than what it
+    held takes no more memory, so no other conversation is dropped for it (it was counted twice); one that grows past
+    the budget drops the least recently used idle conversation, never a running one."""
+    from quickdraft.runtime.slots import Slot, Slots
+
+    def make():
+        return Slot(KVCache([(1, 4, 0), (1, 4, 1)], 256), None)
+
+    per = make().cache.position_bytes()
+    slots = Slots(make, 2, budget=250 * per)
+
+    def run(prompt):  # a generation: the prompt's keys and values written, the slot released
+        slot, _ = slots.take(prompt)
+        slot.cache.length, slot.tokens, slot.busy = len(prompt), list(prompt), False
+        return slot
+
+    a, b = run(list(range(100))), run(list(range(1000, 1100)))
+    assert slots.used_bytes() == 200 * per
+    c = run(list(range(2000, 2100)))  # a third conversation in a's slot: as many positions as a held
+    assert c is a and b.tokens and slots.dropped == 0
+    d = run(list(range(3000, 3200)))  # b's slot, 100 positions more: over the budget, so c (idle) is dropped
+    assert d is b and not c.tokens and slots.dropped == 1 and slots.used_bytes() <= 250 * per

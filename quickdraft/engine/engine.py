@@ -248,8 +248,6 @@ class Engine:
         keep their steps at least half as fast as without (policy.prefill_rows, from measured pass costs). A sequence
         whose drafting fails (its drafter, its constraint) is failed and left out of the pass."""
         alone = len(sequences) == 1
-        if alone:  # the length its step's choice and timings are for (policy.per_position moves timings by it)
-            self.policy.position = len(sequences[0].tokens)
         decoding = [s for s in sequences if not s.prefilling]
         prefilling = [s for s in sequences if s.prefilling]
         batch = None if alone else BatchPlan(self.policy, len(decoding) + bool(prefilling), len(decoding),
@@ -258,6 +256,7 @@ class Engine:
         failed = []
         for i, s in enumerate(decoding):
             try:
+                self.policy.position = len(s.tokens)  # the length its choice (alone: and timings) is for
                 feeds[s] = self._rows(s, i, batch)
             except Exception as e:  # noqa: BLE001 -- its drafter or constraint: that sequence fails
                 failed.append((s, self.fail(s, e)))

@@ -151,7 +151,9 @@ class KVCache:
         it is first written), on a GPU all of it."""
         if not self.lazy:
             return self.nbytes()
-        return max(self.high, self.zeroed) * self.position_bytes() + sum(s.nbytes() for s in self.recurrent)
+        keys = sum(t[:, :, :1].numel() * t.element_size() for t in self.tensors())
+        kept = sum(t.numel() * t.element_size() for t in (self.hidden, self.features) if t is not None)  # (whole)
+        return max(self.high, self.zeroed) * keys + kept + sum(s.nbytes() for s in self.recurrent)
 
     def release(self) -> None:
         """Forget everything and give its keys' and values' memory back (on the CPU: taken again as it fills)."""

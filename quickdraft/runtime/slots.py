@@ -178,16 +178,17 @@ class Slots:
 
     def _taken(self, slot: Slot, n: int, prompt: list[int]) -> tuple[Slot, int]:
         slot.used, slot.prompt_n, slot.busy = next(self.clock), len(prompt), True
-        self._fit(slot, len(prompt) - n)
+        self._fit(slot, max(0, len(prompt) - max(slot.cache.high, slot.cache.zeroed)))
         return slot, n
 
     def _fit(self, taken: Slot, new: int) -> None:
-        """Within the budget once the taken slot holds `new` more positions: drop the least recently used idle
-        conversations until it is (what running ones hold is theirs)."""
+        """Within the budget once the taken slot holds `new` positions beyond what it held before: drop the least
+        recently used idle slots holding memory until it is (what running ones hold is theirs)."""
         if self.budget is None:
             return
         need = self.used_bytes() + new * taken.cache.position_bytes()
-        for victim in sorted((s for s in self.slots if not s.busy and s.tokens), key=lambda s: s.used):
+        holding = (s for s in self.slots if not s.busy and (s.tokens or s.cache.high or s.cache.zeroed))
+        for victim in sorted(holding, key=lambda s: s.used):
             if need <= self.budget:
                 break
             before = victim.used_bytes()

@@ -77,6 +77,7 @@ PREFILL_MIN = 4
 # prompt would otherwise be taken for one on a 10,000-token prompt, where each of its rows reads 10,000 positions.
 SPREAD = 512
 PLACES = 256
+MOVED_MIN = 0.25
 
 
 class AdaptivePolicy:
@@ -163,7 +164,8 @@ class AdaptivePolicy:
         """A timing of `rows` rows, taken at the lengths its samples were, moved to the sequence's length now."""
         if key not in self.place or not self.t_position:
             return seconds
-        return max(seconds + rows * self.t_position * (self.position - self.place[key]), 1e-9)
+        # at least MOVED_MIN of what was measured: moved far down, a slope learned from noisy steps could reach 0
+        return max(seconds + rows * self.t_position * (self.position - self.place[key]), MOVED_MIN * seconds)
 
     def plain_seconds(self) -> float | None:
         """A plain step at the sequence's length now: t_plain, moved there."""

@@ -254,3 +254,21 @@ def test_a_short_prompt_behind_a_long_one_is_prefilled_first_and_a_prefill_besid
     for s, prompt in ((long, long_prompt), (short, short_prompt)):
         tokens = [e.token for e in got[id(s)] if e.token is not None]
         assert tokens == [e.token for e in Engine(target, CTX).generate(prompt, params) if e.token is not None]
+
+
+def test_a_long_prompt_passed_over_for_shorter_ones_goes_first_after_a_few_steps(pair):
+    """Shortest first, but not for ever: short prompts that fill a step's rows every step would hold a long one back
+    indefinitely; one passed over STARVED steps in a row is prefilled before them."""
+    from quickdraft.engine.engine import STARVED
+
+    target, _ = pair
+    enc = target.tokenizer.encode
+    engine = Engine(target, CTX, None, SpeculationConfig(draft_max=0), slots=STARVED + 3)
+    params = SamplingParams(max_tokens=4, stop_at_eos=False)
+    long = engine.start(enc("a long prompt, " * 14), params)
+    for step in range(STARVED + 1):
+        short = engine.start(enc("short " * 40)[:engine.max_rows], params)  # as many rows as a step has
+        planned = engine.plan([long, short])
+        assert (long in planned.sequences) == (step == STARVED), step
+        assert planned.sequences[0] is (long if step == STARVED else short)
+        engine.release(short)

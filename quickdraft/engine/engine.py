@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the engine runs whatever model it is given; it does not loa
 
 # What a step hands over for a sequence: an Event, or the exception the sequence failed with (its last)
 Item = Event | Exception
+STARVED = 4  # a prompt passed over this many steps in a row is prefilled before shorter ones
 
 
 def draft_budget(max_tokens: int, generated: int, room: int) -> int:
@@ -264,12 +265,16 @@ class Engine:
         room = self.max_rows - taken
         if feeds:  # beside decoding sequences: the prefill's share of the pass
             room = min(room, self.policy.prefill_rows(taken, self.max_rows))
-        for s in sorted(prefilling, key=lambda s: len(s.prompt) - s.prefilled):
+        # the shortest first, but a prompt passed over STARVED steps in a row before any (short prompts arriving
+        # every step would hold a long one back for ever)
+        for s in sorted(prefilling, key=lambda s: (s.waited < STARVED, len(s.prompt) - s.prefilled)):
             n = min(room, len(s.prompt) - s.prefilled)
             if n <= 0:
                 break
             feeds[s] = torch.tensor(s.prompt[s.prefilled:s.prefilled + n], device=self.target.device)
             room -= n
+        for s in prefilling:
+            s.waited = 0 if s in feeds else s.waited + 1
         order = [s for s in sequences if s in feeds]
         return Pass(order, [feeds[s] for s in order], [s.prefilling for s in order], alone, failed)
 

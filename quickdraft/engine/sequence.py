@@ -89,6 +89,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)  # the current step's tokens not yet taken into tokens
     started: float = 0.0  # when it was started (perf_counter): its TTFT counts from here
     prefilled: int = 0  # of the prompt, the tokens its cache holds
+    waited: int = 0  # steps in a row its prefill got no rows (the shortest went first): STARVED of them go first
     steps: int = 0  # the number of the next step (0: the prefill; Event.step)
     first: float | None = None  # when its first token was chosen
     drafting: bool = False  # its drafter has taken in the prompt (after the first token)

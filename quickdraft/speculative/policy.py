@@ -75,7 +75,7 @@ PREFILL_MIN = 4
 # moved to another by rows x (the seconds a position adds to a row) x (the difference), that cost learned from plain
 # steps taken SPREAD positions apart or more (PLACES of them kept). A verification of k + 1 rows timed on a short
 # prompt would otherwise be taken for one on a 10,000-token prompt, where each of its rows reads 10,000 positions.
-SPREAD = 512
+SPREAD = 2048
 PLACES = 256
 MOVED_MIN = 0.25
 

@@ -141,24 +141,32 @@ class KVCache:
         self._length = value
         self.high = max(self.high, value)
 
+    @property
+    def held(self) -> int:
+        """Positions whose memory it holds: the most it has held, or zeroed ahead of a masked pass."""
+        return max(self.high, self.zeroed)
+
+    def _key_bytes(self) -> int:
+        """Bytes of one position's keys and values."""
+        return sum(t[:, :, :1].numel() * t.element_size() for t in self.tensors())
+
     def position_bytes(self) -> int:
         """Bytes of the keys and values (and kept hidden states) of one position."""
-        per = sum(t[:, :, :1].numel() * t.element_size() for t in self.tensors())
-        return per + sum(t[:1].numel() * t.element_size() for t in (self.hidden, self.features) if t is not None)
+        kept = sum(t[:1].numel() * t.element_size() for t in (self.hidden, self.features) if t is not None)
+        return self._key_bytes() + kept
 
     def used_bytes(self) -> int:
         """The memory it takes now: on the CPU what the positions it has held take (the system hands memory out as
         it is first written), on a GPU all of it."""
         if not self.lazy:
             return self.nbytes()
-        keys = sum(t[:, :, :1].numel() * t.element_size() for t in self.tensors())
         kept = sum(t.numel() * t.element_size() for t in (self.hidden, self.features) if t is not None)  # (whole)
-        return max(self.high, self.zeroed) * keys + kept + sum(s.nbytes() for s in self.recurrent)
+        return self.held * self._key_bytes() + kept + sum(s.nbytes() for s in self.recurrent)
 
     def release(self) -> None:
         """Forget everything and give its keys' and values' memory back (on the CPU: taken again as it fills)."""
         self.reset()
-        if self.lazy and max(self.high, self.zeroed):
+        if self.lazy and self.held:
             self._allocate()
         self.high = 0
 

@@ -14,9 +14,10 @@ generation, and a prompt that leaves a slot between them restarts from the last 
 Slots are made when first needed, up to `count`; one whose conversation ends is reused for the next (least recently
 used first). With a memory budget (--cache-ram), what bounds them is the memory their positions take (on the CPU a
 cache takes memory as it fills: KVCache.used_bytes): a new prompt that would take the slots past it drops the least
-recently used conversations other than the one it continues, their memory given back. Taking a slot for a prompt that shares only its beginning (an agent's sub-agent, a second conversation
-under the same system prompt) would cut the slot's own conversation: while another slot is free or older, the
-common prefix is copied there instead (a copy of keys and values, far cheaper than prefilling them).
+recently used conversations other than the one it continues, their memory given back. Taking a slot for a prompt
+that shares only its beginning (an agent's sub-agent, a second conversation under the same system prompt) would cut the
+slot's own conversation: while another slot is free or older, the common prefix is copied there instead (a copy of keys
+and values, far cheaper than prefilling them).
 """
 
 from __future__ import annotations
@@ -113,15 +114,16 @@ class Slot:
 
     def nbytes(self) -> int:
         """Its memory if every position of its context were taken."""
-        return self.cache.nbytes() + self._kept() + (self.drafter.cache_bytes() if self.drafter is not None else 0)
+        return self.cache.nbytes() + self._besides()
 
     def used_bytes(self) -> int:
         """The memory it takes now (KVCache.used_bytes; a draft's cache is its window's, or counted whole)."""
-        return self.cache.used_bytes() + self._kept() + (self.drafter.cache_bytes() if self.drafter is not None
-                                                         else 0)
+        return self.cache.used_bytes() + self._besides()
 
-    def _kept(self) -> int:
-        return sum(t.numel() * t.element_size() for states in self.checkpoints.values() for s in states for t in s)
+    def _besides(self) -> int:
+        """Its checkpoints' and its drafter's memory."""
+        kept = sum(t.numel() * t.element_size() for states in self.checkpoints.values() for s in states for t in s)
+        return kept + (self.drafter.cache_bytes() if self.drafter is not None else 0)
 
     def drop(self) -> None:
         """Forget its conversation and give its memory back (a budget's least recently used)."""
@@ -178,7 +180,7 @@ class Slots:
 
     def _taken(self, slot: Slot, n: int, prompt: list[int]) -> tuple[Slot, int]:
         slot.used, slot.prompt_n, slot.busy = next(self.clock), len(prompt), True
-        self._fit(slot, max(0, len(prompt) - max(slot.cache.high, slot.cache.zeroed)))
+        self._fit(slot, max(0, len(prompt) - slot.cache.held))
         return slot, n
 
     def _fit(self, taken: Slot, new: int) -> None:
@@ -187,7 +189,7 @@ class Slots:
         if self.budget is None:
             return
         need = self.used_bytes() + new * taken.cache.position_bytes()
-        holding = (s for s in self.slots if not s.busy and (s.tokens or s.cache.high or s.cache.zeroed))
+        holding = (s for s in self.slots if not s.busy and (s.tokens or s.cache.held))
         for victim in sorted(holding, key=lambda s: s.used):
             if need <= self.budget:
                 break

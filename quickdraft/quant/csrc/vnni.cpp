@@ -478,8 +478,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
   const int64_t chunks = D / 16, per_group = (H / Hkv) * S;  // the (head, row) pairs of one key-value head
   // each group's pairs split into as many parts as keep every thread busy, and at most PAIRS_MAX pairs a part (their
   // scores are a part's scratch: PAIRS_MAX x the positions, in float)
-  const int64_t parts = std::min<int64_t>(per_group, std::max<int64_t>((at::get_num_threads() + B * Hkv - 1) / (B * Hkv),
-                                                                       (per_group + PAIRS_MAX - 1) / PAIRS_MAX));
+  const int64_t for_threads = (at::get_num_threads() + B * Hkv - 1) / (B * Hkv);
+  const int64_t for_scratch = (per_group + PAIRS_MAX - 1) / PAIRS_MAX;
+  const int64_t parts = std::min<int64_t>(per_group, std::max<int64_t>(for_threads, for_scratch));
   const int64_t part_size = (per_group + parts - 1) / parts;
   at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(part_size * D), acc(part_size * D), tile(TILE * D);

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -50,30 +49,32 @@ def main() -> int:
     if args.sample:
         print(json.dumps(sample()))
         return 0
-    from quickdraft.tools.runs import machine  # (not at the top: a sample runs an old checkout, which may lack it)
+    # (not at the top: a sample runs an old checkout, which may lack it)
+    from quickdraft.tools.runs import Figures, machine, rotated
 
     print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
-    samples: dict[str, list[dict]] = {"old": [], "new": []}
+    figures, tokens = Figures(), {}  # figures by (checkout, case, "decode" or "whole"); tokens by case, every sample's
     for r in range(args.rounds):
-        order = [("old", args.old), ("new", args.new)]
-        for name, path in order if r % 2 == 0 else order[::-1]:
+        for name, path in rotated([("old", args.old), ("new", args.new)], r):
             path = os.path.abspath(path)
             child = subprocess.run([sys.executable, os.path.abspath(__file__), path, path, "--sample"],
                                    capture_output=True, text=True, cwd=path, env={**os.environ, "PYTHONPATH": path})
             if child.returncode:
                 print(child.stderr[-3000:], file=sys.stderr)
                 return 1
-            samples[name].append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(f"round {r} {name}: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in samples[name][-1].items()),
+            result = json.loads(child.stdout.strip().splitlines()[-1])
+            for k, (decode, out, whole) in result.items():
+                figures.add((name, k, "decode"), decode)
+                figures.add((name, k, "whole"), whole)
+                tokens.setdefault(k, []).append(out)
+            print(f"round {r} {name}: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in result.items()),
                   file=sys.stderr, flush=True)
     print(f"{'case':10} {'decode old':>10} {'new':>7} {'new/old':>8} {'whole old':>10} {'new':>7} {'new/old':>8}"
           " same tokens")
-    for k in samples["old"][0]:
-        def med(name, i):
-            return statistics.median(s[k][i] for s in samples[name])
-        same = all(s[k][1] == samples["old"][0][k][1] for s in samples["old"] + samples["new"])
-        print(f"{k:10} {med('old', 0):10.1f} {med('new', 0):7.1f} {med('new', 0) / med('old', 0):8.2f} "
-              f"{med('old', 2):10.1f} {med('new', 2):7.1f} {med('new', 2) / med('old', 2):8.2f} {same}")
+    for k, outs in tokens.items():
+        cells = [f"{figures.median(('old', k, f)):10.1f} {figures.median(('new', k, f)):7.1f} "
+                 f"{figures.ratio(('new', k, f), ('old', k, f)):8.2f}" for f in ("decode", "whole")]
+        print(f"{k:10} {' '.join(cells)} {all(o == outs[0] for o in outs)}")
     return 0
 
 

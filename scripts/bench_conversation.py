@@ -18,7 +18,6 @@ Usage: .venv/bin/python scripts/bench_conversation.py [--old /path/to/checkout] 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import httpx
 from quickdraft.tools import conversation, llamacpp, remote
 from quickdraft.weights import hub
 from quickdraft.tools.servers import LlamaServer, ServerProcess
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine
 
 LENGTHS = (512, 1024, 2048, 4000)
 
@@ -79,35 +78,36 @@ def prompts_of(tokenizer) -> dict[int, list[int]]:
     return {n: ids[:n] for n in LENGTHS}
 
 
-def prefill(args, target: Path) -> list[tuple[int, float, float]]:
+def prefill(args, target: Path) -> list[tuple[int, float, float, float]]:
+    """(prompt tokens, quickdraft's prefill tok/s, llama-server's, their ratio) by prompt length: medians of --runs."""
     import quickdraft
     from quickdraft.config import SamplingParams
 
     llm = quickdraft.load(hub.DEFAULT_TARGET, "none", context=4096, progress=False)
     prompts = prompts_of(llm.tokenizer)
-    ours = {}
+    figures = Figures()  # prefill tok/s by ("quickdraft" or "llama-server", prompt tokens)
     for n, ids in prompts.items():
-        times = []
-        for _ in range(args.runs + 1):
+        for run in range(args.runs + 1):
             events = list(llm.engine.generate(ids, SamplingParams(max_tokens=1), reuse=False))
-            times.append(events[-1].timings.prefill_tok_s)
-        ours[n] = statistics.median(times[1:])
-        print(f"bench_conversation: quickdraft prefill {n}: {ours[n]:.1f} tok/s", file=sys.stderr, flush=True)
+            if run:  # the first is a warm-up
+                figures.add(("quickdraft", n), events[-1].timings.prefill_tok_s)
+        print(f"bench_conversation: quickdraft prefill {n}: {figures.median(('quickdraft', n)):.1f} tok/s",
+              file=sys.stderr, flush=True)
     del llm
     server = LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "4096")
     try:
-        theirs = {}
         for n, ids in prompts.items():
-            rates = []
-            for _ in range(args.runs + 1):
+            for run in range(args.runs + 1):
                 reply = httpx.post(f"{server.url}/completion", json={"prompt": ids, "n_predict": 1, "cache_prompt": False,
                                                                      "temperature": 0}, timeout=900).json()
-                rates.append(reply["timings"]["prompt_per_second"])
-            theirs[n] = statistics.median(rates[1:])
-            print(f"bench_conversation: llama-server prefill {n}: {theirs[n]:.1f} tok/s", file=sys.stderr, flush=True)
+                if run:  # the first is a warm-up
+                    figures.add(("llama-server", n), reply["timings"]["prompt_per_second"])
+            print(f"bench_conversation: llama-server prefill {n}: {figures.median(('llama-server', n)):.1f} tok/s",
+                  file=sys.stderr, flush=True)
     finally:
         server.stop()
-    return [(n, ours[n], theirs[n]) for n in prompts]
+    return [(n, figures.median(("quickdraft", n)), figures.median(("llama-server", n)),
+             figures.ratio(("quickdraft", n), ("llama-server", n))) for n in prompts]
 
 
 def main() -> int:
@@ -132,8 +132,8 @@ def main() -> int:
         print(f"\nprefill of the default target, tok/s (medians of {args.runs}; quickdraft in its default format, "
               "a cold prefill; llama-server's prompt_per_second, cache_prompt false)")
         print(f"{'prompt tokens':>14} {'quickdraft':>11} {'llama-server':>13} {'ratio':>6}")
-        for n, ours, theirs in rows:
-            print(f"{n:14} {ours:11.1f} {theirs:13.1f} {ours / theirs:6.2f}x")
+        for n, ours, theirs, ratio in rows:
+            print(f"{n:14} {ours:11.1f} {theirs:13.1f} {ratio:6.2f}x")
     print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     return 0
 

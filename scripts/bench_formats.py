@@ -6,7 +6,7 @@ v(k) for k = 1..16, perplexity on the same text, and peak memory; then the pair 
 kept on disk is read back): the peaks are those of a first load.
 
 Each format is measured in its own process (so that its peak memory is its own); the formats take turns
---runs times and medians are reported.
+--runs times (the order rotated each run) and medians are reported.
 
 Usage: .venv/bin/python scripts/bench_formats.py [--formats bf16,int8,int4,mixed] [-n 64] [--runs 3] [--ppl-chunks 4]
 """
@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine, rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,23 +106,27 @@ def main() -> int:
 
     formats = args.formats.split(",")
     results = {f: [] for f in formats}
-    bandwidth = []
+    figures = Figures()  # "bandwidth", (format, "decode") and (format, "v", k) over the runs
     for i in range(args.runs):
-        bandwidth.append(roofline.bandwidth(torch.device("cpu")))
-        for f in formats:
+        figures.add("bandwidth", roofline.bandwidth(torch.device("cpu")))
+        for f in rotated(formats, i):
             print(f"run {i + 1}/{args.runs}: {f}", file=sys.stderr)
-            results[f].append(run_child(f, argparse.Namespace(**{**vars(args), "ppl_chunks": args.ppl_chunks if i == 0 else 0})))
+            r = run_child(f, argparse.Namespace(**{**vars(args), "ppl_chunks": args.ppl_chunks if i == 0 else 0}))
+            results[f].append(r)
+            figures.add((f, "decode"), r["decode_tok_s"])
+            for k, v in r["v"].items():
+                figures.add((f, "v", k), v)
     pair = run_child("pair", args)
-    bw = statistics.median(bandwidth)
+    bw = figures.median("bandwidth")
     rows = []
     for f in formats:
         rs = results[f]
-        tok_s = statistics.median(r["decode_tok_s"] for r in rs)
-        v = {k: statistics.median(r["v"][k] for r in rs) for k in rs[0]["v"]}
+        tok_s, (low, high) = figures.median((f, "decode")), figures.spread((f, "decode"))
+        v = {k: figures.median((f, "v", k)) for k in rs[0]["v"]}
         pass_bytes = rs[0]["pass_bytes"]
-        rows.append({"format": f, "decode_tok_s": tok_s, "decode_min": min(r["decode_tok_s"] for r in rs),
-                     "decode_max": max(r["decode_tok_s"] for r in rs), "pass_bytes": pass_bytes,
-                     "limit_tok_s": bw / pass_bytes, "bandwidth_share": tok_s * pass_bytes / bw, "v": v,
+        rows.append({"format": f, "decode_tok_s": tok_s, "decode_min": low, "decode_max": high,
+                     "pass_bytes": pass_bytes, "limit_tok_s": bw / pass_bytes,
+                     "bandwidth_share": tok_s * pass_bytes / bw, "v": v,
                      "ppl": rs[0]["ppl"], "load_peak_gib": max(r["load_peak_gib"] for r in rs)})
     base = next((r["ppl"] for r in rows if r["format"] == "bf16"), None)
     print(f"\nthe 1.5B target, plain greedy decoding, {args.n} tokens, medians of {args.runs} runs; memory bandwidth "

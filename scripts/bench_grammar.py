@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -33,7 +32,7 @@ import quickdraft
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.grammar import Grammar
 from quickdraft.weights import hub
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine, rotated
 
 CTX = 1024
 SCHEMA = {
@@ -70,20 +69,20 @@ def library_comparison(tokenizer, vocab: int, answers: list[list[int]]) -> list[
     t0 = time.perf_counter()
     lt = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab, eos_token=sorted(tokenizer.eos_ids))
     setup = time.perf_counter() - t0
-    compile_s, times = [], []
+    timed = Figures()  # seconds by "compile" and "mask"
     for ids in answers:
         t0 = time.perf_counter()
         m = llg.LLMatcher(lt, llg.LLMatcher.grammar_from_json_schema(SCHEMA))
         m.compute_bitmask()  # the first mask builds the lexer: part of compiling
-        compile_s.append(time.perf_counter() - t0)
+        timed.add("compile", time.perf_counter() - t0)
         buf = torch.empty((vocab + 31) // 32, dtype=torch.int32)
         for t in ids:
             if not m.consume_token(t):
                 break
             t0 = time.perf_counter()
             m.unsafe_compute_mask_ptr(buf.data_ptr(), buf.numel() * 4)
-            times.append(time.perf_counter() - t0)
-    rows.append(_lib_row("llguidance " + importlib.metadata.version("llguidance"), setup, compile_s, times))
+            timed.add("mask", time.perf_counter() - t0)
+    rows.append(_lib_row("llguidance " + importlib.metadata.version("llguidance"), setup, timed))
     try:
         import xgrammar as xgr
     except ImportError:
@@ -95,20 +94,20 @@ def library_comparison(tokenizer, vocab: int, answers: list[list[int]]) -> list[
                              stop_token_ids=sorted(tokenizer.eos_ids))
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
     setup = time.perf_counter() - t0
-    compile_s, times = [], []
+    timed = Figures()  # seconds by "compile" and "mask"
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     for ids in answers:
         t0 = time.perf_counter()
         matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=True))
         matcher.fill_next_token_bitmask(bitmask)
-        compile_s.append(time.perf_counter() - t0)
+        timed.add("compile", time.perf_counter() - t0)
         for t in ids:
             if not matcher.accept_token(t):
                 break
             t0 = time.perf_counter()
             matcher.fill_next_token_bitmask(bitmask)
-            times.append(time.perf_counter() - t0)
-    rows.append(_lib_row("xgrammar " + importlib.metadata.version("xgrammar"), setup, compile_s, times))
+            timed.add("mask", time.perf_counter() - t0)
+    rows.append(_lib_row("xgrammar " + importlib.metadata.version("xgrammar"), setup, timed))
     return rows
 
 
@@ -135,12 +134,12 @@ def sample_validity(engine, prompts, grammar, args) -> dict:
             "acceptance": accepted / drafted if drafted else 0.0}
 
 
-def _lib_row(name, setup, compile_s, times):
-    if not times:
+def _lib_row(name, setup, timed: Figures):
+    if not timed.samples.get("mask"):
         return {"library": f"{name}: refused the answers' tokens (no masks timed)"}
-    times = sorted(times)
-    return {"library": name, "setup_s": setup, "compile_ms": 1000 * statistics.median(compile_s),
-            "mask_us_median": 1e6 * statistics.median(times), "mask_us_p99": 1e6 * times[int(0.99 * (len(times) - 1))],
+    times = sorted(timed.samples["mask"])
+    return {"library": name, "setup_s": setup, "compile_ms": 1000 * timed.median("compile"),
+            "mask_us_median": 1e6 * timed.median("mask"), "mask_us_p99": 1e6 * times[int(0.99 * (len(times) - 1))],
             "masks": len(times)}
 
 
@@ -177,17 +176,21 @@ def main() -> int:
                                       constraint=engine.constraint(grammar)))
         return [e.token for e in events if e.token is not None], events[-1]
 
-    results, answers = [], {}
+    results, answers, figures = [], {}, Figures()  # figures by (prompt, config, figure) over the runs
     for pname, prompt in prompts.items():
         for cname in configs:
             once(cname, prompt, 16)  # warm-up (kernels, policy timings)
-        runs = {cname: [] for cname in configs}
-        for _ in range(args.runs):  # interleaved, so that drift on a shared machine hits every config alike
-            for cname in configs:
-                runs[cname].append(once(cname, prompt))
+        last_run = {}
+        for r in range(args.runs):  # interleaved, so that drift on a shared machine hits every config alike
+            for cname in rotated(list(configs), r):
+                last_run[cname] = once(cname, prompt)  # (tokens, the final event)
+                final = last_run[cname][1]
+                figures.add((pname, cname, "tok/s"), final.timings.decode_tok_s)
+                figures.add((pname, cname, "acceptance"), final.stats.acceptance_rate)
+                figures.add((pname, cname, "tokens per round"), final.stats.mean_accepted_length)
         for cname in configs:
-            speeds = [last.timings.decode_tok_s for _, last in runs[cname]]
-            tokens, last = runs[cname][-1]
+            speed = figures.median((pname, cname, "tok/s"))
+            tokens, last = last_run[cname]
             text = tok.decode(tokens)
             try:
                 jsonschema.validate(json.loads(text), SCHEMA)
@@ -197,14 +200,14 @@ def main() -> int:
             answers.setdefault(pname, tokens)
             s = last.stats
             results.append({
-                "prompt": pname, "config": cname, "decode_tok_s": statistics.median(speeds), "runs": speeds,
+                "prompt": pname, "config": cname, "decode_tok_s": speed, "runs": figures.samples[pname, cname, "tok/s"],
                 "tokens": len(tokens), "finish_reason": last.finish_reason, "valid_json": valid,
                 "same_as_plain": tokens == answers[pname],
-                "acceptance": statistics.median(r[1].stats.acceptance_rate for r in runs[cname]),
-                "tokens_per_round": statistics.median(r[1].stats.mean_accepted_length for r in runs[cname]),
+                "acceptance": figures.median((pname, cname, "acceptance")),
+                "tokens_per_round": figures.median((pname, cname, "tokens per round")),
                 "mask_share": s.mask_share, "mask_ms": 1000 * s.mask_s, "text": text,
             })
-            print(f"  {pname:9} {cname:24} {statistics.median(speeds):6.2f} tok/s  {text[:60]!r}", file=sys.stderr)
+            print(f"  {pname:9} {cname:24} {speed:6.2f} tok/s  {text[:60]!r}", file=sys.stderr)
     validity = sample_validity(configs["masked draft, adaptive"][0], prompts, grammar, args)
     libs = library_comparison(tok, target.config.vocab_size, list(answers.values()))
     print(f"\n{'library':22} {'setup s':>8} {'compile ms':>10} {'mask us (median)':>16} {'p99':>8}")
@@ -216,20 +219,19 @@ def main() -> int:
             print(r["library"])
     print(f"\n{'prompt':9} {'config':24} {'tok/s':>6} {'x none':>6} {'accept':>6} {'tok/round':>9} {'mask %':>6} "
           f"{'tokens':>6} valid same")
+    over_prompts = Figures()  # by (config, figure): each prompt's median
     for r in results:
-        base = next(x for x in results if x["prompt"] == r["prompt"] and x["config"] == "no speculation")
-        print(f"{r['prompt']:9} {r['config']:24} {r['decode_tok_s']:6.2f} {r['decode_tok_s'] / base['decode_tok_s']:6.2f} "
+        x_none = figures.ratio((r["prompt"], r["config"], "tok/s"), (r["prompt"], "no speculation", "tok/s"))
+        print(f"{r['prompt']:9} {r['config']:24} {r['decode_tok_s']:6.2f} {x_none:6.2f} "
               f"{100 * r['acceptance']:5.0f}% {r['tokens_per_round']:9.2f} {100 * r['mask_share']:5.1f}% "
               f"{r['tokens']:6} {'yes' if r['valid_json'] else 'NO':5} {'yes' if r['same_as_plain'] else 'NO'}")
+        for key, value in (("tok/s", r["decode_tok_s"]), ("x none", x_none), ("acceptance", r["acceptance"])):
+            over_prompts.add((r["config"], key), value)
     print("\nmedians over prompts:")
     for cname in configs:
-        rows = [r for r in results if r["config"] == cname]
-        ratios = [r["decode_tok_s"] / next(x["decode_tok_s"] for x in results
-                                           if x["prompt"] == r["prompt"] and x["config"] == "no speculation")
-                  for r in rows]
-        print(f"  {cname:24} {statistics.median(r['decode_tok_s'] for r in rows):6.2f} tok/s "
-              f"({statistics.median(ratios):.2f}x no speculation), acceptance "
-              f"{100 * statistics.median(r['acceptance'] for r in rows):.0f}%")
+        print(f"  {cname:24} {over_prompts.median((cname, 'tok/s')):6.2f} tok/s "
+              f"({over_prompts.median((cname, 'x none')):.2f}x no speculation), acceptance "
+              f"{100 * over_prompts.median((cname, 'acceptance')):.0f}%")
     print(f"\n{validity['samples']} seeded samples at temperature 1 with speculation (constrained draft, adaptive): "
           f"{validity['complete']} complete, {validity['valid']} of them valid against the schema "
           f"(jsonschema), {validity['length']} ran out of tokens; acceptance {100 * validity['acceptance']:.0f}%")

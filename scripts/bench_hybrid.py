@@ -18,7 +18,6 @@ Usage: python scripts/bench_hybrid.py [--weights int4] [--reps 15] [-n 64]
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -29,7 +28,7 @@ from quickdraft.engine import Engine
 from quickdraft.runtime.kv_cache import HISTORY, KVCache, RecurrentState
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.ngram import NgramDrafter
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine, rotated
 
 
 def timed(fn) -> float:
@@ -68,11 +67,11 @@ def main() -> int:
 
     for keep in (True, False):  # warm-up
         verify(keep)
-    with_recovery, without = [], []
-    for _ in range(args.reps):
-        with_recovery.append(verify(True))
-        without.append(verify(False))
-    w, wo = statistics.median(with_recovery), statistics.median(without)
+    figures = Figures()  # seconds by ("verify", keep), "recurrence"; decode tok/s by (label, "plain" or "spec")
+    for r in range(args.reps):
+        for keep in rotated([True, False], r):
+            figures.add(("verify", keep), verify(keep))
+    w, wo = figures.median(("verify", True)), figures.median(("verify", False))
     state = cache.recurrent[0]
     per_layer = state.ssm.numel() * 4 + state.conv.numel() * state.conv.element_size()
     slots = state.slots.shape[0]
@@ -93,11 +92,13 @@ def main() -> int:
             else:
                 s = s * d[..., None, None] + k[..., None] * v[..., None, :]
 
-    recompute = statistics.median(timed(recurrence) for _ in range(args.reps)) * len(linear)
+    for _ in range(args.reps):
+        figures.add("recurrence", timed(recurrence))
+    recompute = figures.median("recurrence") * len(linear)
     print(f"\nverification pass of 8 tokens, median of {args.reps} (alternating):")
     print(f"  with state recovery (the states after each position kept)   {1e3 * w:7.1f} ms")
     print(f"  without (only the last state: no rollback into the pass)    {1e3 * wo:7.1f} ms   "
-          f"ratio {w / wo:.3f}")
+          f"ratio {figures.ratio(('verify', True), ('verify', False)):.3f}")
     print(f"  kept states: {slots} slots ({HISTORY} positions back) x {per_layer / 2**20:.2f} MiB x {len(linear)} "
           f"layers = {slots * per_layer * len(linear) / 2**20:.0f} MiB; recomputing from the last committed state instead "
           f"would keep one state ({per_layer * len(linear) / 2**20:.0f} MiB) and cost up to "
@@ -119,16 +120,15 @@ def main() -> int:
                "n-gram, adaptive": (Engine(tiny, 1024, NgramDrafter(), SpeculationConfig(draft_max=8)), echo)}
     print(f"\ndecode of the tiny hybrid, {args.n} greedy tokens, medians of 3 (alternating), outputs identical:")
     for label, (engine, prompt) in engines.items():
-        plain_rates, spec_rates = [], []
-        for _ in range(3):
-            plain, p_final = run(plain_engine, prompt)
-            ours, s_final = run(engine, prompt)
-            assert ours == plain, f"{label}: speculative output differs from plain output"
-            plain_rates.append(p_final.timings.decode_tok_s)
-            spec_rates.append(s_final.timings.decode_tok_s)
-        p, s = statistics.median(plain_rates), statistics.median(spec_rates)
-        stats = s_final.stats
-        print(f"  plain {p:6.1f} tok/s   {label:20} {s:6.1f} tok/s   {s / p:.2f}x   ({stats.rounds} rounds, "
+        for r in range(3):
+            outputs = {}  # by "plain" and "spec": (tokens, the final event)
+            for kind in rotated(["plain", "spec"], r):
+                outputs[kind] = run(plain_engine if kind == "plain" else engine, prompt)
+                figures.add((label, kind), outputs[kind][1].timings.decode_tok_s)
+            assert outputs["spec"][0] == outputs["plain"][0], f"{label}: speculative output differs from plain output"
+        p, s = figures.median((label, "plain")), figures.median((label, "spec"))
+        x, stats = figures.ratio((label, "spec"), (label, "plain")), outputs["spec"][1].stats
+        print(f"  plain {p:6.1f} tok/s   {label:20} {s:6.1f} tok/s   {x:.2f}x   ({stats.rounds} rounds, "
               f"{100 * stats.acceptance_rate:.0f}% of {stats.draft_n} drafts accepted, "
               f"{stats.mean_accepted_length:.2f} tokens a round)")
     return 0

@@ -5,10 +5,10 @@ llama.cpp comes from the PyPI package llama-cpp-python (not a quickdraft depende
 venv first, `.venv/bin/pip install llama-cpp-python`, which compiles llama.cpp for this CPU). Both decode the
 bundled prompts (chat template applied, the same token ids) greedily for -n tokens, end-of-generation
 ignored; decode tok/s is counted from the first generated token on (prompt processing excluded), medians
-of --runs with the engines taking turns. llama.cpp runs plain and with prompt-lookup speculation (the
-speculation llama-cpp-python offers), and with --server also as llama.cpp's own llama-server (built once from the
-same vendored source: quickdraft/tools/llamacpp.py), plain and speculating with the draft model (`-md`, its defaults: its
-best speculation on the CPU); quickdraft runs plain in its default target format (`mixed`: int4 where
+of --runs with the engines taking turns (the order rotated each run). llama.cpp runs plain and with prompt-lookup
+speculation (the speculation llama-cpp-python offers), and with --server also as llama.cpp's own llama-server (built
+once from the same vendored source: quickdraft/tools/llamacpp.py), plain and speculating with the draft model (`-md`,
+its defaults: its best speculation on the CPU); quickdraft runs plain in its default target format (`mixed`: int4 where
 the file holds 4-bit blocks, int8 elsewhere) and in int4, and speculative with the default pair (that target,
 int4 draft, n-gram lookup in front; --draft for another model's): with the adaptive policy as `generate` and
 `serve` run it, at a fixed --k, and with the int4 target (`--weights int4`), adaptive.
@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine, rotated
 
 
 def llama_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -122,8 +121,7 @@ def main() -> int:
     prompts = encoded(target.tokenizer, args.prompts.split(","))
     params = SamplingParams(max_tokens=args.n, stop_at_eos=False)
     names = list(llamas) + list(servers) + list(engines)
-    speeds = {(p, c): [] for p in prompts for c in names}
-    accepted = {}
+    speeds, accepted = Figures(), Figures()  # decode tok/s, the share of drafts accepted: by (prompt, configuration)
     same = {}
     for p, prompt in prompts.items():
         for c, llm in llamas.items():  # warm-up
@@ -134,41 +132,42 @@ def main() -> int:
             list(e.generate(prompt, SamplingParams(max_tokens=8, stop_at_eos=False)))
         for i in range(args.runs):
             print(f"{p}: run {i + 1}/{args.runs}", file=sys.stderr)
-            reference = {}  # each target format's plain output
-            for c, llm in llamas.items():
-                tok_s, out = llama_decode(llm, prompt, args.n)
-                speeds[p, c].append(tok_s)
-            for c, server in servers.items():
-                tok_s, out, rate = server_decode(server.url, prompt, args.n)
-                speeds[p, c].append(tok_s)
-                accepted.setdefault((p, c), []).append(rate)
-            for c, e in engines.items():
-                events = list(e.generate(prompt, params))
-                speeds[p, c].append(events[-1].timings.decode_tok_s)
-                if events[-1].stats.rounds:
-                    accepted.setdefault((p, c), []).append(events[-1].stats.acceptance_rate)
-                tokens = [ev.token for ev in events if ev.token is not None]
-                same[p, c] = tokens == reference.setdefault(e.target.weights, tokens)
+            reference = {}  # each target format's first output this run: every engine of that format must match it
+            for c in rotated(names, i):
+                if c in llamas:
+                    tok_s, out = llama_decode(llamas[c], prompt, args.n)
+                    speeds.add((p, c), tok_s)
+                elif c in servers:
+                    tok_s, out, rate = server_decode(servers[c].url, prompt, args.n)
+                    speeds.add((p, c), tok_s)
+                    accepted.add((p, c), rate)  # (None without a draft: left out)
+                else:
+                    e = engines[c]
+                    events = list(e.generate(prompt, params))
+                    speeds.add((p, c), events[-1].timings.decode_tok_s)
+                    if events[-1].stats.rounds:
+                        accepted.add((p, c), events[-1].stats.acceptance_rate)
+                    tokens = [ev.token for ev in events if ev.token is not None]
+                    same[p, c] = tokens == reference.setdefault(e.target.weights, tokens)
     for server in servers.values():
         server.stop()
     print(f"\n{model}: decode tok/s (median of {args.runs}, {args.n} greedy tokens, {args.threads} threads); "
           "x = against llama.cpp's best on that prompt; % = drafts accepted")
-    best = {p: max(statistics.median(speeds[p, c]) for c in list(llamas) + list(servers)) for p in prompts}
+    best = {p: max(speeds.median((p, c)) for c in list(llamas) + list(servers)) for p in prompts}
     width = max(len(c) for c in names)
     print(f"{'':{width}} " + " ".join(f"{p:>22}" for p in prompts))
     for c in names:
         cells = []
         for p in prompts:
-            x = statistics.median(speeds[p, c])
-            rates = [r for r in accepted.get((p, c), []) if r is not None]
-            rate = f" {100 * statistics.median(rates):3.0f}%" if rates else "     "
+            x, rate = speeds.median((p, c)), accepted.median((p, c))
+            rate = f" {100 * rate:3.0f}%" if rate is not None else "     "
             cells.append(f"{x:6.2f} ({x / best[p]:4.2f}x){rate}")
         print(f"{c:{width}} " + " ".join(f"{x:>22}" for x in cells))
     plain = {w: f"quickdraft plain {w}" for w in (target.weights, "int4")}
     for c in engines:
         if "adaptive" in c:
             own = plain["int4" if "int4 target" in c else target.weights]
-            ratios = [statistics.median(speeds[p, c]) / statistics.median(speeds[p, own]) for p in prompts]
+            ratios = [speeds.ratio((p, c), (p, own)) for p in prompts]
             print(f"{c} / {own}: " + ", ".join(f"{p} {r:.2f}x" for p, r in zip(prompts, ratios)))
     print("quickdraft speculative output equal to the plain output of its target's format: "
           + ", ".join(f"{p} {'yes' if all(same[p, c] for c in engines) else 'NO'}" for p in prompts))

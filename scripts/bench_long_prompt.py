@@ -11,13 +11,12 @@ prompt and leaves after `--after` seconds; prints how long the engine stays busy
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
 import time
 
 import httpx
 
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine
 from quickdraft.tools.servers import ServerProcess
 
 SENTENCE = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
@@ -75,7 +74,7 @@ def main() -> int:
         url = server.url
         tokens = httpx.post(url + "/v1/completions", json={"prompt": SENTENCE * args.repeat, "max_tokens": 1},
                             timeout=900).json()["usage"]["prompt_tokens"]
-        short = []
+        figures = Figures()  # seconds by "short" (its first token) and "busy" (the engine after the client left)
         for i in range(args.tries):
             times: dict = {}
             held: dict = {}
@@ -85,25 +84,25 @@ def main() -> int:
             time.sleep(args.after)
             sent = time.perf_counter()
             first_token(url, "Say hello.", times, "short")
-            short.append(times["short"] - sent)
+            waited = times["short"] - sent
+            figures.add("short", waited)
             while "response" not in held:  # (its headers come before its prefill)
                 time.sleep(0.01)
             held["response"].close()  # the long request leaves (its prefill stops at the next chunk)
             t.join()
             wait_idle(url)
-            print(f"try {i}: the short request's first token {short[-1]:.2f} s after it was sent", flush=True)
+            print(f"try {i}: the short request's first token {waited:.2f} s after it was sent", flush=True)
         print(f"\n{tokens}-token prompt prefilling, a short request sent {args.after:.0f} s into it: first token "
-              f"median {statistics.median(short):.2f} s, p90 {p90(short):.2f} s")
-        busy = []
+              f"median {figures.median('short'):.2f} s, p90 {p90(figures.samples['short']):.2f} s")
         for i in range(args.tries):
             body = {"prompt": f"Leave {i}. " + SENTENCE * args.repeat, "max_tokens": 4, "cache_prompt": False}
             try:
                 httpx.post(url + "/v1/completions", json=body, timeout=args.after)
             except httpx.TimeoutException:
                 pass  # the client is gone
-            busy.append(wait_idle(url))
+            figures.add("busy", wait_idle(url))
         print(f"a client that leaves {args.after:.0f} s into the prefill: the engine free "
-              f"{statistics.median(busy):.2f} s later (median), p90 {p90(busy):.2f} s")
+              f"{figures.median('busy'):.2f} s later (median), p90 {p90(figures.samples['busy']):.2f} s")
     return 0
 
 

@@ -13,7 +13,6 @@ stream's own decode tok/s, medians over the cells (a cell: N streams started tog
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,22 +23,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from quickdraft.tools import llamacpp, prompts as bundled, remote  # noqa: E402
 from quickdraft.tools.servers import LlamaServer, ServerProcess  # noqa: E402
 from quickdraft.weights import hub  # noqa: E402
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine  # noqa: E402
 
 
 def cells(endpoint: remote.Endpoint, texts: list[str], n: int, streams: int, count: int) -> dict:
     """`count` cells of `streams` streams at once, the prompts in a cycle from a different start each cell."""
-    aggregate, decode, ttft = [], [], []
+    figures = Figures()  # "aggregate" by cell; "stream" (decode tok/s) and "ttft" by stream
     for c in range(count):
         batch = [texts[(c * streams + i) % len(texts)] for i in range(streams)]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(streams) as pool:
             replies = list(pool.map(lambda text: endpoint.complete(text, n), batch))
-        aggregate.append(sum(r.n for r in replies) / (time.perf_counter() - t0))
-        decode += [r.decode_tok_s for r in replies]
-        ttft += [r.ttft_s for r in replies]
-    return {"aggregate": statistics.median(aggregate), "stream": statistics.median(decode),
-            "ttft": statistics.median(ttft)}
+        figures.add("aggregate", sum(r.n for r in replies) / (time.perf_counter() - t0))
+        for r in replies:
+            figures.add("stream", r.decode_tok_s)
+            figures.add("ttft", r.ttft_s)
+    return {key: figures.median(key) for key in ("aggregate", "stream", "ttft")}
 
 
 def main() -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import sys
 import time
 
@@ -20,7 +19,7 @@ from quickdraft.cli import DEMO_PROMPT
 from quickdraft.config import SamplingParams
 from quickdraft.quant import FORMATS
 from quickdraft.weights import hub
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine
 
 
 def peak_rss_gib() -> float:
@@ -58,9 +57,13 @@ def main() -> int:
         rows.append([alias, f"{time.perf_counter() - start:.1f}", str(llm.target.model.dtype)])
         loaded.append(llm)
     pair_peak = peak_rss_gib()
+    figures = Figures()  # decode tok/s by model
     for row, lm in zip(rows, loaded):
-        speeds = decode_runs(lm, args.n, args.runs)
-        row += [f"{statistics.median(speeds):.2f}", f"{min(speeds):.2f}-{max(speeds):.2f}"]
+        alias = row[0]
+        for speed in decode_runs(lm, args.n, args.runs):
+            figures.add(alias, speed)
+        low, high = figures.spread(alias)
+        row += [f"{figures.median(alias):.2f}", f"{low:.2f}-{high:.2f}"]
     header = ["model", "load s", "dtype", "decode tok/s (median)", "range"]
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for r in [header] + rows:

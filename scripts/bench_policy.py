@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import statistics
 import subprocess
 import sys
 import types
@@ -27,7 +26,7 @@ import quickdraft
 from quickdraft.tools import prompts as bundled
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.speculative.draft import Draft
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine, rotated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,32 +70,32 @@ def main() -> int:
                args.rev: llm.engine_for(draft, cfg), "tree": llm.engine_for(draft, cfg)}
     engines[args.rev].policy = policy_at(args.rev)(cfg)
     params = SamplingParams(max_tokens=args.n, stop_at_eos=False)
-    ratios = {args.rev: [], "tree": []}
+    compared = [k for k in engines if k != "plain"]  # REV's policy and this tree's
+    figures, ratios = Figures(), Figures()  # by (prompt, engine[, "accepted"]); each prompt's ratio to plain by engine
     print(f"{args.weights} target, {args.draft}; decode tok/s, median of {args.runs} runs taken in turn; "
           f"x = against plain; % = drafts accepted")
     for name in names:
         prompt = bundled.encoded(llm.tokenizer, [name])[name]
         for engine in engines.values():  # warm-up
             list(engine.generate(prompt, SamplingParams(max_tokens=16, stop_at_eos=False)))
-        speed = {k: [] for k in engines}
-        accepted = {k: [] for k in engines}
         tokens = {}
-        for _ in range(args.runs):
-            for k, engine in engines.items():
-                events = list(engine.generate(prompt, params))
-                speed[k].append(events[-1].timings.decode_tok_s)
-                accepted[k].append(events[-1].stats.acceptance_rate)
+        for r in range(args.runs):
+            for k in rotated(list(engines), r):
+                events = list(engines[k].generate(prompt, params))
+                figures.add((name, k), events[-1].timings.decode_tok_s)
+                figures.add((name, k, "accepted"), events[-1].stats.acceptance_rate)
                 tokens[k] = [e.token for e in events if e.token is not None]
-        plain = statistics.median(speed["plain"])
-        line = f"{name:11} plain {plain:6.2f}"
-        for k in ratios:
-            median = statistics.median(speed[k])
-            ratios[k].append(median / plain)
-            line += (f" | {k} {median:6.2f} ({median / plain:.2f}x) {100 * statistics.median(accepted[k]):3.0f}%"
+        line = f"{name:11} plain {figures.median((name, 'plain')):6.2f}"
+        for k in compared:
+            ratio = figures.ratio((name, k), (name, "plain"))
+            ratios.add(k, ratio)
+            line += (f" | {k} {figures.median((name, k)):6.2f} ({ratio:.2f}x) "
+                     f"{100 * figures.median((name, k, 'accepted')):3.0f}%"
                      f"{'' if tokens[k] == tokens['plain'] else ' DIFFERS FROM PLAIN'}")
         print(line, flush=True)
-    for k, values in ratios.items():
-        print(f"{k}: x plain {min(values):.2f}-{max(values):.2f}, median {statistics.median(values):.2f}")
+    for k in compared:
+        low, high = ratios.spread(k)
+        print(f"{k}: x plain {low:.2f}-{high:.2f}, median {ratios.median(k):.2f}")
     return 0
 
 

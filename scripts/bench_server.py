@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import sys
 
 import httpx
 
 from quickdraft.tools.servers import ServerProcess
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine, rotated
 
 PROMPTS = {
     "code": "Write a Python function that checks whether a string is a palindrome, with a short docstring.",
@@ -38,24 +37,25 @@ def main() -> int:
           f"{'same text':>9}")
     with ServerProcess(*args.serve_args) as server:
         url = server.base_url + "/chat/completions"
+        figures = Figures()  # by (prompt, "off" or "on", "tok/s" or "tok/round")
         for name, prompt in PROMPTS.items():
             results = {"off": [], "on": []}
             for run in range(args.runs + 1):  # the first pass of each prompt is a warm-up
-                for config, spec in (("off", {"draft_max": 0}), ("on", None)):
+                for config, spec in rotated([("off", {"draft_max": 0}), ("on", None)], run):
                     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
                             "temperature": 0, **({"speculative": spec} if spec else {})}
                     r = httpx.post(url, json=body, timeout=600).json()
                     if run:
                         results[config].append((r["timings"], r["choices"][0]["message"]["content"]))
+                        figures.add((name, config, "tok/s"), r["timings"]["predicted_per_second"])
+                        figures.add((name, config, "tok/round"), r["timings"]["mean_accepted_length"])
             texts = {hashlib.sha256(t.encode()).hexdigest() for rows in results.values() for _, t in rows}
-            off = statistics.median(t["predicted_per_second"] for t, _ in results["off"])
             for config, rows in results.items():
-                speed = statistics.median(t["predicted_per_second"] for t, _ in rows)
                 drafted = sum(t["draft_n"] for t, _ in rows)
                 accept = sum(t["draft_n_accepted"] for t, _ in rows) / drafted if drafted else 0.0
-                per_round = statistics.median(t["mean_accepted_length"] for t, _ in rows)
-                print(f"{name:8} {('spec ' + config):12} {speed:14.2f} {speed / off:6.2f} {accept:7.0%} "
-                      f"{per_round:9.2f} {'yes' if len(texts) == 1 else 'NO':>9}")
+                print(f"{name:8} {('spec ' + config):12} {figures.median((name, config, 'tok/s')):14.2f} "
+                      f"{figures.ratio((name, config, 'tok/s'), (name, 'off', 'tok/s')):6.2f} {accept:7.0%} "
+                      f"{figures.median((name, config, 'tok/round')):9.2f} {'yes' if len(texts) == 1 else 'NO':>9}")
     return 0
 
 

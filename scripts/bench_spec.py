@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import quickdraft
 from quickdraft.tools.quality import TEXT as QUALITY_TEXT
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.weights import hub
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTICLE = "\n\n".join(QUALITY_TEXT.read_text(encoding="utf-8").split("\n\n")[:2])
@@ -64,29 +63,29 @@ def main() -> int:
     engines = configs(llm)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; target bf16, draft int4; "
           f"{args.n} greedy tokens, median of {args.runs} runs after a warm-up", file=sys.stderr)
-    results = []
+    results, figures = [], Figures()  # decode tok/s by (prompt, configuration)
     for pname, prompt in prompts.items():
         reference = None
         for cname, engine in engines.items():
             run_once(engine, prompt, 16)  # warm-up (kernels, policy timings)
-            speeds, last = [], None
+            last = None
             for _ in range(args.runs):
                 tokens, last = run_once(engine, prompt, args.n)
-                speeds.append(last.timings.decode_tok_s)
+                figures.add((pname, cname), last.timings.decode_tok_s)
             reference = tokens if cname == "plain" else reference
             s = last.stats
             results.append({
-                "prompt": pname, "config": cname, "decode_tok_s": statistics.median(speeds),
-                "runs": speeds, "same_as_plain": tokens == reference,
+                "prompt": pname, "config": cname, "decode_tok_s": figures.median((pname, cname)),
+                "runs": figures.samples[pname, cname], "same_as_plain": tokens == reference,
                 "acceptance": s.acceptance_rate, "tokens_per_round": s.mean_accepted_length,
                 "mean_k": sum(s.k_history) / max(len(s.k_history), 1), "policy": s.policy,
             })
-            print(f"  {pname:8} {cname:22} {statistics.median(speeds):6.2f} tok/s", file=sys.stderr)
+            print(f"  {pname:8} {cname:22} {figures.median((pname, cname)):6.2f} tok/s", file=sys.stderr)
     print(f"\n{'prompt':8} {'config':22} {'tok/s':>7} {'x plain':>8} {'accept':>7} {'tok/round':>9} "
           f"{'mean k':>6}  same output")
     for r in results:
-        plain = next(x for x in results if x["prompt"] == r["prompt"] and x["config"] == "plain")
-        print(f"{r['prompt']:8} {r['config']:22} {r['decode_tok_s']:7.2f} {r['decode_tok_s'] / plain['decode_tok_s']:8.2f} "
+        x_plain = figures.ratio((r["prompt"], r["config"]), (r["prompt"], "plain"))
+        print(f"{r['prompt']:8} {r['config']:22} {r['decode_tok_s']:7.2f} {x_plain:8.2f} "
               f"{100 * r['acceptance']:6.0f}% {r['tokens_per_round']:9.2f} {r['mean_k']:6.1f}  {r['same_as_plain']}")
     draft_policy = next(r["policy"] for r in results if r["config"] == "draft adaptive")
     t1 = draft_policy.get("t_plain_s") or 0

@@ -14,7 +14,6 @@ output. Greedy, -n tokens, bf16 target, int4 draft.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch  # noqa: E402
 import quickdraft  # noqa: E402
 from quickdraft.config import SamplingParams, SpeculationConfig  # noqa: E402
 from quickdraft.weights import hub  # noqa: E402
-from quickdraft.tools.runs import machine
+from quickdraft.tools.runs import Figures, machine  # noqa: E402
 from scripts.bench_spec import CTX, PROMPTS  # noqa: E402
 
 
@@ -58,31 +57,29 @@ def main() -> int:
     engines = configs(llm)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; target bf16, draft int4; {args.n} greedy "
           f"tokens, median of {args.runs} runs after a warm-up", file=sys.stderr)
-    rows = []
+    rows, figures = [], Figures()  # decode tok/s by (prompt, configuration)
     for pname, prompt in prompts.items():
         reference = None
         for cname, engine in engines.items():
             run_once(engine, prompt, 16)  # warm-up (kernels, the policy's timings)
-            speeds = []
             for _ in range(args.runs):
                 tokens, last = run_once(engine, prompt, args.n)
-                speeds.append(last.timings.decode_tok_s)
+                figures.add((pname, cname), last.timings.decode_tok_s)
             reference = tokens if cname == "plain" else reference
             s = last.stats
-            rows.append({"prompt": pname, "config": cname, "tok_s": statistics.median(speeds),
+            rows.append({"prompt": pname, "config": cname, "tok_s": figures.median((pname, cname)),
                          "per_round": s.mean_accepted_length, "rounds": s.rounds, "trees": s.tree_rounds,
                          "kept": s.tree_alternatives_kept, "same": tokens == reference, "policy": s.policy})
-            print(f"  {pname:8} {cname:18} {statistics.median(speeds):6.2f} tok/s", file=sys.stderr)
+            print(f"  {pname:8} {cname:18} {figures.median((pname, cname)):6.2f} tok/s", file=sys.stderr)
     print(f"\n{'prompt':8} {'config':18} {'tok/s':>7} {'x plain':>8} {'x chain':>8} {'tok/round':>9} "
           f"{'tree rounds':>11} {'alt kept':>8}  same output")
     for r in rows:
-        plain = next(x for x in rows if x["prompt"] == r["prompt"] and x["config"] == "plain")
-        chain_name = "chain adaptive" if "adaptive" in r["config"] else "chain k=4"
-        chain = next(x for x in rows if x["prompt"] == r["prompt"] and x["config"] == chain_name)
+        key, chain = (r["prompt"], r["config"]), "chain adaptive" if "adaptive" in r["config"] else "chain k=4"
+        x_plain, x_chain = figures.ratio(key, (r["prompt"], "plain")), figures.ratio(key, (r["prompt"], chain))
         trees = f"{r['trees']}/{r['rounds']}" if r["rounds"] else "-"
         kept = f"{r['kept'] / r['trees']:.2f}" if r["trees"] else "-"
-        print(f"{r['prompt']:8} {r['config']:18} {r['tok_s']:7.2f} {r['tok_s'] / plain['tok_s']:8.2f} "
-              f"{r['tok_s'] / chain['tok_s']:8.2f} {r['per_round']:9.2f} {trees:>11} {kept:>8}  {r['same']}")
+        print(f"{r['prompt']:8} {r['config']:18} {r['tok_s']:7.2f} {x_plain:8.2f} "
+              f"{x_chain:8.2f} {r['per_round']:9.2f} {trees:>11} {kept:>8}  {r['same']}")
     policy = next(r["policy"] for r in reversed(rows) if r["config"] == "tree k=4 B=3")
     if policy.get("v_tree"):
         print("\nmeasured pass cost over a plain step, by drafted rows: chain v = "

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
 
 from quickdraft.tools import roofline
+from quickdraft.tools.runs import Figures
 from quickdraft.config import EngineConfig
 from quickdraft.weights import memory
 from quickdraft.runtime.kv_cache import KVCache
@@ -102,14 +102,17 @@ def main() -> int:
     bw = roofline.bandwidth(device)
     log = lambda text: print(f"gpu_bench: {text}", file=sys.stderr, flush=True)  # noqa: E731
     log(f"{name}, torch {torch.__version__}, bandwidth {bw / 1e9:.0f} GB/s (copy/read, measured now)")
-    median = statistics.median
     rows, curves, steps, graphs_off = [], {}, {}, {}
+    figures = Figures()  # decode tok/s by (label, mode)
+    modes = {"eager": (True, False), "graphs": (True, True), "no sync": (False, True)}  # (host_sync, graphs)
 
     def measure(label, lm, source, with_eager=False, v_curve=True):
         per_pass = roofline.pass_bytes(lm.model, 64 + args.n // 2)
-        eager = median(decode_tok_s(lm, args.n, True, False) for _ in range(args.runs)) if with_eager else None
-        sync = median(decode_tok_s(lm, args.n, True, True) for _ in range(args.runs))
-        nosync = median(decode_tok_s(lm, args.n, False, True) for _ in range(args.runs))
+        for mode, (host_sync, graphs) in modes.items():
+            if with_eager or mode != "eager":
+                for _ in range(args.runs):
+                    figures.add((label, mode), decode_tok_s(lm, args.n, host_sync, graphs))
+        eager, sync, nosync = (figures.median((label, mode)) for mode in modes)  # (eager: None without)
         if v_curve:
             prompt = torch.randint(0, lm.config.vocab_size, (64,)).tolist()
             _, curves[label] = roofline.v_curve(lm, prompt, 16, reps=3)

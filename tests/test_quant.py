@@ -6,7 +6,7 @@ import torch
 from quickdraft.config import EngineConfig, RopeConfig, SamplingParams
 from quickdraft.engine import Engine
 from quickdraft.errors import QuickdraftError
-from quickdraft.quant import embedding, int4, int8, vnni
+from quickdraft.quant import avx2, embedding, int4, int8, vnni
 from quickdraft.weights import gguf as gguf_io
 from quickdraft.weights.loader import load_model
 from tests.helpers import save_hf_dir, tiny_hf_config, tiny_hf_model, write_gguf_from_hf
@@ -424,3 +424,49 @@ def _codes_of(layer, weight):
         return None
     q, _, _ = int4.quantize(weight)
     return q
+
+
+needs_avx2 = pytest.mark.skipif(not avx2.available(), reason=f"no AVX2 kernel here: {avx2.unavailable_reason()}")
+
+
+@needs_avx2
+@pytest.mark.parametrize("shape", [(96, 64), (37, 61), (5, 7)], ids=["even", "ragged", "tiny"])
+def test_the_float32_linear_sums_each_output_in_one_order(shape):
+    """linear_f32 against float64, and each row bit for bit the same alone, among 2 or 40 rows, on 1 to 4 threads
+    (PyTorch's float32 GEMM fails the second: MKL orders a row's sums by the row and thread counts)."""
+    n, k = shape
+    torch.manual_seed(0)
+    w, x, b = torch.randn(n, k), torch.randn(40, k), torch.randn(n)
+    full = torch.ops.quickdraft_avx2.linear_f32(x, w, b)
+    assert torch.allclose(full, avx2.linear_reference(x, w, b), atol=1e-4, rtol=1e-5)
+    assert torch.ops.quickdraft_avx2.linear_f32(x, w, None).shape == (40, n)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 7, 40):
+                assert torch.equal(torch.ops.quickdraft_avx2.linear_f32(x[:rows], w, b), full[:rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", list(avx2.ACTIVATIONS))
+def test_the_activation_kernel_gives_each_element_one_result(dtype, activation):
+    """act_mul against PyTorch's ops (to the last bits of exp), and each row the same alone or among 50, whatever the
+    threads (ragged widths: tails through the vector code)."""
+    torch.manual_seed(0)
+    gate_up = (3 * torch.randn(50, 2 * 1027)).to(dtype)
+    full = torch.ops.quickdraft_avx2.act_mul(gate_up, avx2.ACTIVATIONS[activation])
+    want = avx2.act_mul_reference(gate_up, activation)
+    assert torch.allclose(full.float(), want.float(), atol=1e-5 if dtype == torch.float32 else 0.02, rtol=0.01)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3, 4):
+            torch.set_num_threads(threads)
+            for rows in (1, 3, 50):
+                got = torch.ops.quickdraft_avx2.act_mul(gate_up[:rows], avx2.ACTIVATIONS[activation])
+                assert torch.equal(got, full[:rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(before)

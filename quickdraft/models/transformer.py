@@ -23,29 +23,42 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import rope as ropes
+from quickdraft.quant import avx2
 from quickdraft.quant.gpu import ROW_TILE
 from quickdraft.runtime.kv_cache import KVCache, RecurrentState, Segments, TreeRows
+
+
+CPU_ROW_BLOCK = 32  # the most rows of one oneDNN bf16 GEMM call (linear)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, with a single row computed as one row of two (on CUDA: short passes as ROW_TILE rows).
 
     Kernels pick a different algorithm (a GEMV) for one row than for several, so the same row would get
-    slightly different results in a plain step (1 row) and in a verification (k + 1 rows); with oneDNN's
-    bf16 GEMM every row's result is otherwise independent of the row count. Padding keeps greedy
+    slightly different results in a plain step (1 row) and in a verification (k + 1 rows); oneDNN's bf16 GEMM gives
+    a row the same result in any pass of 2 to 32 rows (and another in a pass of more, for wide layers), so longer
+    passes (a prefill chunk, a batch) run in blocks of CPU_ROW_BLOCK rows. Padding keeps greedy
     speculative output identical to plain greedy output, for the cost of one extra activation row. cuBLAS
     chooses its algorithm by the row count at every size, so on CUDA every pass of fewer than ROW_TILE rows (a
-    mixture of experts' share of a pass, say) is computed as ROW_TILE rows.
+    mixture of experts' share of a pass, say) is computed as ROW_TILE rows. In float32 on the CPU, where MKL's
+    GEMM orders its sums by the row and thread counts, quickdraft's own kernel runs it (quant/avx2.py), each output
+    summed in one fixed order.
     """
+    if x.dtype == torch.float32 and not x.is_cuda and avx2.available():
+        return torch.ops.quickdraft_avx2.linear_f32(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if x.is_cuda:
         if rows >= ROW_TILE:
             return F.linear(x, weight, bias)
         padded = F.pad(x.reshape(rows, -1), (0, 0, 0, ROW_TILE - rows))
         return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
-    if rows != 1:
+    if rows == 1:
+        return F.linear(x.reshape(1, -1).expand(2, -1), weight, bias)[:1].reshape(*x.shape[:-1], -1)
+    if rows <= CPU_ROW_BLOCK:
         return F.linear(x, weight, bias)
-    return F.linear(x.reshape(1, -1).expand(2, -1), weight, bias)[:1].reshape(*x.shape[:-1], -1)
+    flat = x.reshape(rows, -1)
+    blocks = [F.linear(flat[i:i + CPU_ROW_BLOCK], weight, bias) for i in range(0, rows, CPU_ROW_BLOCK)]
+    return torch.cat(blocks).reshape(*x.shape[:-1], -1)
 
 
 class Linear(nn.Linear):
@@ -415,6 +428,8 @@ class FeedForward(nn.Module):
         gate_up = self.w13(x)
         if self.fused:
             return self.w2(torch.ops.quickdraft_vnni.silu_mul(gate_up.contiguous()))  # the same, fused
+        if not gate_up.is_cuda and gate_up.dtype != torch.float16 and avx2.available():  # the same in one fixed order, whatever the threads' split
+            return self.w2(torch.ops.quickdraft_avx2.act_mul(gate_up.contiguous(), avx2.ACTIVATIONS[self.activation]))
         gate, up = gate_up.chunk(2, dim=-1)
         active = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
         return self.w2(active * up)

@@ -128,6 +128,26 @@ def test_cpu_kernels_off_are_reported_with_the_fix(models, monkeypatch):
     assert "nothing to install" in doctor.kernels(target).message
 
 
+def test_the_kernel_path_and_whether_it_is_exact_are_named(paths, monkeypatch):
+    """bf16 on VNNI and float32 on the AVX2 kernels are exact (tests/test_exact_everywhere.py proves it); float32 on
+    PyTorch's GEMM is not, and doctor warns with the paths that are."""
+    from dataclasses import replace
+
+    from quickdraft.quant import avx2, vnni
+
+    float32 = load_model(str(paths[0]), replace(BF16, dtype="float32"), False)
+    if avx2.available():
+        finding = doctor.exactness(float32)
+        assert finding.level == "ok" and finding.message.startswith("AVX2 float32 kernels") and "bit-exact" in finding.message
+    if vnni.available():
+        assert doctor.exactness(load_model(str(paths[0]), BF16, False)).figures["bit_exact"]
+    monkeypatch.setattr(avx2, "available", lambda: False)
+    finding = doctor.exactness(float32)
+    assert finding.level == "warn" and "NOT proven bit-exact" in finding.message and "AVX2" in finding.message
+    assert finding.figures == {"path": "generic (PyTorch's kernels), float32 compute", "dtype": "float32",
+                               "bit_exact": False}
+
+
 def test_loading_says_converted_or_read_back_and_warns_when_graphs_are_off(paths, tmp_path, monkeypatch):
     from dataclasses import replace
 

@@ -50,7 +50,9 @@ def test_the_server_says_where_it_listens_and_how_to_call_it(server):
     assert server.base_url.startswith("http://127.0.0.1:")
     assert server.printed[1] == f"chat page: {server.url}/\n"
     assert server.printed[2] == "cache: 4 kept sequences of up to 1024 tokens\n"  # what the kept conversations may hold
-    assert server.printed[3].startswith(f"try: curl {server.url}/v1/chat/completions")
+    # the kernel path, the compute dtype and whether output is bit-exact there (runtime/plan.cpu_path)
+    assert server.printed[3].startswith("kernels: ") and "compute" in server.printed[3] and "exact" in server.printed[3]
+    assert server.printed[4].startswith(f"try: curl {server.url}/v1/chat/completions")
 
 
 def test_models_lists_the_target(client):

@@ -452,6 +452,7 @@ def cmd_demo(args) -> int:
 def cmd_serve(args) -> int:
     from quickdraft.config import SamplingParams, SpeculationConfig
     from quickdraft.server.app import LOOPBACK_NAMES, ServerState, create_app
+    from quickdraft.runtime.plan import cpu_path_line
     from quickdraft.server.connections import serve
     from quickdraft.server.metrics import Metrics
     from quickdraft.server.worker import EngineWorker
@@ -502,6 +503,7 @@ def cmd_serve(args) -> int:
           f"request{'s' if parallel > 1 else ''} in parallel) at {url}/v1", flush=True)
     print(f"chat page: {url}/", flush=True)
     print(f"cache: {worker.llm.cache_summary()}", flush=True)
+    print(f"kernels: {cpu_path_line(target)}", flush=True)
     auth = ' -H "Authorization: Bearer $QUICKDRAFT_API_KEY"' if api_key else ""  # the key itself is never printed
     print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           """-d '{"messages": [{"role": "user", "content": "Write hello world in C"}], "max_tokens": 64}'""",

@@ -63,3 +63,34 @@ def kernel_of(module) -> str:
     if getattr(module, "on_cuda", False):
         return "quickdraft Triton" if getattr(module, "triton", False) else "PyTorch"
     return "quickdraft" if module.vnni else "PyTorch"
+
+
+def cpu_path(model) -> tuple[str, bool]:
+    """The kernel path a loaded model (weights/loader.LoadedModel) runs on, named as a user reads it, and whether speculation, prefix reuse and
+    batching give its output bit for bit there (what the suite proves: tests/test_exact_everywhere.py). A model
+    on CUDA: ("CUDA", True)."""
+    from quickdraft.quant import avx2, vnni
+
+    if model.device.type == "cuda":
+        return "CUDA", True
+    dtype = str(model.model.dtype).removeprefix("torch.")
+    if model.model.dtype == torch.bfloat16:
+        if vnni.available():
+            return "AVX-512 VNNI kernels, bfloat16 compute", True
+        quantized = model.weights in ("int8", "int4", "mixed")
+        return (f"PyTorch's kernels ({model.weights} weights), bfloat16 compute", not quantized)
+    if model.model.dtype == torch.float32 and avx2.available():
+        quantized = model.weights in ("int8", "int4", "mixed")
+        return (f"AVX2 float32 kernels ({model.weights} weights on PyTorch's)" if quantized
+                else "AVX2 float32 kernels, float32 compute", not quantized)
+    return f"generic (PyTorch's kernels), {dtype} compute", False
+
+
+def cpu_path_line(model) -> str:
+    """cpu_path as one line: serve's start and doctor print it."""
+    path, exact = cpu_path(model)
+    if exact:
+        return f"{path}: output bit-exact with speculation, prefix reuse and batching"
+    return (f"{path}: NOT proven bit-exact (PyTorch's kernels may order a row's sums by the rows and threads of a "
+            "pass: speculation may change logprobs, and tokens at near ties); the exact paths are bfloat16 on a CPU "
+            "with AVX-512 VNNI and float32 --weights bf16 on one with AVX2 and FMA (--dtype)")

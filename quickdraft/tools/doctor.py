@@ -90,6 +90,11 @@ def kernels(*models) -> Finding:
         return Finding("kernels", "warn" if slow else "ok", f"CUDA: {', '.join(layers)} ({formats}){passes}{slow}",
                        figures)
     if not any(m.device.type == "cpu" and m.model.dtype == torch.bfloat16 for m in models):
+        from quickdraft.quant import avx2
+
+        if any(m.device.type == "cpu" and m.model.dtype == torch.float32 for m in models) and avx2.available():
+            return Finding("kernels", "ok", f"quickdraft's AVX2 float32 kernels: linear layers and activations "
+                           f"({formats})", figures)
         return Finding("kernels", "ok", f"not on a bf16 CPU path ({formats})", figures)
     if vnni.available():
         steps = [(m, m.plan.get("fused_layers", 0), m.plan.get("layers", 0)) for m in models]
@@ -103,6 +108,16 @@ def kernels(*models) -> Finding:
            else "PyTorch's slower ops are used; nothing to install")
     return Finding("kernels", "warn", f"quickdraft's CPU kernels are off: {reason}; {fix} ({formats})",
                    {**figures, "reason": reason})
+
+
+def exactness(target) -> Finding:
+    """The target's kernel path and compute dtype, and whether its output is bit-exact there with speculation, prefix
+    reuse and batching (runtime/plan.cpu_path): a warning where it is not."""
+    from quickdraft.runtime import plan
+
+    path, exact = plan.cpu_path(target)
+    return Finding("exactness", "ok" if exact else "warn", plan.cpu_path_line(target),
+                   {"path": path, "dtype": str(target.model.dtype).removeprefix("torch."), "bit_exact": exact})
 
 
 def machine_defaults(target) -> Finding:
@@ -324,7 +339,7 @@ def run(llm, draft, available: int | None = None, prompt: list[int] | None = Non
     findings = [planned] if planned is not None else []
     findings += [placement(target.model, target.device, "target")]
     findings += [placement(m.model, m.device, "draft") for m in drafts]
-    findings += [kernels(target, *drafts), machine_defaults(target), loading(target, *drafts),
+    findings += [kernels(target, *drafts), exactness(target), machine_defaults(target), loading(target, *drafts),
                  draft_device(target.device, first.device if first else None), tokenizer]
     resolved = llm.drafts.resolve(draft)
     engine = llm.engine_for(resolved if tokenizer.level != "error" else NONE, llm.engine.speculation)

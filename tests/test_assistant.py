@@ -102,7 +102,9 @@ def test_a_step_equals_transformers(target_dir, assistant_dir):
             logits = drafter._step(token)[0, -1]
             errors = (float((logits - logits_want).abs().max()), float((drafter.hidden[0, -1] - hidden_want).abs().max()))
             print(f"assistant step against transformers: logits {errors[0]:.1e}, hidden {errors[1]:.1e}")
-            assert errors[0] <= 1e-5 * max(1.0, float(logits_want.abs().max())) and errors[1] <= 1e-5
+            # float32 summed in another order than transformers' (quickdraft's fixed-order kernel): some 100 ulps apart
+            assert errors[0] <= 2e-5 * max(1.0, float(logits_want.abs().max()))
+            assert errors[1] <= 2e-5 * max(1.0, float(hidden_want.abs().max()))
             assert int(logits.argmax()) == int(logits_want.argmax())
             token = int(logits.argmax())
 

@@ -22,7 +22,7 @@ PROMPTS = {
     "chinese": "请用中文详细解释快速排序算法的原理，并分析它的时间复杂度。",
     "summary": "Summarize the following text in a few sentences, reusing its wording:\n\n" + "\n\n".join(ARTICLE),
 }
-N = 64  # past the first rounds' commits and rollbacks on each prompt; the summary's copied wording
+N = 40  # past the first rounds' commits and rollbacks on each prompt; the summary's copied wording
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,10 @@ model's own cache) and the tokens the cache holds; a request whose prompt begins
 only the rest. A chat or an agent resends its whole history every turn, so each turn after the first prefills only
 what is new.
 
-Reuse is exact: every pass the engine runs computes each row the way a one-token step computes it (row-invariant
-kernels, prefill in row-wise chunks: engine/engine.py), so a position's keys and values are the same bits whether a
+Reuse is exact where the kernels give a row the same bits whatever rows and threads share its pass
+(runtime/plan.cpu_path names those paths: bf16 on a CPU with AVX-512 VNNI, float32 from float weights on one with
+AVX2 and FMA, CUDA): there every pass the engine runs computes each row the way a one-token step computes it
+(prefill in row-wise chunks: engine/engine.py), so a position's keys and values are the same bits whether a
 prefill, a decoding step or a verification wrote them, in this request or in an earlier one.
 
 A hybrid model's recurrent state cannot roll back further than the positions it keeps (runtime/kv_cache.HISTORY):

@@ -127,13 +127,15 @@ def test_a_second_conversation_under_the_same_system_prompt_copies_it_rather_tha
     """An agent's sub-agent, or a second chat, begins with the same system prompt: the common prefix is copied into
     another slot, and the first conversation keeps its whole history for its next turn."""
     target, _ = pair
-    engine = Engine(target, 256, slots=2)
+    engine, cold = Engine(target, 256, slots=2), Engine(target, 256)
     first = SYSTEM + TURNS[0]
     answer, _ = generate(engine, first, GREEDY)
-    _, t = generate(engine, SYSTEM + TURNS[1], GREEDY)
+    second, t = generate(engine, SYSTEM + TURNS[1], GREEDY)
     assert t.cache_n == len(SYSTEM)
-    _, t = generate(engine, first + answer + TURNS[2], GREEDY)
+    assert second == generate(cold, SYSTEM + TURNS[1], GREEDY, reuse=False)[0]  # the copy gives a cold start's answer
+    third, t = generate(engine, first + answer + TURNS[2], GREEDY)
     assert t.cache_n >= len(first) + len(answer) - 1
+    assert third == generate(cold, first + answer + TURNS[2], GREEDY, reuse=False)[0]
     one = Engine(target, 256, slots=1)  # with a single slot the second conversation takes it over
     generate(one, first, GREEDY)
     generate(one, SYSTEM + TURNS[1], GREEDY)

@@ -44,7 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     GEMM orders its sums by the row and thread counts, quickdraft's own kernel runs it (quant/avx2.py), each output
     summed in one fixed order.
     """
-    if x.dtype == torch.float32 and not x.is_cuda and avx2.available():
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and not x.is_cuda and avx2.available():
         return torch.ops.quickdraft_avx2.linear_f32(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     if x.is_cuda:

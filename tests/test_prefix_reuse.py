@@ -123,6 +123,35 @@ def test_slots_keep_several_conversations_and_reuse_the_least_recently_used(pair
     assert len(engine.slots.slots) == 2
 
 
+def test_a_prompt_sent_again_takes_its_own_slot_and_leaves_the_others(pair):
+    """A client sending the same prompt again (a retry, a regenerate, the same question from several agents) reuses
+    its slot, and does not copy its beginning over another conversation's slot (it once did: the prompt less its last
+    token looked like another conversation)."""
+    target, _ = pair
+    engine = Engine(target, 256, slots=3)
+    a, b, c = (SYSTEM[:40] + [i] * 30 for i in (1, 2, 3))
+    for prompt in (a, b, c):
+        generate(engine, prompt, GREEDY)
+    for prompt in (a, b, c, b, a):
+        assert generate(engine, prompt, GREEDY)[1].cache_n == len(prompt) - 1
+
+
+def test_a_slot_a_waiting_request_would_reuse_is_left_to_it(pair):
+    """Requests arriving together: a new conversation taking a slot leaves alone the one a request still waiting
+    would reuse, and takes the least recently used of the others."""
+    target, _ = pair
+    engine = Engine(target, 256, slots=2)
+    a, b, c = (SYSTEM[:40] + [i] * 30 for i in (1, 2, 3))
+    for prompt in (a, b):
+        generate(engine, prompt, GREEDY)
+    slot_of = {id(engine.slots._best(p, engine.slots.slots)): name for name, p in (("a", a), ("b", b))}
+    slot, n = engine.slots.take(c, wanted=[a + [5, 6]])  # a's slot is the least recently used: a waits for it
+    assert n == 40 and slot_of[id(slot)] == "b"
+    slot.busy = False
+    slot, _ = engine.slots.take(a + [5, 6])
+    assert slot_of[id(slot)] == "a" and slot.reusable(a + [5, 6]) == len(a)
+
+
 def test_a_second_conversation_under_the_same_system_prompt_copies_it_rather_than_cut_the_first(pair):
     """An agent's sub-agent, or a second chat, begins with the same system prompt: the common prefix is copied into
     another slot, and the first conversation keeps its whole history for its next turn."""
@@ -237,7 +266,7 @@ def test_a_copied_prefix_brings_the_drafts_share_along(pair):
     engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC, slots=2)
     generate(engine, SYSTEM + TURNS[0], GREEDY)
     source = engine.last
-    copy = engine.slots._free(avoid=source)
+    copy = engine.slots._free({source})
     assert copy.copy_prefix(source, len(SYSTEM))
     assert copy.tokens == SYSTEM and copy.cache.length == len(SYSTEM)
     assert copy.drafter is not source.drafter and copy.drafter.tokens == SYSTEM

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -37,12 +37,13 @@ class Batch:
         return max(0, min(self.parallel - len(self.active), self.engine.slots.free()))
 
     def add(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
-            halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True) -> Sequence:
-        """Start a sequence (Engine.generate's arguments): its prefill runs in the next steps. QuickdraftError if it
+            halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True,
+            wanted: Iterable[list[int]] = ()) -> Sequence:
+        """Start a sequence (Engine.start's arguments): its prefill runs in the next steps. QuickdraftError if it
         does not fit the context; RuntimeError without room."""
         if self.room() == 0:
             raise RuntimeError(f"the batch runs {len(self.active)} sequences, its most")
-        s = self.engine.start(prompt, params, speculation, halt, constraint, reuse)
+        s = self.engine.start(prompt, params, speculation, halt, constraint, reuse, wanted)
         self.active.append(s)
         return s
 

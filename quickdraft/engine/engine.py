@@ -13,7 +13,7 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
@@ -167,15 +167,17 @@ class Engine:
                 self.release(s)
 
     def start(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
-              halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True) -> Sequence:
+              halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True,
+              wanted: Iterable[list[int]] = ()) -> Sequence:
         """A sequence for prompt, in a slot of its own (generate's arguments), not yet prefilled: `step` it until it
-        ends (it is then released), or `release` it. QuickdraftError if the prompt fills the context; max_tokens beyond
+        ends (it is then released), or `release` it. wanted: the prompts of requests waiting their turn, whose kept
+        slots this one leaves alone where it can (Slots.take). QuickdraftError if the prompt fills the context; max_tokens beyond
         it are capped to the room left (the generation then ends with "length" there, as OpenAI's and llama-server's
         do)."""
         self.check_fits(len(prompt))
         if len(prompt) + params.max_tokens > self.context:
             params = dataclasses.replace(params, max_tokens=self.context - len(prompt))
-        slot, reused = self.slots.take(prompt, reuse)
+        slot, reused = self.slots.take(prompt, reuse, wanted)
         self.last = slot
         speculation = speculation or self.speculation
         drafter = slot.drafter if speculation.draft_max > 0 else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from quickdraft.runtime.kv_cache import KVCache
 
@@ -42,7 +42,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself: compared and kept in sets by identity
 class Slot:
     cache: KVCache
     drafter: object | None  # the slot's own drafter (speculative/base.Drafter), None without speculation
@@ -145,27 +145,48 @@ class Slots:
         self.slots: list[Slot] = []
         self.clock = itertools.count(1)
 
-    def take(self, prompt: list[int], reuse: bool = True) -> tuple[Slot, int]:
-        """A slot for prompt and how many of its leading tokens the slot already holds (0 without reuse)."""
+    def take(self, prompt: list[int], reuse: bool = True, wanted: Iterable[list[int]] = ()) -> tuple[Slot, int]:
+        """A slot for prompt and how many of its leading tokens the slot already holds (0 without reuse). wanted: the
+        prompts of requests waiting their turn; a slot one of them would reuse is not given to another conversation
+        (copied into, or forgotten) while any other slot can be."""
         idle = [s for s in self.slots if not s.busy]
-        best = max(idle, key=lambda s: (s.reusable(prompt), s.used), default=None) if reuse else None
+        best = self._best(prompt, idle) if reuse else None
         n = best.reusable(prompt) if best is not None else 0
         if best is not None and n >= MIN_REUSE:
             # a prompt that leaves best's last prompt (not merely its answer, which a client may send back tokenized
-            # otherwise) is another conversation sharing a beginning: keep best's, and copy the beginning
-            if n < best.prompt_n and len(idle) + (len(self.slots) < self.count) > 1:
-                other = self._free(avoid=best)
-                if other.copy_prefix(best, n):
+            # otherwise; nor a prompt sent again whole) is another conversation sharing a beginning: keep best's, and
+            # copy the beginning
+            if (common_prefix(best.tokens, prompt) < best.prompt_n
+                    and len(idle) + (len(self.slots) < self.count) > 1):
+                kept = self._kept_for(wanted, idle)
+                other = self._free({best}, kept)
+                # best is cut rather than a slot a waiting request would reuse overwritten
+                if (other not in kept or best in kept) and other.copy_prefix(best, n):
                     return self._taken(other, n, prompt)
             best.keep(n)
             return self._taken(best, n, prompt)
-        slot = self._free()
+        slot = self._free(set(), self._kept_for(wanted, idle))
         slot.forget()
         return self._taken(slot, 0, prompt)
 
-    def _free(self, avoid: Slot | None = None) -> Slot:
-        """An empty slot, else a new one while fewer than count exist, else the least recently used (not `avoid`)."""
-        idle = [s for s in self.slots if not s.busy and s is not avoid]
+    @staticmethod
+    def _best(prompt: list[int], idle: list[Slot]) -> Slot | None:
+        """The idle slot holding the longest reusable beginning of prompt (the most recently used of equals)."""
+        return max(idle, key=lambda s: (s.reusable(prompt), s.used), default=None)
+
+    def _kept_for(self, wanted: Iterable[list[int]], idle: list[Slot]) -> set[Slot]:
+        """The idle slots the waiting prompts would reuse."""
+        kept = set()
+        for prompt in wanted:
+            best = self._best(prompt, idle)
+            if best is not None and best.reusable(prompt) >= MIN_REUSE:
+                kept.add(best)
+        return kept
+
+    def _free(self, avoid: set[Slot] = frozenset(), kept: set[Slot] = frozenset()) -> Slot:
+        """An empty slot, else a new one while fewer than count exist, else the least recently used idle one (never
+        one in `avoid`; one in `kept` only where every other is)."""
+        idle = [s for s in self.slots if not s.busy and s not in avoid]
         empty = next((s for s in idle if not s.tokens), None)
         if empty is not None:
             return empty
@@ -174,7 +195,7 @@ class Slots:
             return self.slots[-1]
         if not idle:
             raise RuntimeError(f"all {self.count} slots are running sequences")
-        return min(idle, key=lambda s: s.used)
+        return min(idle, key=lambda s: (s in kept, s.used))
 
     def free(self) -> int:
         """How many more sequences can run now (slots not running one, made or still to be made)."""

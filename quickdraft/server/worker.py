@@ -232,12 +232,17 @@ class EngineWorker:
             job.put(Cancelled())
             return
         try:
-            s = batch.add(job.prompt, job.params, job.speculation, job.halt, job.constraint, job.reuse)
+            s = batch.add(job.prompt, job.params, job.speculation, job.halt, job.constraint, job.reuse, self._waiting())
         except Exception as e:  # noqa: BLE001 -- the request's (a context the handler did not check): it fails alone
             job.put(Failed(say(e), 400 if isinstance(e, QuickdraftError) else 500))
             return
         self.running[id(s)] = Stream(job, self.engine.target.tokenizer)
         self.metrics.running.set(len(batch.active))
+
+    def _waiting(self) -> list[list[int]]:
+        """The prompts of the jobs still queued (their kept slots are left to them: Slots.take)."""
+        with self.pending.mutex:
+            return [job.prompt for job in self.pending.queue if job is not None and job.reuse and not job.cancelled]
 
     def _deliver(self, s, item) -> None:
         """A sequence's event (or the exception it failed with), to its job."""

@@ -176,6 +176,24 @@ def metric(server, name, **labels) -> float:
     return 0.0
 
 
+def test_metrics_count_the_prefix_cache_and_slots_show_what_they_hold(client, server):
+    """A prompt sent twice: the second takes all but its last token from its slot, counted as vLLM counts its prefix
+    cache (tokens looked up, tokens found); GET /slots lists the slots as llama-server's does (counts, no text)."""
+    before = {n: metric(server, f"quickdraft_{n}_total") for n in ("prefix_cache_queries", "prefix_cache_hits")}
+    first = chat(client, PROMPTS[1], max_tokens=8, **GREEDY).model_extra["timings"]
+    again = chat(client, PROMPTS[1], max_tokens=8, **GREEDY).model_extra["timings"]
+    assert again["cache_n"] == first["prompt_n"] + first["cache_n"] - 1  # its whole prompt but the last token
+    assert (metric(server, "quickdraft_prefix_cache_hits_total") - before["prefix_cache_hits"]
+            == first["cache_n"] + again["cache_n"])
+    assert (metric(server, "quickdraft_prefix_cache_queries_total") - before["prefix_cache_queries"]
+            == first["prompt_n"] + first["cache_n"] + again["prompt_n"] + again["cache_n"])  # the whole prompts
+    assert metric(server, "quickdraft_prefix_cache_bytes") > 0 and metric(server, "quickdraft_prefix_cache_evictions") >= 0
+    slots = server.get("/slots").json()
+    assert slots and all(set(s) == {"id", "is_processing", "n_ctx", "n_tokens", "n_prompt_last", "last_used", "bytes"}
+                         for s in slots)
+    assert max(s["n_tokens"] for s in slots) >= again["cache_n"] and not any(s["is_processing"] for s in slots)
+
+
 def test_metrics_count_drafted_and_accepted_tokens(client, server):
     before = {n: metric(server, f"quickdraft_{n}_total") for n in
               ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "generation_tokens")}

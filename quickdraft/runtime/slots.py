@@ -142,6 +142,7 @@ class Slots:
             raise ValueError("at least one slot")
         self.make, self.count, self.budget = make, count, budget
         self.dropped = 0  # conversations dropped to keep within the budget
+        self.evicted = 0  # conversations forgotten, or overwritten by a copied beginning, for another conversation
         self.slots: list[Slot] = []
         self.clock = itertools.count(1)
 
@@ -161,11 +162,14 @@ class Slots:
                 kept = self._kept_for(wanted, idle)
                 other = self._free({best}, kept)
                 # best is cut rather than a slot a waiting request would reuse overwritten
+                held = bool(other.tokens)
                 if (other not in kept or best in kept) and other.copy_prefix(best, n):
+                    self.evicted += held
                     return self._taken(other, n, prompt)
             best.keep(n)
             return self._taken(best, n, prompt)
         slot = self._free(set(), self._kept_for(wanted, idle))
+        self.evicted += bool(slot.tokens)
         slot.forget()
         return self._taken(slot, 0, prompt)
 
@@ -223,6 +227,12 @@ class Slots:
 
     def used_bytes(self) -> int:
         return sum(s.used_bytes() for s in self.slots)
+
+    def view(self) -> list[dict]:
+        """Each slot as llama-server's GET /slots shows it (counts, never the tokens)."""
+        return [{"id": i, "is_processing": s.busy, "n_ctx": s.cache.capacity, "n_tokens": len(s.tokens),
+                 "n_prompt_last": s.prompt_n, "last_used": s.used, "bytes": s.used_bytes()}
+                for i, s in enumerate(self.slots)]
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.slots)

@@ -112,7 +112,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics():
         state.metrics.tasks.set(len(asyncio.all_tasks()))
         state.metrics.compiles.set(len(state.sandbox.compiling) if state.sandbox is not None else 0)
+        slots = state.engine.slots
+        state.metrics.cache_evictions.set(slots.evicted + slots.dropped)
+        state.metrics.cache_bytes.set(slots.used_bytes())
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/slots")
+    async def slots():
+        """The kept slots, as llama-server's GET /slots: which run a request, how many tokens each holds."""
+        return state.engine.slots.view()
 
     def model_card(name: str) -> dict:
         engine = state.engine

@@ -41,6 +41,17 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (prefill included)",
                               buckets=LATENCY_BUCKETS, registry=r)
+        # the kept slots (runtime/slots.py), as vLLM counts its prefix cache: prompt tokens looked up and found
+        self.cache_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the kept slots",
+                                     registry=r)
+        self.cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens a kept slot held (not prefilled again)",
+                                  registry=r)
+        self.cache_requests = Counter(p + "prefix_cache_requests_reused", "Requests that reused a kept slot's tokens",
+                                      registry=r)
+        self.cache_evictions = Gauge(p + "prefix_cache_evictions", "Kept conversations given up for others: forgotten "
+                                     "for a new one, or dropped to stay within --cache-ram", registry=r)
+        self.cache_bytes = Gauge(p + "prefix_cache_bytes", "Bytes the kept slots hold (--cache-ram bounds them)",
+                                 registry=r)
 
     def record_generation(self, finish_reason: str, completion_n: int, timings: Timings, stats: SpeculationStats) -> None:
         self.finished.labels(finish_reason).inc()
@@ -49,6 +60,10 @@ class Metrics:
         self.draft_tokens.inc(stats.draft_n)
         self.accepted_tokens.inc(stats.draft_n_accepted)
         self.drafts.inc(stats.rounds)
+        self.cache_queries.inc(timings.prompt_n)
+        self.cache_hits.inc(timings.cache_n)
+        if timings.cache_n:
+            self.cache_requests.inc()
         if completion_n:
             self.ttft.observe(timings.ttft_s)
 

@@ -8,6 +8,13 @@ llama-server -np N plain and with the 0.5B draft (-md). Prints aggregate tok/s (
 stream's own decode tok/s, medians over the cells (a cell: N streams started together; --cells of them per N).
 
     .venv/bin/python scripts/bench_parallel.py [-n 256] [--cells 2] [--streams 1,2,4,8]
+
+--mixed: the mixed case instead: four requests (a code task, a Chinese question, an extraction, a ~1,000-token text to
+summarise; -n greedy tokens each) answered one after another, then the same four sent at once, against llama-server
+-np 4 (its prompt cache on) on the same GGUF: the aggregate tok/s at once, each request's cache_n (prompt tokens taken
+from the cache) and decode tok/s at once, and whether each answer at once equals its answer alone.
+
+    .venv/bin/python scripts/bench_parallel.py --mixed [-n 128] [--cells 2]
 """
 
 from __future__ import annotations
@@ -41,13 +48,80 @@ def cells(endpoint: remote.Endpoint, texts: list[str], n: int, streams: int, cou
     return {key: figures.median(key) for key in ("aggregate", "stream", "ttft")}
 
 
+EXTRACTION = ("Extract every person's name and the date they joined as a JSON list of objects with keys name and date: "
+              "Alice joined the team on 3 May 2021, Bob on 14 February 2022, and Carol, who had interned the year "
+              "before, on 7 June 2023.")
+
+
+def mixed_texts() -> dict[str, str]:
+    return {"code": bundled.text("code-en"), "question": bundled.text("qa-zh"), "extraction": EXTRACTION,
+            "summary": "Summarize the following text in three sentences:\n\n" + bundled.text("long-1k")[:4000]}
+
+
+def mixed(name: str, endpoint: remote.Endpoint, n: int, count: int, figures: Figures) -> None:
+    """`count` cells: the four answered alone, then together; figures by (name, figure) and (name, request, figure)."""
+    texts = mixed_texts()
+    for _ in range(count):
+        alone = {key: endpoint.complete(text, n) for key, text in texts.items()}
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(texts)) as pool:
+            together = dict(zip(texts, pool.map(lambda text: endpoint.complete(text, n), texts.values())))
+        wall = time.perf_counter() - t0
+        figures.add((name, "aggregate"), sum(r.n for r in together.values()) / wall)
+        figures.add((name, "one by one"), sum(r.n for r in alone.values()) / sum(r.seconds for r in alone.values()))
+        for key, r in together.items():
+            figures.add((name, key, "cache_n"), r.cache_n)
+            figures.add((name, key, "decode"), r.decode_tok_s)
+            figures.add((name, key, "same"), float(r.text == alone[key].text))
+        print(f"bench_parallel --mixed: {name}: aggregate {figures.samples[name, 'aggregate'][-1]:.2f} tok/s",
+              file=sys.stderr, flush=True)
+
+
+def main_mixed(args) -> int:
+    print(f"machine: {machine()}", flush=True)
+    target = hub.model_path(hub.DEFAULT_TARGET)
+    figures, names = Figures(), ["quickdraft (default)"]
+    server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "8192", "--parallel", "4", startup_timeout=600)
+    try:
+        endpoint = remote.Endpoint(server.base_url)
+        endpoint.check()
+        endpoint.complete("Hello", 4)  # warm-up
+        mixed(names[0], endpoint, args.n, args.cells, figures)
+    finally:
+        server.stop()
+    if not args.skip_llama:
+        names.append("llama-server -np 4")
+        llama = LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", "8192", "-np", "4")
+        try:
+            endpoint = remote.Endpoint(llama.url)
+            endpoint.check()
+            endpoint.complete("Hello", 4)
+            mixed(names[1], endpoint, args.n, args.cells, figures)
+        finally:
+            llama.stop()
+    keys = list(mixed_texts())
+    print(f"\nfour requests of {args.n} greedy tokens, alone then at once; medians over {args.cells} cells")
+    print(f"{'deployment':22} {'one by one':>10} {'at once':>8} " + " ".join(f"{k + ' cache_n/tok/s/same':>28}" for k in keys))
+    for name in names:
+        row = " ".join(f"{figures.median((name, k, 'cache_n')) or 0:10.0f} {figures.median((name, k, 'decode')):8.2f} "
+                       f"{figures.median((name, k, 'same')):8.2f}" for k in keys)
+        print(f"{name:22} {figures.median((name, 'one by one')):10.2f} {figures.median((name, 'aggregate')):8.2f} {row}")
+    ratio = figures.ratio((names[0], "aggregate"), (names[-1], "aggregate"))
+    if len(names) > 1 and ratio:
+        print(f"at once: quickdraft {ratio:.2f}x llama-server -np 4's aggregate")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=256, help="greedy tokens a stream (default: %(default)s)")
     ap.add_argument("--cells", type=int, default=2, help="cells per stream count (default: %(default)s)")
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--mixed", action="store_true", help="the mixed case (see above) instead")
     args = ap.parse_args()
+    if args.mixed:
+        return main_mixed(args)
     print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     counts = [int(x) for x in args.streams.split(",")]
     target, draft = (hub.model_path(a) for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT))

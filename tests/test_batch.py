@@ -131,9 +131,10 @@ def alone(target, draft, kind, request):
     return [e.token for e in events if e.token is not None], events[-1].finish_reason
 
 
-def batched(target, draft, kind, reqs, parallel=3, cancel_after=None):
+def batched(target, draft, kind, reqs, parallel=3, cancel_after=None, rejected=None):
     """Run reqs through a Batch of `parallel` sequences, each arriving once there is room (late arrivals):
-    {request index: (tokens, finish reason)}; request cancel_after[0] is cancelled after cancel_after[1] tokens."""
+    {request index: (tokens, finish reason)}; request cancel_after[0] is cancelled after cancel_after[1] tokens.
+    rejected: a list given gets the drafts rejected on each step that ran several sequences (rollbacks in a batch)."""
     engine = Engine(target, CTX, make_drafter(kind, target, draft), SpeculationConfig(draft_max=4),
                     slots=parallel + 1)
     batch = Batch(engine, parallel)
@@ -161,7 +162,10 @@ def batched(target, draft, kind, reqs, parallel=3, cancel_after=None):
                           engine.constraint(grammar) if grammar else None)
             index[id(s)] = len(reqs) - len(waiting) - 1
         together = len(batch.active) > 1
+        stepped = [(q, q.stats.draft_n - q.stats.draft_n_accepted) for q in batch.active]
         batch.step(deliver)
+        if together and rejected is not None:
+            rejected.append(sum(q.stats.draft_n - q.stats.draft_n_accepted - before for q, before in stepped))
         rows.append(batch.last_rows)
         steps += 1
     return out, rows, drafted
@@ -173,10 +177,12 @@ def test_every_sequence_of_a_batch_gets_what_it_gets_alone(pair, kind, sampled):
     target, draft = pair
     reqs = requests(target, sampled)
     want = [alone(target, draft, kind, r) for r in reqs]
-    got, rows, drafted = batched(target, draft, kind, reqs)
+    rejected = []
+    got, rows, drafted = batched(target, draft, kind, reqs, rejected=rejected)
     assert [got[i] for i in range(len(reqs))] == want
     assert max(rows) > 8  # passes held several sequences' rows (a prefill chunk beside decoding ones)
     assert kind in ("none", "ngram") or max(drafted) > 0  # and their drafts (lookup's depend on the text)
+    assert kind in ("none", "ngram") or sum(rejected) > 0  # some cut in a batched pass: the rollback path
 
 
 def test_hybrid_sequences_roll_back_their_own_recurrent_states_in_a_batch(tmp_path):

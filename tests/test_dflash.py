@@ -235,9 +235,9 @@ def test_a_resent_prompt_reuses_the_drafters_context(target_dir, drafter_dir):
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_sampled_output_has_the_target_distribution(tmp_path, kind):
-    """Unseeded at T = 0.7 with k = 2, over a vocabulary of 24 (where a random drafter's guesses are often
-    accepted): the second token emitted (the round's first draft, or the residual after its rejection) is
-    distributed as the target's two-step distribution (chi-square)."""
+    """Unseeded at T = 0.7 with chains of 2 drafts, over a vocabulary of 24 (where a random drafter's guesses are often
+    accepted): the second and third tokens emitted (from the one round verifying both drafts: each a kept draft or the
+    residual after a rejection) are distributed as the target's two- and three-step distributions (chi-square)."""
     from quickdraft import sampling
     from quickdraft.tools.verify import chi_square
 
@@ -247,28 +247,38 @@ def test_sampled_output_has_the_target_distribution(tmp_path, kind):
     path = tmp_path / "d"
     target = load_model(str(tdir), F32, progress=False)
     prompt, V = [1, 2, 3], target.config.vocab_size
-    params = SamplingParams(temperature=0.7, max_tokens=3, stop_at_eos=False)
-    exact = torch.zeros(V, dtype=torch.float64)
+    params = SamplingParams(temperature=0.7, max_tokens=4, stop_at_eos=False)  # a draft budget of 2 after the first
+    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
+
+    def dist(cache, tokens):
+        return sampling.process(target.forward(torch.tensor([tokens]), cache, last_only=True)[0], params)[0].double()
+
     with torch.no_grad():
         cache = KVCache.for_model(target.model, 16)
-        p1 = sampling.process(target.forward(torch.tensor([prompt]), cache, last_only=True)[0], params)[0].double()
+        p1 = dist(cache, prompt)
         for t1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
             cache.rollback(len(prompt))
-            p2 = sampling.process(target.forward(torch.tensor([[t1]]), cache)[0], params)[0]
-            exact += p1[t1] * p2.double()
+            p2 = dist(cache, [t1])
+            second += p1[t1] * p2
+            for t2 in torch.nonzero(p2 > 1e-9).flatten().tolist():
+                cache.rollback(len(prompt) + 1)
+                third += p1[t1] * p2[t2] * dist(cache, [t2])
     spec = SpeculationConfig(draft_max=2, adaptive=False, p_min=0.0)
     engine = Engine(target, 16, build(target, path, F32, spec), spec)
-    counts = torch.zeros(V, dtype=torch.float64)
+    counts = torch.zeros(2, V, dtype=torch.float64)
     torch.manual_seed(0)
     draws, accepted = 500, 0
     for _ in range(draws):
         events = list(engine.generate(prompt, params))
         tokens = [e.token for e in events if e.token is not None]
-        counts[tokens[1]] += 1
+        counts[0, tokens[1]] += 1
+        counts[1, tokens[2]] += 1
         accepted += events[-1].stats.draft_n_accepted
+        assert events[-1].stats.k_history[0] == 2  # the first round verified a chain of 2
     assert 0 < accepted
-    _, dof, p_value = chi_square(counts, exact)
-    assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
+    for i, exact in enumerate((second, third)):
+        _, dof, p_value = chi_square(counts[i], exact)
+        assert dof >= 3 and p_value > 1e-3, (i, counts[i] / draws, exact)
 
 
 def test_sequences_in_a_batch_get_what_they_get_alone(target_dir, drafter_dir):

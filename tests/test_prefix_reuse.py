@@ -36,18 +36,21 @@ def build(name: str, path):
     return save(tiny_model(name), path)
 
 
-def generate(engine, prompt, params, reuse=True):
+def generate(engine, prompt, params, reuse=True, rounds=None):
+    """The answer's tokens and timings; rounds: a list given gets the speculative rounds it verified."""
     events = list(engine.generate(prompt, params, reuse=reuse))
+    if rounds is not None:
+        rounds.append(events[-1].stats.rounds)
     return [e.token for e in events if e.token is not None], events[-1].timings
 
 
-def conversation(engine, params, reuse=True):
+def conversation(engine, params, reuse=True, rounds=None):
     """Three turns, each prompt the whole history (the last answer included) and a new user turn, as a chat client
-    sends it: (the answers, how many prompt tokens each turn reused)."""
+    sends it: (the answers, how many prompt tokens each turn reused); rounds: as generate's, per turn."""
     history, answers, reused = list(SYSTEM), [], []
     for turn in TURNS:
         prompt = history + turn
-        tokens, timings = generate(engine, prompt, params, reuse)
+        tokens, timings = generate(engine, prompt, params, reuse, rounds)
         answers.append(tokens)
         reused.append(timings.cache_n)
         history = prompt + tokens
@@ -87,9 +90,10 @@ def test_speculation_over_a_reused_prefix_gives_plain_decodings_output(pair, kin
 
     for params in (GREEDY, SEEDED):
         plain, _ = conversation(Engine(target, 256), params, reuse=False)
-        engine = Engine(target, 256, drafter(), SPEC, slots=2)
-        ours, reused = conversation(engine, params)
+        engine, rounds = Engine(target, 256, drafter(), SPEC, slots=2), []
+        ours, reused = conversation(engine, params, rounds=rounds)
         assert ours == plain and all(n > len(SYSTEM) for n in reused[1:]), (kind, reused)
+        assert all(rounds[1:]) or (kind, params) == ("ngram", SEEDED), rounds  # drafted over each reused prefix
 
 
 def test_a_hybrid_prefix_that_falls_between_checkpoints_restarts_from_the_last_before_it(tmp_path):

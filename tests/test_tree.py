@@ -188,8 +188,9 @@ def test_greedy_and_seeded_trees_equal_plain(pair, adaptive):
 
 
 def test_sampled_trees_have_the_target_distribution(tmp_path):
-    """Unseeded at T = 0.7, k = 2 with up to 2 alternatives, over a vocabulary of 24: the second token emitted is
-    distributed as the target's two-step distribution (chi-square), and alternatives were kept."""
+    """Unseeded at T = 0.7, chains of 2 drafts with up to 2 alternatives, over a vocabulary of 24: the second and third
+    tokens emitted (both from the one round verifying a tree of depth 2) are distributed as the target's two- and
+    three-step distributions (chi-square), and alternatives were kept."""
     from quickdraft import sampling
     from quickdraft.tools.verify import chi_square
 
@@ -198,26 +199,37 @@ def test_sampled_trees_have_the_target_distribution(tmp_path):
     draft = load_model(str(save_hf_dir(add_noise(tiny_hf_model("qwen2", seed=0, vocab=24, logit_scale=2), 0.3),
                                        tmp_path / "d")), F32, False)
     prompt, V = [1, 2, 3], 24
-    params = SamplingParams(temperature=0.7, max_tokens=3, stop_at_eos=False)
-    exact = torch.zeros(V, dtype=torch.float64)
+    params = SamplingParams(temperature=0.7, max_tokens=4, stop_at_eos=False)  # a draft budget of 2 after the first
+    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
+
+    def dist(cache, tokens):
+        return sampling.process(target.forward(torch.tensor([tokens]), cache, last_only=True)[0], params)[0].double()
+
     with torch.no_grad():
         cache = KVCache.for_model(target.model, 16)
-        p1 = sampling.process(target.forward(torch.tensor([prompt]), cache, last_only=True)[0], params)[0].double()
+        p1 = dist(cache, prompt)
         for t1 in range(V):
             cache.rollback(len(prompt))
-            exact += p1[t1] * sampling.process(target.forward(torch.tensor([[t1]]), cache)[0], params)[0].double()
+            p2 = dist(cache, [t1])
+            second += p1[t1] * p2
+            for t2 in range(V):
+                cache.rollback(len(prompt) + 1)
+                third += p1[t1] * p2[t2] * dist(cache, [t2])
     spec = SpeculationConfig(draft_max=2, adaptive=False, tree=3, p_min=0.0)
     engine = Engine(target, 16, DraftModelDrafter(draft, V, 16, 0.0), spec)
-    counts = torch.zeros(V, dtype=torch.float64)
+    counts = torch.zeros(2, V, dtype=torch.float64)
     torch.manual_seed(0)
     kept = 0
     for _ in range(600):
         events = list(engine.generate(prompt, params))
-        counts[[e.token for e in events if e.token is not None][1]] += 1
+        tokens = [e.token for e in events if e.token is not None]
+        counts[0, tokens[1]] += 1
+        counts[1, tokens[2]] += 1
         kept += events[-1].stats.tree_alternatives_kept
-        assert events[-1].stats.tree_rounds == 1
-    _, dof, p_value = chi_square(counts, exact)
-    assert dof >= 3 and p_value > 1e-3, (counts / counts.sum(), exact)
+        assert events[-1].stats.tree_rounds >= 1 and events[-1].stats.k_history[0] == 2  # depth 2 verified first
+    for i, exact in enumerate((second, third)):
+        _, dof, p_value = chi_square(counts[i], exact)
+        assert dof >= 3 and p_value > 1e-3, (i, counts[i] / counts[i].sum(), exact)
     assert kept > 0
 
 
@@ -303,18 +315,28 @@ def test_sequences_in_a_batch_verify_trees_and_get_what_they_get_alone(pair, ada
     from quickdraft.engine import Batch
 
     target, draft = pair
-    spec = SpeculationConfig(draft_max=4, adaptive=adaptive, tree=3, p_min=0.0)
+    # adaptive: k between 2 and 4 (draft_min: on these tiny models a batch's policy would otherwise find drafting not
+    # worth it, and nothing of the adaptive path would be verified in a batch), a tree where it measures faster
+    spec = SpeculationConfig(draft_max=4, draft_min=2 if adaptive else 0, adaptive=adaptive, tree=3, p_min=0.0)
     engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256, 0.0), spec, slots=4)
     prompts = [PROMPT, PROMPT[::-1], PROMPT[3:] + PROMPT[:3]]
-    trees = kept = 0
+    trees = kept = rounds = 0  # on steps that ran several sequences: in a batched pass
     for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
                    SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=32, stop_at_eos=False)):
-        together = Batch(engine, 3).run([dict(prompt=p, params=params) for p in prompts])
+        batch = Batch(engine, 3)
+        sequences = [batch.add(p, params) for p in prompts]
+        tokens = {id(s): [] for s in sequences}
+        while batch.active:
+            stepped = [(s, s.stats.tree_rounds, s.stats.tree_alternatives_kept, s.stats.rounds) for s in batch.active]
+            batch.step(lambda s, item: tokens[id(s)].append(getattr(item, "token", None)))
+            if len(stepped) > 1:
+                trees += sum(s.stats.tree_rounds - t for s, t, _, _ in stepped)
+                kept += sum(s.stats.tree_alternatives_kept - k for s, _, k, _ in stepped)
+                rounds += sum(s.stats.rounds - r for s, _, _, r in stepped)
         alone = [run(Engine(target, 256), params, p)[0] for p in prompts]
-        assert [[e.token for e in events if e.token is not None] for events in together] == alone
-        trees += sum(events[-1].stats.tree_rounds for events in together)
-        kept += sum(events[-1].stats.tree_alternatives_kept for events in together)
-    assert adaptive or (trees > 0 and kept > 0)
+        assert [[t for t in tokens[id(s)] if t is not None] for s in sequences] == alone
+    assert rounds > 0  # drafts were verified in batched passes
+    assert adaptive or (trees > 0 and kept > 0)  # fixed: trees among them (adaptive: only where one measured faster)
 
 
 def test_a_tree_near_the_end_of_the_context_fits_it(pair):

@@ -278,3 +278,49 @@ def test_a_long_prompt_passed_over_for_shorter_ones_goes_first_after_a_few_steps
         assert (long in planned.sequences) == (step == STARVED), step
         assert planned.sequences[0] is (long if step == STARVED else short)
         engine.release(short)
+
+
+def test_unseeded_samples_in_a_batch_have_the_target_distribution(tmp_path):
+    """Three sequences of one prompt stepped together, unseeded at T = 0.7, each verifying chains of 2 drafts in the
+    batched pass (rejection sampling per sequence): the second and third tokens each emits are distributed as the
+    target's two- and three-step distributions (chi-square over 3 x 300 answers, a vocabulary of 24)."""
+    from quickdraft import sampling
+    from quickdraft.speculative.draft_model import DraftModelDrafter
+    from quickdraft.tools.verify import chi_square
+    from tests.helpers import add_noise
+
+    f32 = dataclasses.replace(BF16, dtype="float32")
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, vocab=24, logit_scale=2), tmp_path / "t")),
+                        f32, False)
+    draft = load_model(str(save_hf_dir(add_noise(tiny_hf_model("qwen2", seed=0, vocab=24, logit_scale=2), 0.3),
+                                       tmp_path / "d")), f32, False)
+    prompt, V = [1, 2, 3], 24
+    params = SamplingParams(temperature=0.7, max_tokens=4, stop_at_eos=False)
+    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
+
+    def dist(cache, tokens):
+        return sampling.process(target.forward(torch.tensor([tokens]), cache, last_only=True)[0], params)[0].double()
+
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, 16)
+        p1 = dist(cache, prompt)
+        for t1 in range(V):
+            cache.rollback(len(prompt))
+            p2 = dist(cache, [t1])
+            second += p1[t1] * p2
+            for t2 in range(V):
+                cache.rollback(len(prompt) + 1)
+                third += p1[t1] * p2[t2] * dist(cache, [t2])
+    spec = SpeculationConfig(draft_max=2, adaptive=False, p_min=0.0)
+    engine = Engine(target, 16, DraftModelDrafter(draft, V, 16, 0.0), spec, slots=4)
+    counts = torch.zeros(2, V, dtype=torch.float64)
+    torch.manual_seed(0)
+    for _ in range(300):
+        for events in Batch(engine, 3).run([dict(prompt=prompt, params=params)] * 3):
+            tokens = [e.token for e in events if e.token is not None]
+            counts[0, tokens[1]] += 1
+            counts[1, tokens[2]] += 1
+            assert events[-1].stats.k_history[0] == 2
+    for i, exact in enumerate((second, third)):
+        _, dof, p_value = chi_square(counts[i], exact)
+        assert dof >= 3 and p_value > 1e-3, (i, counts[i] / counts[i].sum(), exact)

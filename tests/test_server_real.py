@@ -49,7 +49,9 @@ def test_the_server_says_where_it_listens_and_how_to_call_it(server):
     assert server.printed[0].startswith(f"quickdraft: serving {MODEL} (draft: ngram+{MODEL}")
     assert server.base_url.startswith("http://127.0.0.1:")
     assert server.printed[1] == f"chat page: {server.url}/\n"
-    assert server.printed[2] == "cache: 4 kept sequences of up to 1024 tokens\n"  # what the kept conversations may hold
+    # what the kept conversations may hold: on the CPU a byte budget (llama-server's 8 GiB default, at most a quarter of
+    # the machine's memory), more conversations than run at once
+    assert server.printed[2].startswith("cache: ") and " GiB for kept sequences: " in server.printed[2]
     # the kernel path, the compute dtype and whether output is bit-exact there (runtime/plan.cpu_path)
     assert server.printed[3].startswith("kernels: ") and "compute" in server.printed[3] and "exact" in server.printed[3]
     assert server.printed[4].startswith(f"try: curl {server.url}/v1/chat/completions")
@@ -192,6 +194,17 @@ def test_metrics_count_the_prefix_cache_and_slots_show_what_they_hold(client, se
     assert slots and all(set(s) == {"id", "is_processing", "n_ctx", "n_tokens", "n_prompt_last", "last_used", "bytes"}
                          for s in slots)
     assert max(s["n_tokens"] for s in slots) >= again["cache_n"] and not any(s["is_processing"] for s in slots)
+
+
+def test_more_conversations_are_kept_than_run_at_once(client):
+    """On the CPU the kept slots are bounded by bytes, not by --parallel: six conversations one after another (four
+    run at once), then the first again: its whole prompt (but the last token) is taken from its slot."""
+    prompts = [f"Conversation {i}: name three {thing}." for i, thing in
+               enumerate(("rivers", "colours", "metals", "birds", "planets", "trees"))]
+    for text in prompts:
+        chat(client, text, max_tokens=4, **GREEDY)
+    again = chat(client, prompts[0], max_tokens=4, **GREEDY).model_extra["timings"]
+    assert again["prompt_n"] == 1, again  # prefilled: its last token alone
 
 
 def test_metrics_count_drafted_and_accepted_tokens(client, server):

@@ -449,6 +449,23 @@ def cmd_demo(args) -> int:
     return 0 if same else 1
 
 
+CACHE_RAM = 8 * 2**30  # llama-server's --cache-ram default
+
+
+def default_cache_ram(device: str) -> str | None:
+    """serve's --cache-ram where none is given: on the CPU (whose caches take memory as they fill) as llama-server's
+    default, at most a quarter of the machine's memory, so that more conversations are kept than run at once (up to
+    api.KEPT_MAX); elsewhere none (a GPU's slots are whole caches the memory plan counts: --cache-slots)."""
+    import os
+
+    from quickdraft.weights.loader import resolve_device
+
+    if resolve_device(device).type != "cpu":
+        return None
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"{min(CACHE_RAM, ram // 4) // 2**20}M"
+
+
 def cmd_serve(args) -> int:
     from quickdraft.config import SamplingParams, SpeculationConfig
     from quickdraft.server.app import LOOPBACK_NAMES, ServerState, create_app
@@ -463,6 +480,8 @@ def cmd_serve(args) -> int:
     if args.parallel < 1:
         raise QuickdraftError("--parallel must be at least 1")
     args.cache_slots = max(args.cache_slots, args.parallel)  # each running request holds a slot
+    if args.cache_ram is None:
+        args.cache_ram = default_cache_ram(args.device)
     if not args.request_timeout > 0:
         raise QuickdraftError("--request-timeout must be a positive number of seconds")
     api_key = _api_key(args)

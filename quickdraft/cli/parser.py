@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="at most this much memory for the kept sequences (e.g. 2G, 512M). On the CPU a cache takes "
                          "memory as it fills, so as many conversations are kept as their tokens fit (up to 64; the "
                          "least recently used dropped first), many short ones or a few long ones; on a GPU fewer "
-                         "slots than --cache-slots where they would take more (default: no bound but --cache-slots)")
+                         "slots than --cache-slots where they would take more (default: on the CPU 8G as "
+                         "llama-server's, at most a quarter of this machine's memory; on a GPU no bound but "
+                         "--cache-slots)")
     _common(sv)
 
     v = sub.add_parser("verify", help="prove that speculation changes nothing for a target and a draft",

@@ -173,16 +173,28 @@ def batched(target, draft, kind, reqs, parallel=3, cancel_after=None, rejected=N
 
 @pytest.mark.parametrize("kind", ["none", "ngram", "draft", "combined"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_every_sequence_of_a_batch_gets_what_it_gets_alone(pair, kind, sampled):
+def test_every_sequence_of_a_batch_gets_what_it_gets_alone(pair, kind, sampled, monkeypatch):
+    """Each request's tokens as alone, whatever runs beside it; the draft model's passes of the sequences drafting in a
+    step ran as one pass (DraftModelDrafter.batched_pass over several sequences' rows)."""
+    from quickdraft.speculative.draft_model import DraftModelDrafter
+
     target, draft = pair
     reqs = requests(target, sampled)
     want = [alone(target, draft, kind, r) for r in reqs]
+    together, batched_pass = [], DraftModelDrafter.batched_pass
+
+    def counted(self, drafters, feeds):
+        together.append(len(drafters))
+        return batched_pass(self, drafters, feeds)
+
+    monkeypatch.setattr(DraftModelDrafter, "batched_pass", counted)
     rejected = []
     got, rows, drafted = batched(target, draft, kind, reqs, rejected=rejected)
     assert [got[i] for i in range(len(reqs))] == want
     assert max(rows) > 8  # passes held several sequences' rows (a prefill chunk beside decoding ones)
     assert kind in ("none", "ngram") or max(drafted) > 0  # and their drafts (lookup's depend on the text)
     assert kind in ("none", "ngram") or sum(rejected) > 0  # some cut in a batched pass: the rollback path
+    assert kind != "draft" or max(together) > 1  # drafted in one pass of the draft model (combined: lookup often)
 
 
 def test_hybrid_sequences_roll_back_their_own_recurrent_states_in_a_batch(tmp_path):

@@ -253,16 +253,23 @@ class Engine:
         alone = len(sequences) == 1
         decoding = [s for s in sequences if not s.prefilling]
         prefilling = [s for s in sequences if s.prefilling]
+        shared = frozenset(self.drafter.sources) if self.drafter is not None and self.drafter.batchable else frozenset()
         batch = None if alone else BatchPlan(self.policy, len(decoding) + bool(prefilling), len(decoding),
-                                             self.max_rows)
+                                             self.max_rows, shared)
         feeds: dict[Sequence, torch.Tensor] = {}
         failed = []
+        drafting: dict[Sequence, tuple] = {}  # batched: each sequence's round as it drafts, its passes run as one
         for i, s in enumerate(decoding):
             try:
                 self.policy.position = len(s.tokens)  # the length its choice (alone: and timings) is for
-                feeds[s] = self._rows(s, i, batch)
+                if batch is not None and shared and s.drafter is not None:
+                    drafting[s] = self._rows_begin(s, i, batch)
+                else:
+                    feeds[s] = self._rows(s, i, batch)
             except Exception as e:  # noqa: BLE001 -- its drafter or constraint: that sequence fails
                 failed.append((s, self.fail(s, e)))
+        if drafting:
+            self._draft_together(drafting, feeds, failed, batch)
         taken = sum(len(f) for f in feeds.values())
         room = self.max_rows - taken
         if feeds:  # beside decoding sequences: the prefill's share of the pass
@@ -345,6 +352,55 @@ class Engine:
             batch.extra[index] = len(proposal.tokens) - proposal.chain
         return feed
 
+    def _rows_begin(self, s: Sequence, index: int, batch: BatchPlan) -> tuple:
+        """A decoding sequence's round in a batch whose draft passes run as one (_draft_together): its k chosen in
+        the step's plan now (in order, as _rows does), its drafting begun up to its first pass. Returns (the round's
+        steps, its start, the feed of its next pass or None, the proposal once done)."""
+        k_for = batch.k_for(index, s.speculation, self._budget(s), s.acceptance, self._lag(s), self._horizon(s))
+        args = self._proposal_args(s, k_for, lambda source, width: batch.branches(source, width, s.speculation))
+        if args is None:
+            return None, 0.0, None, Proposal([], "none")
+        t0 = time.perf_counter()
+        steps = s.drafter.propose_steps(*args)
+        try:
+            return steps, t0, next(steps), None
+        except StopIteration as done:
+            return steps, t0, None, done.value
+
+    def _draft_together(self, drafting: dict, feeds: dict, failed: list, batch: BatchPlan) -> None:
+        """Run the batched sequences' rounds in step: each pass of every sequence still drafting as one pass of the
+        draft model (its rows read the weights once), until every round is done; then their rows, as _rows gives
+        them. A sequence whose drafting fails is failed and left out."""
+        index = {s: i for i, s in enumerate(drafting)}
+        while True:
+            waiting = [s for s, (_, _, feed, done) in drafting.items() if done is None and feed is not None]
+            if not waiting:
+                break
+            try:
+                logits = waiting[0].drafter.batched_pass([s.drafter for s in waiting],
+                                                         [drafting[s][2] for s in waiting])
+            except Exception as e:  # noqa: BLE001 -- the shared pass: every sequence in it fails
+                for s in waiting:
+                    failed.append((s, self.fail(s, e)))
+                    drafting.pop(s)
+                continue
+            for s, row in zip(waiting, logits):
+                steps, t0, _, _ = drafting[s]
+                try:
+                    drafting[s] = (steps, t0, steps.send(row), None)
+                except StopIteration as done:
+                    drafting[s] = (steps, t0, None, done.value)
+                except Exception as e:  # noqa: BLE001 -- its drafter or constraint: that sequence fails
+                    failed.append((s, self.fail(s, e)))
+                    drafting.pop(s)
+        for s, (steps, t0, _, proposal) in drafting.items():
+            try:
+                feeds[s] = self._rows_end(s, proposal, time.perf_counter() - t0 if steps is not None else 0.0)
+                if s.work.proposal.parents is not None:  # the alternatives' rows, for the plan's count
+                    batch.extra[index[s]] = len(s.work.proposal.tokens) - s.work.proposal.chain
+            except Exception as e:  # noqa: BLE001
+                failed.append((s, self.fail(s, e)))
+
     def _k_alone(self, s: Sequence) -> KFor:
         budget, lag, horizon = self._budget(s), self._lag(s), self._horizon(s)
         return lambda source: max(0, min(self.policy.k_for(source, s.speculation, lag(source), horizon), budget))
@@ -368,26 +424,37 @@ class Engine:
         """Draft (with k_for saying how many tokens) and return the sequence's rows. Under a constraint the drafts'
         masks are computed on another thread while the target runs (llguidance releases the GIL). in_batch(source,
         width): the candidates a tree may have in the step's pass (None: the sequence is alone)."""
+        args = self._proposal_args(s, k_for, in_batch)
+        if args is None:
+            return self._rows_end(s, Proposal([], "none"), 0.0)
+        t0 = time.perf_counter()
+        proposal = s.drafter.propose(*args)
+        return self._rows_end(s, proposal, time.perf_counter() - t0)
+
+    def _proposal_args(self, s: Sequence, k_for: KFor, in_batch=None) -> tuple | None:
+        """The arguments of the round's propose (or propose_steps): the sequence, k_for, its sampling, generator and
+        constraint, and where a tree may be proposed its branches; None where the sequence drafts nothing."""
         batched = in_batch is not None
         if s.drafter is not None and not s.drafting:  # once the first token is out; what the drafter lacks of the
             self._begin_drafting(s)  # prompt it takes in when it first drafts, where the policy finds that it pays
-        proposal, draft_s = Proposal([], "none"), 0.0
-        if s.drafter is not None and self._budget(s) > 0:
-            t0 = time.perf_counter()
-            generator = s.generators.on(s.drafter.device or self.target.device)
-            if self._trees(s):  # alternatives emit no more tokens than the chain beside them could, but their rows
-                room = self.context - len(s.tokens)  # must fit the cache and a row-wise pass (a batch's)
+        if s.drafter is None or self._budget(s) <= 0:
+            return None
+        generator = s.generators.on(s.drafter.device or self.target.device)
+        if self._trees(s):  # alternatives emit no more tokens than the chain beside them could, but their rows
+            room = self.context - len(s.tokens)  # must fit the cache and a row-wise pass (a batch's)
 
-                def branches(source: str, k: int) -> int:
-                    width = min(self.policy.branches(source, k, s.speculation, probe=not batched),
-                                1 + max(0, min(room - k, ROWWISE_MAX - 1 - k)))
-                    return in_batch(source, width) if batched and width > 1 else width
+            def branches(source: str, k: int) -> int:
+                width = min(self.policy.branches(source, k, s.speculation, probe=not batched),
+                            1 + max(0, min(room - k, ROWWISE_MAX - 1 - k)))
+                return in_batch(source, width) if batched and width > 1 else width
 
-                proposal = s.drafter.propose(s.tokens, k_for, s.params, generator, None, branches)
-            else:  # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
-                proposal = s.drafter.propose(s.tokens, k_for, s.params, generator,
-                                             s.constraint if s.speculation.constrain_draft else None)
-            draft_s = time.perf_counter() - t0
+            return s.tokens, k_for, s.params, generator, None, branches
+        # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
+        return s.tokens, k_for, s.params, generator, s.constraint if s.speculation.constrain_draft else None
+
+    def _rows_end(self, s: Sequence, proposal: Proposal, draft_s: float) -> torch.Tensor:
+        """The round's work (the proposal, its drafting's seconds, a constraint's masks computed meanwhile) and the
+        sequence's rows: its last token, then the proposal's."""
         masks = None
         if s.constraint is not None and proposal.tokens:
             if self._masker is None:  # its thread ends when the engine is collected (tests/test_grammar.py)

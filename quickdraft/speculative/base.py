@@ -106,6 +106,16 @@ def branch(tokens: list[int], dists: list[torch.Tensor], q_rows: list, width: in
                     chain=n)
 
 
+def drive(steps, logits_of):
+    """Run a drafting generator (propose_steps, _draft_steps) alone: each feed it yields through logits_of."""
+    try:
+        feed = next(steps)
+        while True:
+            feed = steps.send(logits_of(feed))
+    except StopIteration as done:
+        return done.value
+
+
 class Drafter:
     """A drafter proposes tokens to follow the sequence; the target verifies them (engine.Engine).
 
@@ -185,6 +195,25 @@ class Drafter:
         candidates to offer at the chain's least sure position (a tree: Proposal.parents).
         """
         raise NotImplementedError
+
+    batchable: bool = False  # its passes may run beside other sequences' (a draft model's: propose_steps)
+
+    def pass_logits(self, feed) -> torch.Tensor:
+        """One pass of what propose_steps yielded, alone (a batchable drafter's)."""
+        raise NotImplementedError
+
+    def batched_pass(self, drafters: list, feeds: list) -> list[torch.Tensor]:
+        """The passes of several sequences' drafters (this kind, one model) as one (a batchable drafter's)."""
+        raise NotImplementedError
+
+    def propose_steps(self, seq: list[int], k_for: KFor, params: SamplingParams, generator: torch.Generator,
+                      constraint=None, branches: Branches | None = None):
+        """propose as a generator that yields the feed of each pass it would run and is sent the pass's logits
+        (engine.Engine.plan runs batchable drafters' passes as one). Here: propose itself, no pass yielded."""
+        if branches is not None:
+            return self.propose(seq, k_for, params, generator, constraint, branches)
+        return self.propose(seq, k_for, params, generator, constraint)
+        yield  # a generator
 
     # ---- self-description, for tune, doctor and bench -------------------------------------------------------
 

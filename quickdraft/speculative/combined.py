@@ -62,6 +62,22 @@ class CombinedDrafter(Drafter):
             return self.draft.propose(seq, k_for, params, generator, constraint, branches)
         return self.draft.propose(seq, k_for, params, generator, constraint)
 
+    @property
+    def batchable(self) -> bool:
+        return self.draft.batchable
+
+    def pass_logits(self, feed):
+        return self.draft.pass_logits(feed)
+
+    def batched_pass(self, drafters: list, feeds: list) -> list:
+        return self.draft.batched_pass([d.draft for d in drafters], feeds)
+
+    def propose_steps(self, seq, k_for: KFor, params, generator, constraint=None, branches=None):
+        proposal = self.ngram.propose(seq, k_for, params, generator, constraint)
+        if proposal.tokens:
+            return proposal
+        return (yield from self.draft.propose_steps(seq, k_for, params, generator, constraint, branches))
+
     def cache_bytes(self) -> int:
         return self.draft.cache_bytes()
 

@@ -10,9 +10,10 @@ import torch
 from quickdraft import constraint as constraints, quant, sampling
 from quickdraft.config import MAX_DRAFT, SamplingParams
 from quickdraft.errors import QuickdraftError
+from quickdraft.models.transformer import ROWWISE_MAX
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
-from quickdraft.speculative.base import Branches, Drafter, KFor, Offer, Proposal, branch, replay_chain
+from quickdraft.speculative.base import Branches, Drafter, KFor, Offer, Proposal, branch, drive, replay_chain
 from quickdraft.speculative.subset import SubsetHead
 from quickdraft.speculative.vocab import check_compatible
 from quickdraft.weights import memory
@@ -225,17 +226,63 @@ class DraftModelDrafter(Drafter):
     def _logits(self, feed) -> torch.Tensor:
         """Run feed (ids, or the last draft still on the device: see _draft) through the draft, in passes of at
         most the model's chunk; logits of the last position over the target's vocabulary (V,)."""
-        head = self.subset if self.subset is not None and self.subset.active else None
-        logits = self.lm.prefill(self._ids(feed), self.cache, head=head)[0, 0]
+        head = self._head()
+        return self._taken_in(feed, self.lm.prefill(self._ids(feed), self.cache, head=head)[0, 0], head)
+
+    def _head(self):
+        return self.subset if self.subset is not None and self.subset.active else None
+
+    def _taken_in(self, feed, logits: torch.Tensor, head) -> torch.Tensor:
+        """What follows a pass over feed: feed recorded as held, the last row's logits (V',) over the target's
+        vocabulary."""
         if isinstance(feed, list):  # a draft fed from the device is recorded once read back (propose)
             self.tokens += feed
         if head is not None:
             return head.scatter(logits, self.target_vocab)
         return self._over_target(logits)
 
+    @property
+    def batchable(self) -> bool:
+        """Whether this round's draft passes may run in one pass with other sequences' (engine.Engine.plan): a plain
+        draft model's on the CPU, whose passes are row-invariant and whose drafts are read as they are drawn."""
+        return type(self) is DraftModelDrafter and self.device.type == "cpu"
+
+    def batched_pass(self, drafters: list["DraftModelDrafter"], feeds: list) -> list[torch.Tensor]:
+        """The draft passes of several sequences' drafters (this one's model, each its own cache) as one:
+        per drafter the logits of its feed's last row over the target's vocabulary, as _logits gives them."""
+        if any(d._head() is not None for d in drafters):  # a cut head scores its own rows: each alone
+            return [d._logits(f) for d, f in zip(drafters, feeds)]
+        out, group = [], []
+        for d, f in zip(drafters, feeds):  # passes of at most ROWWISE_MAX rows in all
+            if group and sum(len(g[1]) for g in group) + len(f) > ROWWISE_MAX:
+                out += self._one_pass(group)
+                group = []
+            group.append((d, f))
+        return out + self._one_pass(group)
+
+    def _one_pass(self, group: list) -> list[torch.Tensor]:
+        rows = self.lm.model.forward_segments([d._ids(f)[0] for d, f in group], [d.cache for d, _ in group],
+                                              [True] * len(group))
+        return [d._taken_in(f, r[0], None) for (d, f), r in zip(group, rows)]
+
     @torch.inference_mode()
     def propose(self, seq: list[int], k_for: KFor, params: SamplingParams,
                 generator: torch.Generator, constraint=None, branches: Branches | None = None) -> Proposal:
+        return drive(self._propose_steps(seq, k_for, params, generator, constraint, branches), self._logits)
+
+    def propose_steps(self, seq: list[int], k_for: KFor, params: SamplingParams,
+                      generator: torch.Generator, constraint=None, branches: Branches | None = None):
+        if not self.batchable:  # a drafter built on this one (mtp, assistant, dflash), or on a GPU: propose whole
+            return self.propose(seq, k_for, params, generator, constraint, branches)
+        return (yield from self._propose_steps(seq, k_for, params, generator, constraint, branches))
+
+    def pass_logits(self, feed) -> torch.Tensor:
+        return self._logits(feed)
+
+    def _propose_steps(self, seq: list[int], k_for: KFor, params: SamplingParams,
+                       generator: torch.Generator, constraint=None, branches: Branches | None = None):
+        """propose as a generator: it yields each draft pass's feed and is sent the logits _logits would give
+        (engine.Engine.plan runs several sequences' passes as one); it returns the Proposal."""
         k = k_for("draft")
         if k == 0:  # a plain step: nothing is fed now (the next round catches up in one pass, timed apart), so that
             self.skipped += 1  # decoding plainly costs what plain decoding costs
@@ -260,7 +307,7 @@ class DraftModelDrafter(Drafter):
         tokens, q_rows = [], []
         self.dists = [] if branches is not None and constraint is None else None
         try:
-            drawn = self._draft(seq, k, feed, params, generator, constraint, tokens, q_rows)
+            drawn = yield from self._draft_steps(seq, k, feed, params, generator, constraint, tokens, q_rows)
             self.tokens += drawn[:self.cache.length + self.dropped - len(self.tokens)]  # the drafts fed before read
         finally:
             if constraint is not None:  # the drafts were looked ahead: the state is the sequence's again
@@ -297,18 +344,22 @@ class DraftModelDrafter(Drafter):
         return Proposal(tokens, source, torch.stack(q_rows) if q_rows else None, catch_up_s)
 
     def _draft(self, seq, k, feed, params, generator, constraint, tokens: list[int], q_rows: list) -> list[int]:
+        return drive(self._draft_steps(seq, k, feed, params, generator, constraint, tokens, q_rows), self._logits)
+
+    def _draft_steps(self, seq, k, feed, params, generator, constraint, tokens: list[int], q_rows: list):
         """Draft up to k tokens into tokens (and their distributions into q_rows), each masked by constraint at the
         state it is drafted in (the constraint is advanced through them). Returns every token drawn, kept or not.
 
         On a GPU, without a constraint or penalties (which need each token on the host), the drafts stay on the
         device and are read back once, after the last (a read-back waits for the device: one per draft would make
         Python and the GPU take turns); the early stop (p_min) is then applied to what was read, so a round may run
-        a few passes past it. Elsewhere each draft is read as it is drawn and drafting stops at once."""
+        a few passes past it. Elsewhere each draft is read as it is drawn and drafting stops at once. A generator: it
+        yields each pass's feed and is sent its logits (_draft sends _logits')."""
         resident = self._resident(constraint, params)
         drawn, sure = [], []  # resident: each draft (1,) and whether the draft was sure of it, on the device
         for i in range(k):
             history = sampling.history(seq, params, self.device, appended=tokens)
-            logits = self._logits(feed)[None]
+            logits = (yield feed)[None]  # _logits(feed), alone or beside other sequences' passes
             if constraint is not None:
                 logits = constraints.apply(logits, constraint.allowed(self.device))
             token, q, confident = self._choose(logits, params, history, generator, len(seq) + i)

@@ -403,7 +403,7 @@ class AdaptivePolicy:
         for k in range(1, top + 1):
             run *= rates[k - 1]
             expected += run  # the batch's tokens if this sequence drafts k
-            rate = expected / plan.seconds(k, self.draft_seconds(source, k) + catch_up)
+            rate = expected / plan.seconds(k, self.draft_seconds(source, k), catch_up, source)
             if rate > best_rate:
                 best, best_rate = k, rate
         waiting = max(1, round(plan.base_tokens))
@@ -479,27 +479,39 @@ class BatchPlan:
     by AdaptivePolicy.k_in_batch given the choices made before it (the rows of every sequence count from the start:
     one each, and a prefilling sequence's chunk)."""
 
-    def __init__(self, policy: AdaptivePolicy, rows: int, sequences: int, max_rows: int):
-        self.policy, self.max_rows = policy, max_rows
+    def __init__(self, policy: AdaptivePolicy, rows: int, sequences: int, max_rows: int,
+                 shared: frozenset = frozenset()):
+        """shared: the sources whose drafting runs as one pass for every sequence of the step (a draft model's on the
+        CPU: engine.Engine.plan), so the step waits for the longest of their rounds, not for their sum."""
+        self.policy, self.max_rows, self.shared = policy, max_rows, shared
         self.base_rows, self.base_tokens = rows, float(sequences)
-        self.choices: dict[int, tuple[int, float, float]] = {}  # sequence -> (k, expected extra tokens, draft s)
+        # sequence -> (k, expected extra tokens, drafting s, catch-up s, source)
+        self.choices: dict[int, tuple[int, float, float, float, str]] = {}
         self.extra: dict[int, int] = {}  # sequence -> rows of a tree's alternatives beside its chain
         self.passes: dict[int, float | None] = {}  # rows -> the policy's estimate of a pass, asked once a step
 
     @property
     def rows(self) -> int:
-        return self.base_rows + sum(k for k, _, _ in self.choices.values()) + sum(self.extra.values())
+        return self.base_rows + sum(c[0] for c in self.choices.values()) + sum(self.extra.values())
 
     @property
     def tokens(self) -> float:
-        return self.base_tokens + sum(gain for _, gain, _ in self.choices.values())
+        return self.base_tokens + sum(c[1] for c in self.choices.values())
 
-    def seconds(self, extra_rows: int, extra_draft_s: float) -> float | None:
+    def seconds(self, extra_rows: int, extra_draft_s: float, extra_catch_up_s: float = 0.0,
+                source: str | None = None) -> float | None:
+        """The step's expected seconds: its pass of the rows planned (and extra_rows more), the catch-ups, and the
+        drafting (a shared source's rounds as one: the longest)."""
         rows = self.rows + extra_rows
         if rows not in self.passes:  # the plan asks for the same few row counts for every sequence of the step
             self.passes[rows] = self.policy.pass_seconds(rows)
         t = self.passes[rows]
-        return None if t is None else t + sum(d for _, _, d in self.choices.values()) + extra_draft_s
+        if t is None:
+            return None
+        drafting = [(d, src) for _, _, d, _, src in self.choices.values()] + [(extra_draft_s, source)]
+        alone = sum(d for d, src in drafting if src not in self.shared)
+        together = max((d for d, src in drafting if src in self.shared), default=0.0)
+        return t + alone + together + sum(c[3] for c in self.choices.values()) + extra_catch_up_s
 
     def branches(self, source: str, width: int, cfg: SpeculationConfig) -> int:
         """Candidates a sequence's tree may have in this step (its k already chosen): as many as the pass has rows left
@@ -527,7 +539,8 @@ class BatchPlan:
                 rates = own.rates(source, rates) if own is not None else rates
                 catch_up = behind * (self.policy.feed_seconds(source) or 0.0) if behind > CATCH_UP_FREE else 0.0
                 # (a start's catch-up too: the step's pass waits for it)
-                self.choices[key] = (k, speed.expected_length(rates) - 1, self.policy.draft_seconds(source, k) + catch_up)
+                self.choices[key] = (k, speed.expected_length(rates) - 1, self.policy.draft_seconds(source, k),
+                                     catch_up, source)
             return k
         return choose
 

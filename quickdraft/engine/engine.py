@@ -95,6 +95,7 @@ class Engine:
         self._masker: ThreadPoolExecutor | None = None  # computes verification masks during the target pass
         self.last = first  # the slot of the latest generation
         self.last_rows = 0  # rows of the latest step's pass (0: it ran none)
+        self.drafting = 0  # sequences running that have begun drafting (their texts are what the policy measures)
 
     def _slot(self) -> Slot:
         cache = KVCache.for_model(self.target.model, self.capacity)
@@ -201,6 +202,8 @@ class Engine:
             s.slot.checkpoint()
         finally:
             s.slot.busy = False
+            if s.drafting and not s.ended:
+                self.drafting -= 1
             s.ended = True
 
     def fail(self, s: Sequence, error: Exception) -> Exception:
@@ -487,9 +490,14 @@ class Engine:
                 f"chain alone {chain:.1f}")
 
     def _begin_drafting(self, s: Sequence) -> None:
+        """The sequence's drafter takes its prompt; a new text begins for the policy (its acceptance so far decayed
+        to a prior) unless others are drafting beside it, whose rounds the counts describe (several requests starting
+        together decayed them once each: to nothing, so that a batch never found drafting worth it)."""
         s.drafter.begin(s.prompt, prefill=False)
         s.drafting = True
-        self.policy.begin()
+        if self.drafting == 0:
+            self.policy.begin()
+        self.drafting += 1
 
     # ---- concluding ---------------------------------------------------------------------------------
 

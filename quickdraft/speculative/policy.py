@@ -23,7 +23,6 @@ PLAIN_WINDOW = 3
 CATCH_UP_EMA = 0.1  # weight of a new round in a source's mean catch-up seconds per round (about the last 10)
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
 CARRY = 0.2  # a new generation keeps this share of the acceptance counts: a prior, not its text's own
-BATCH_PROBE = 2  # the k of a probe in a batch: a source chosen by none of its sequences for probe_every steps
 PROBE_K = 4  # the first round of a source not yet measured
 # While plain decoding wins, a source is probed after probe_every plain steps, then after twice as many each time
 # a probe loses (at most PROBE_MAX; each generation starts over), with at most PROBE_SHORT drafts: a probe costs a
@@ -106,7 +105,6 @@ class AdaptivePolicy:
         self.probe_after: dict[str, int] = {}  # source -> plain steps before its next probe (backing off)
         self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
         self.t_pass: dict[int, float] = {}  # rows -> seconds of a batched pass over several sequences (Batch)
-        self.batch_idle: dict[str, int] = {}  # source -> batched choices of 0 since it last drafted in a batch
         # tree verification (--draft-tree): drafted rows -> seconds of a tree's pass; per source, the alternatives
         # kept per tree round (decayed), and the chain rounds since its last tree round
         self.t_tree: dict[int, float] = {}
@@ -381,18 +379,14 @@ class AdaptivePolicy:
         return max(min(PREFILL_MIN, room), max(fits, default=0))
 
     def k_in_batch(self, source: str, cfg: SpeculationConfig, plan: "BatchPlan", limit: int,
-                   own: "Acceptance | None" = None, lag: int = 0, horizon: int | None = None, others: int = 0) -> int:
+                   own: "Acceptance | None" = None, lag: int = 0, horizon: int | None = None) -> int:
         """The k for one sequence of a batched step, given what the sequences planned before it draft (plan): the
         one that maximises the step's expected tokens per second over the whole batch, 0 included (a step of
         plain decoding for every sequence when the batch already fills the compute). A source whose drafting has
         not been timed yet drafts here only where it has nothing to take in first (n-gram lookup; a draft model is
         timed by the steps of a sequence alone). own: this sequence's
         acceptance of the source so far (weighed against the pooled estimate); lag: tokens the drafter must take
-        in before it drafts (a pass over them); horizon: the tokens still to come, over which that must pay back.
-        others: the sequences still to be planned after this one whose rounds of a shared source run in the same
-        passes (BatchPlan.shared): a k is weighed as if they drafted it too, since once one sequence drafts, the
-        others' drafts of that source cost the step little more than their rows (the first would otherwise bear
-        the whole shared cost alone, and none would start)."""
+        in before it drafts (a pass over them); horizon: the tokens still to come, over which that must pay back."""
         top = min(cfg.draft_max, limit)
         if not cfg.adaptive or cfg.draft_min > 0:
             return max(0, min(cfg.draft_max if not cfg.adaptive else cfg.draft_min, limit))
@@ -405,23 +399,14 @@ class AdaptivePolicy:
         start = lag >= START
         catch_up = lag * (self.feed_seconds(source) or 0.0) if CATCH_UP_FREE < lag < START else 0.0
         best, best_rate = 0, plan.tokens / plan.seconds(0, 0.0)
-        gain, run, alike = 0.0, 1.0, 1 + (others if source in plan.shared else 0)
+        expected, run = plan.tokens, 1.0
         for k in range(1, top + 1):
             run *= rates[k - 1]
-            gain += run  # this sequence's expected extra tokens if it drafts k
-            if k * alike > plan.max_rows - plan.rows:  # the pass has no rows for them all
-                break
-            rate = (plan.tokens + alike * gain) / plan.seconds(k * alike, self.draft_seconds(source, k), catch_up,
-                                                               source)
+            expected += run  # the batch's tokens if this sequence drafts k
+            rate = expected / plan.seconds(k, self.draft_seconds(source, k), catch_up, source)
             if rate > best_rate:
                 best, best_rate = k, rate
         waiting = max(1, round(plan.base_tokens))
-        if best == 0 and not start and lag <= CATCH_UP_FREE:  # a batch probes too: its choices rest on measurements,
-            idle = self.batch_idle[source] = self.batch_idle.get(source, 0) + 1  # and a source no sequence drafts
-            if idle >= cfg.probe_every * waiting:  # is never measured again (nor after a new text's prior)
-                best = min(BATCH_PROBE, top)
-        if best > 0:
-            self.batch_idle[source] = 0
         return best if not start or self.pays_back(source, best, lag * waiting, horizon) else 0
 
     # ---- the decision -----------------------------------------------------------------------
@@ -503,7 +488,6 @@ class BatchPlan:
         # sequence -> (k, expected extra tokens, drafting s, catch-up s, source)
         self.choices: dict[int, tuple[int, float, float, float, str]] = {}
         self.extra: dict[int, int] = {}  # sequence -> rows of a tree's alternatives beside its chain
-        self.planned: set[int] = set()  # sequences whose k was chosen (0 included)
         self.passes: dict[int, float | None] = {}  # rows -> the policy's estimate of a pass, asked once a step
 
     @property
@@ -548,12 +532,8 @@ class BatchPlan:
         its acceptance so far; lag(source), what that source's drafter must take in first."""
         def choose(source: str) -> int:
             self.choices.pop(key, None)
-            self.planned.discard(key)
             behind = lag(source)
-            others = max(0, round(self.base_tokens) - len(self.planned) - 1)
-            k = self.policy.k_in_batch(source, cfg, self, min(budget, self.max_rows - self.rows), own, behind, horizon,
-                                       others)
-            self.planned.add(key)
+            k = self.policy.k_in_batch(source, cfg, self, min(budget, self.max_rows - self.rows), own, behind, horizon)
             if k > 0:
                 rates = self.policy.acceptance(source, k)
                 rates = own.rates(source, rates) if own is not None else rates

@@ -101,7 +101,8 @@ def main_mixed(args) -> int:
             llama.stop()
     keys = list(mixed_texts())
     print(f"\nfour requests of {args.n} greedy tokens, alone then at once; medians over {args.cells} cells")
-    print(f"{'deployment':22} {'one by one':>10} {'at once':>8} " + " ".join(f"{k + ' cache_n/tok/s/same':>28}" for k in keys))
+    columns = " ".join(f"{k + ' cache_n/tok/s/same':>28}" for k in keys)
+    print(f"{'deployment':22} {'one by one':>10} {'at once':>8} {columns}")
     for name in names:
         row = " ".join(f"{figures.median((name, k, 'cache_n')) or 0:10.0f} {figures.median((name, k, 'decode')):8.2f} "
                        f"{figures.median((name, k, 'same')):8.2f}" for k in keys)

@@ -172,9 +172,9 @@ class Engine:
               wanted: Iterable[list[int]] = ()) -> Sequence:
         """A sequence for prompt, in a slot of its own (generate's arguments), not yet prefilled: `step` it until it
         ends (it is then released), or `release` it. wanted: the prompts of requests waiting their turn, whose kept
-        slots this one leaves alone where it can (Slots.take). QuickdraftError if the prompt fills the context; max_tokens beyond
-        it are capped to the room left (the generation then ends with "length" there, as OpenAI's and llama-server's
-        do)."""
+        slots this one leaves alone where it can (Slots.take). QuickdraftError if the prompt fills the context;
+        max_tokens beyond it are capped to the room left (the generation then ends with "length" there, as OpenAI's
+        and llama-server's do)."""
         self.check_fits(len(prompt))
         if len(prompt) + params.max_tokens > self.context:
             params = dataclasses.replace(params, max_tokens=self.context - len(prompt))
@@ -256,7 +256,8 @@ class Engine:
         alone = len(sequences) == 1
         decoding = [s for s in sequences if not s.prefilling]
         prefilling = [s for s in sequences if s.prefilling]
-        shared = frozenset(self.drafter.sources) if self.drafter is not None and self.drafter.batchable else frozenset()
+        batchable = self.drafter is not None and self.drafter.batchable
+        shared = frozenset(self.drafter.sources) if batchable else frozenset()
         batch = None if alone else BatchPlan(self.policy, len(decoding) + bool(prefilling), len(decoding),
                                              self.max_rows, shared)
         feeds: dict[Sequence, torch.Tensor] = {}

@@ -428,7 +428,8 @@ class FeedForward(nn.Module):
         gate_up = self.w13(x)
         if self.fused:
             return self.w2(torch.ops.quickdraft_vnni.silu_mul(gate_up.contiguous()))  # the same, fused
-        if not gate_up.is_cuda and gate_up.dtype != torch.float16 and avx2.available():  # the same in one fixed order, whatever the threads' split
+        # the same in one fixed order, whatever the threads' split (quant/avx2.py)
+        if not gate_up.is_cuda and gate_up.dtype != torch.float16 and avx2.available():
             return self.w2(torch.ops.quickdraft_avx2.act_mul(gate_up.contiguous(), avx2.ACTIVATIONS[self.activation]))
         gate, up = gate_up.chunk(2, dim=-1)
         active = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")

@@ -35,7 +35,8 @@ class Extension:
 
     def name(self) -> str:
         """Named by the source's and flags' hash: two versions (two checkouts) never rebuild over each other."""
-        return f"{self.prefix}_{hashlib.sha1(self.source.read_bytes() + ' '.join(self.flags).encode()).hexdigest()[:10]}"
+        digest = hashlib.sha1(self.source.read_bytes() + " ".join(self.flags).encode()).hexdigest()
+        return f"{self.prefix}_{digest[:10]}"
 
     @functools.cache  # noqa: B019 - one per extension, for the process's life
     def reason(self) -> str | None:
@@ -66,12 +67,14 @@ class Extension:
                       file=sys.stderr)
         except Exception as e:  # no compiler, no ninja, a build error: fall back, saying why
             lines = str(e).strip().splitlines() or [repr(e)]
-            return f"building {self.source.name} failed: {next((ln for ln in lines if 'error' in ln), lines[-1]).strip()}"
+            said = next((ln for ln in lines if "error" in ln), lines[-1]).strip()
+            return f"building {self.source.name} failed: {said}"
         return None
 
     def lock_path(self) -> Path | None:
-        """The lock held around building and loading the extension, beside PyTorch's own; None where PyTorch's private
-        helper that names that directory is gone or fails (then the kernels load without the lock, as they once did)."""
+        """The lock held around building and loading the extension, beside PyTorch's own; None where PyTorch's
+        private helper that names that directory is gone or fails (then the kernels load without the lock, as they
+        once did)."""
         from torch.utils import cpp_extension
 
         try:

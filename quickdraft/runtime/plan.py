@@ -66,9 +66,9 @@ def kernel_of(module) -> str:
 
 
 def cpu_path(model) -> tuple[str, bool]:
-    """The kernel path a loaded model (weights/loader.LoadedModel) runs on, named as a user reads it, and whether speculation, prefix reuse and
-    batching give its output bit for bit there (what the suite proves: tests/test_exact_everywhere.py). A model
-    on CUDA: ("CUDA", True)."""
+    """The kernel path a loaded model (weights/loader.LoadedModel) runs on, named as a user reads it, and whether
+    speculation, prefix reuse and batching give its output bit for bit there (what the suite proves:
+    tests/test_exact_everywhere.py). A model on CUDA: ("CUDA", True)."""
     from quickdraft.quant import avx2, vnni
 
     if model.device.type == "cuda":

@@ -221,6 +221,9 @@ def test_cache_ram_bounds_the_slots():
 def test_the_common_prefix(pair):
     assert slots_mod.common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert slots_mod.common_prefix([], [1]) == 0 and slots_mod.common_prefix([1, 2], [1, 2, 3]) == 2
+    long = list(range(5000))  # by halving: every length of agreement, at either end
+    for n in (0, 1, 2, 63, 64, 2499, 4999):
+        assert slots_mod.common_prefix(long, long[:n] + [-1] + long[n + 1:]) == n
     target, _ = pair
     engine = Engine(target, 256)
     generate(engine, SYSTEM, GREEDY)

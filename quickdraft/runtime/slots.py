@@ -35,11 +35,19 @@ CHECKPOINTS = 4  # recurrent-state snapshots kept per slot (the most recent posi
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share: by halving, each comparison of slices in C (a prompt is compared with
+    every kept slot, and with the prompts waiting their turn: thousands of tokens each)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(eq=False)  # a slot is itself: compared and kept in sets by identity

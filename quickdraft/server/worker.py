@@ -240,9 +240,11 @@ class EngineWorker:
         self.metrics.running.set(len(batch.active))
 
     def _waiting(self) -> list[list[int]]:
-        """The prompts of the jobs still queued (their kept slots are left to them: Slots.take)."""
+        """The prompts of the next jobs queued, as many as run at once (their kept slots are left to them:
+        Slots.take)."""
         with self.pending.mutex:
-            return [job.prompt for job in self.pending.queue if job is not None and job.reuse and not job.cancelled]
+            waiting = [job.prompt for job in self.pending.queue if job is not None and job.reuse and not job.cancelled]
+        return waiting[:self.parallel]
 
     def _deliver(self, s, item) -> None:
         """A sequence's event (or the exception it failed with), to its job."""

@@ -320,3 +320,37 @@ def check_second_token_follows_the_target(target, draft, draws: int = 800, promp
     assert events[-1].stats.rounds >= 1
     _, dof, p_value = chi_square(counts, exact)
     assert dof >= 3 and p_value > 1e-3, (counts / draws, exact)
+
+
+def two_and_three_step(target, prompt: list[int], params) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's exact distributions (float64, over its vocabulary) of the second and third tokens after prompt
+    under params (the first drawn too): summed over every first and second token of probability above 1e-9, each a
+    one-token pass from the cache rolled back. For the chi-square tests of speculation verifying chains of 2."""
+    from quickdraft import sampling
+    from quickdraft.runtime.kv_cache import KVCache
+
+    def dist(cache, tokens):
+        return sampling.process(target.forward(torch.tensor([tokens]), cache, last_only=True)[0], params)[0].double()
+
+    V = target.config.vocab_size
+    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
+    with torch.no_grad():
+        cache = KVCache.for_model(target.model, len(prompt) + 2)
+        p1 = dist(cache, prompt)
+        for t1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
+            cache.rollback(len(prompt))
+            p2 = dist(cache, [t1])
+            second += p1[t1] * p2
+            for t2 in torch.nonzero(p2 > 1e-9).flatten().tolist():
+                cache.rollback(len(prompt) + 1)
+                third += p1[t1] * p2[t2] * dist(cache, [t2])
+    return second, third
+
+
+def assert_second_and_third_follow(counts: torch.Tensor, exact: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """counts (2, V) of the second and third tokens drawn follow the exact distributions (chi-square, p > 1e-3)."""
+    from quickdraft.tools.verify import chi_square
+
+    for i, want in enumerate(exact):
+        _, dof, p_value = chi_square(counts[i], want)
+        assert dof >= 3 and p_value > 1e-3, (i, counts[i] / counts[i].sum(), want)

@@ -296,10 +296,8 @@ def test_unseeded_samples_in_a_batch_have_the_target_distribution(tmp_path):
     """Three sequences of one prompt stepped together, unseeded at T = 0.7, each verifying chains of 2 drafts in the
     batched pass (rejection sampling per sequence): the second and third tokens each emits are distributed as the
     target's two- and three-step distributions (chi-square over 3 x 300 answers, a vocabulary of 24)."""
-    from quickdraft import sampling
     from quickdraft.speculative.draft_model import DraftModelDrafter
-    from quickdraft.tools.verify import chi_square
-    from tests.helpers import add_noise
+    from tests.helpers import add_noise, assert_second_and_third_follow, two_and_three_step
 
     f32 = dataclasses.replace(BF16, dtype="float32")
     target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, vocab=24, logit_scale=2), tmp_path / "t")),
@@ -308,21 +306,7 @@ def test_unseeded_samples_in_a_batch_have_the_target_distribution(tmp_path):
                                        tmp_path / "d")), f32, False)
     prompt, V = [1, 2, 3], 24
     params = SamplingParams(temperature=0.7, max_tokens=4, stop_at_eos=False)
-    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
-
-    def dist(cache, tokens):
-        return sampling.process(target.forward(torch.tensor([tokens]), cache, last_only=True)[0], params)[0].double()
-
-    with torch.no_grad():
-        cache = KVCache.for_model(target.model, 16)
-        p1 = dist(cache, prompt)
-        for t1 in range(V):
-            cache.rollback(len(prompt))
-            p2 = dist(cache, [t1])
-            second += p1[t1] * p2
-            for t2 in range(V):
-                cache.rollback(len(prompt) + 1)
-                third += p1[t1] * p2[t2] * dist(cache, [t2])
+    exact = two_and_three_step(target, prompt, params)
     spec = SpeculationConfig(draft_max=2, adaptive=False, p_min=0.0)
     engine = Engine(target, 16, DraftModelDrafter(draft, V, 16, 0.0), spec, slots=4)
     counts = torch.zeros(2, V, dtype=torch.float64)
@@ -333,6 +317,4 @@ def test_unseeded_samples_in_a_batch_have_the_target_distribution(tmp_path):
             counts[0, tokens[1]] += 1
             counts[1, tokens[2]] += 1
             assert events[-1].stats.k_history[0] == 2
-    for i, exact in enumerate((second, third)):
-        _, dof, p_value = chi_square(counts[i], exact)
-        assert dof >= 3 and p_value > 1e-3, (i, counts[i] / counts[i].sum(), exact)
+    assert_second_and_third_follow(counts, exact)

@@ -238,8 +238,7 @@ def test_sampled_output_has_the_target_distribution(tmp_path, kind):
     """Unseeded at T = 0.7 with chains of 2 drafts, over a vocabulary of 24 (where a random drafter's guesses are often
     accepted): the second and third tokens emitted (from the one round verifying both drafts: each a kept draft or the
     residual after a rejection) are distributed as the target's two- and three-step distributions (chi-square)."""
-    from quickdraft import sampling
-    from quickdraft.tools.verify import chi_square
+    from tests.helpers import assert_second_and_third_follow, two_and_three_step
 
     hf = tiny_hf_model("qwen3", layers=LAYERS, vocab=24, logit_scale=2)
     tdir = save_hf_dir(hf, tmp_path / "t")
@@ -248,21 +247,7 @@ def test_sampled_output_has_the_target_distribution(tmp_path, kind):
     target = load_model(str(tdir), F32, progress=False)
     prompt, V = [1, 2, 3], target.config.vocab_size
     params = SamplingParams(temperature=0.7, max_tokens=4, stop_at_eos=False)  # a draft budget of 2 after the first
-    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
-
-    def dist(cache, tokens):
-        return sampling.process(target.forward(torch.tensor([tokens]), cache, last_only=True)[0], params)[0].double()
-
-    with torch.no_grad():
-        cache = KVCache.for_model(target.model, 16)
-        p1 = dist(cache, prompt)
-        for t1 in torch.nonzero(p1 > 1e-9).flatten().tolist():
-            cache.rollback(len(prompt))
-            p2 = dist(cache, [t1])
-            second += p1[t1] * p2
-            for t2 in torch.nonzero(p2 > 1e-9).flatten().tolist():
-                cache.rollback(len(prompt) + 1)
-                third += p1[t1] * p2[t2] * dist(cache, [t2])
+    exact = two_and_three_step(target, prompt, params)
     spec = SpeculationConfig(draft_max=2, adaptive=False, p_min=0.0)
     engine = Engine(target, 16, build(target, path, F32, spec), spec)
     counts = torch.zeros(2, V, dtype=torch.float64)
@@ -276,9 +261,7 @@ def test_sampled_output_has_the_target_distribution(tmp_path, kind):
         accepted += events[-1].stats.draft_n_accepted
         assert events[-1].stats.k_history[0] == 2  # the first round verified a chain of 2
     assert 0 < accepted
-    for i, exact in enumerate((second, third)):
-        _, dof, p_value = chi_square(counts[i], exact)
-        assert dof >= 3 and p_value > 1e-3, (i, counts[i] / draws, exact)
+    assert_second_and_third_follow(counts, exact)
 
 
 def test_sequences_in_a_batch_get_what_they_get_alone(target_dir, drafter_dir):

@@ -191,8 +191,7 @@ def test_sampled_trees_have_the_target_distribution(tmp_path):
     """Unseeded at T = 0.7, chains of 2 drafts with up to 2 alternatives, over a vocabulary of 24: the second and third
     tokens emitted (both from the one round verifying a tree of depth 2) are distributed as the target's two- and
     three-step distributions (chi-square), and alternatives were kept."""
-    from quickdraft import sampling
-    from quickdraft.tools.verify import chi_square
+    from tests.helpers import assert_second_and_third_follow, two_and_three_step
 
     target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, vocab=24, logit_scale=2), tmp_path / "t")),
                         F32, False)
@@ -200,21 +199,7 @@ def test_sampled_trees_have_the_target_distribution(tmp_path):
                                        tmp_path / "d")), F32, False)
     prompt, V = [1, 2, 3], 24
     params = SamplingParams(temperature=0.7, max_tokens=4, stop_at_eos=False)  # a draft budget of 2 after the first
-    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
-
-    def dist(cache, tokens):
-        return sampling.process(target.forward(torch.tensor([tokens]), cache, last_only=True)[0], params)[0].double()
-
-    with torch.no_grad():
-        cache = KVCache.for_model(target.model, 16)
-        p1 = dist(cache, prompt)
-        for t1 in range(V):
-            cache.rollback(len(prompt))
-            p2 = dist(cache, [t1])
-            second += p1[t1] * p2
-            for t2 in range(V):
-                cache.rollback(len(prompt) + 1)
-                third += p1[t1] * p2[t2] * dist(cache, [t2])
+    exact = two_and_three_step(target, prompt, params)
     spec = SpeculationConfig(draft_max=2, adaptive=False, tree=3, p_min=0.0)
     engine = Engine(target, 16, DraftModelDrafter(draft, V, 16, 0.0), spec)
     counts = torch.zeros(2, V, dtype=torch.float64)
@@ -227,9 +212,7 @@ def test_sampled_trees_have_the_target_distribution(tmp_path):
         counts[1, tokens[2]] += 1
         kept += events[-1].stats.tree_alternatives_kept
         assert events[-1].stats.tree_rounds >= 1 and events[-1].stats.k_history[0] == 2  # depth 2 verified first
-    for i, exact in enumerate((second, third)):
-        _, dof, p_value = chi_square(counts[i], exact)
-        assert dof >= 3 and p_value > 1e-3, (i, counts[i] / counts[i].sum(), exact)
+    assert_second_and_third_follow(counts, exact)
     assert kept > 0
 
 

@@ -349,19 +349,27 @@ class Engine:
         alternatives). batch: the step's plan where the sequence is stepped beside others (index: its place there)."""
         if batch is None:
             return self._propose(s, self._k_alone(s))
-        k_for = batch.k_for(index, s.speculation, self._budget(s), s.acceptance, self._lag(s), self._horizon(s))
-        feed = self._propose(s, k_for, lambda source, width: batch.branches(source, width, s.speculation))
-        proposal = s.work.proposal
-        if proposal.parents is not None:  # the alternatives' rows: the plan counts them for the next sequences
-            batch.extra[index] = len(proposal.tokens) - proposal.chain
+        feed = self._propose(s, *self._in_batch(s, index, batch))
+        self._count_alternatives(s, index, batch)
         return feed
+
+    def _in_batch(self, s: Sequence, index: int, batch: BatchPlan) -> tuple:
+        """A batched sequence's k_for (its k chosen in the step's plan) and the candidates its tree may have."""
+        k_for = batch.k_for(index, s.speculation, self._budget(s), s.acceptance, self._lag(s), self._horizon(s))
+        return k_for, lambda source, width: batch.branches(source, width, s.speculation)
+
+    @staticmethod
+    def _count_alternatives(s: Sequence, index: int, batch: BatchPlan) -> None:
+        """A tree's alternatives' rows: the plan counts them for the next sequences."""
+        proposal = s.work.proposal
+        if proposal.parents is not None:
+            batch.extra[index] = len(proposal.tokens) - proposal.chain
 
     def _rows_begin(self, s: Sequence, index: int, batch: BatchPlan) -> tuple:
         """A decoding sequence's round in a batch whose draft passes run as one (_draft_together): its k chosen in
         the step's plan now (in order, as _rows does), its drafting begun up to its first pass. Returns (the round's
         steps, its start, the feed of its next pass or None, the proposal once done)."""
-        k_for = batch.k_for(index, s.speculation, self._budget(s), s.acceptance, self._lag(s), self._horizon(s))
-        args = self._proposal_args(s, k_for, lambda source, width: batch.branches(source, width, s.speculation))
+        args = self._proposal_args(s, *self._in_batch(s, index, batch))
         if args is None:
             return None, 0.0, None, Proposal([], "none")
         t0 = time.perf_counter()
@@ -400,8 +408,7 @@ class Engine:
         for s, (steps, t0, _, proposal) in drafting.items():
             try:
                 feeds[s] = self._rows_end(s, proposal, time.perf_counter() - t0 if steps is not None else 0.0)
-                if s.work.proposal.parents is not None:  # the alternatives' rows, for the plan's count
-                    batch.extra[index[s]] = len(s.work.proposal.tokens) - s.work.proposal.chain
+                self._count_alternatives(s, index[s], batch)
             except Exception as e:  # noqa: BLE001
                 failed.append((s, self.fail(s, e)))
 

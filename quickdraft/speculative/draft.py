@@ -10,7 +10,9 @@ The spellings, one for each kind:
     MODEL         a draft model: an alias, a .gguf file or a Hugging Face directory; a directory holding a Gemma 4
                   assistant (config.json: gemma4_assistant) is the assistant kind, fed the target's hidden states
                   and keys and values; one holding a DFlash or DFlash2 drafter (config.json: DFlashDraftModel,
-                  DFlash2DraftModel) is the dflash kind, fed the target's hidden states of several layers
+                  DFlash2DraftModel) is the dflash kind, fed the target's hidden states of several layers; one
+                  holding an EAGLE-3 head in vLLM's speculators format (config.json: speculators_model_type eagle3)
+                  is the eagle3 kind, likewise
     ngram+MODEL   prompt lookup where it has a match, the draft model otherwise (ngram+mtp likewise)
 
 A new kind of drafter is its own module (a Drafter subclass: speculative/base.py), an entry in KINDS and its
@@ -28,11 +30,13 @@ from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.combined import CombinedDrafter
 from quickdraft.speculative.dflash import DFlashDrafter, is_dflash
 from quickdraft.speculative.draft_model import DraftModelDrafter
+from quickdraft.speculative.eagle3 import Eagle3Drafter, is_eagle3
 from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
 KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
-                                   "assistant": AssistantDrafter, "dflash": DFlashDrafter}
+                                   "assistant": AssistantDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter}
+HEADS = ("assistant", "dflash", "eagle3")  # kinds whose model is a directory of layers over the target's states
 SPELLINGS = ("none, auto, ngram, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
              "directory, a Gemma 4 assistant's or a DFlash drafter's too), or ngram+MODEL / ngram+mtp")
 
@@ -67,7 +71,8 @@ class Draft:
             return cls("auto", ngram=ngram, device=device, weights=weights)
         if text == "mtp":
             return cls("mtp", ngram=ngram)
-        kind = "assistant" if is_assistant(text) else "dflash" if is_dflash(text) else "model"
+        kind = ("assistant" if is_assistant(text) else "dflash" if is_dflash(text) else "eagle3" if is_eagle3(text)
+                else "model")
         return cls(kind, text, ngram, device, weights)
 
     @property
@@ -78,7 +83,7 @@ class Draft:
     def __str__(self) -> str:
         if self.kind in ("none", "ngram"):
             return self.kind
-        body = self.model if self.kind in ("model", "assistant", "dflash") else self.kind
+        body = self.model if self.kind in ("model",) + HEADS else self.kind
         return f"ngram+{body}" if self.ngram else body
 
     def resolve(self, target_source: str) -> "Draft":
@@ -144,11 +149,17 @@ class DraftBuilder:
         device = draft.device or str(self.target.device)
         dtype = str(self.target.model.dtype).removeprefix("torch.")
         weights = quant.resolve(draft.weights, device, getattr(torch, dtype), role="draft")
+        if draft.kind == "eagle3" and draft.weights == "auto" and weights == "int4":  # a head in int4 hardly drafts
+            weights = "int8"  # (other engines' users saw its acceptance fall to ~0): doctor warns where asked for
         key = (str(Path(source).expanduser()), device, weights)
         if key not in self.loaded and draft.kind == "dflash":  # not a model of its own: layers over the target's
             from quickdraft.speculative.dflash import load_drafter
 
             self.loaded[key] = load_drafter(source, self.target, getattr(torch, dtype), weights, self.capacity)
+        if key not in self.loaded and draft.kind == "eagle3":
+            from quickdraft.speculative.eagle3 import load_head
+
+            self.loaded[key] = load_head(source, self.target, getattr(torch, dtype), weights, self.capacity)
         if key not in self.loaded:
             config = replace(self.engine, device=device, dtype=dtype, weights=weights, max_context=self.capacity)
             self.loaded[key] = load_model(source, config, self.progress)

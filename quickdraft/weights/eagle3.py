@@ -1,0 +1,177 @@
+"""EAGLE-3 heads from their checkpoints in vLLM's `speculators` format: config.json with `speculators_model_type`
+"eagle3" (its decoder layer described by `transformer_layer_config`, its verifier by `speculators_config`), weights
+in safetensors. Their config, their weights in a runtime format, and what they take before loading. The head itself
+is tensor math (models/eagle3.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.models import rope as ropes
+from quickdraft.models.eagle3 import ACTIVATIONS, Eagle3, Eagle3Config
+from quickdraft.models.transformer import Linear
+from quickdraft.quant import placement
+from quickdraft.weights.families.base import hf_ropes
+
+FAMILIES = ("llama", "qwen3")  # the decoder layers speculators builds EAGLE-3 heads of
+
+
+def speculators_type(source: str) -> str | None:
+    """The `speculators_model_type` of the checkpoint in directory source (eagle3, dspark, dflash, ...), or None
+    where it is none."""
+    try:
+        d = json.loads((Path(source).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    kind = d.get("speculators_model_type") if isinstance(d, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def is_eagle3(source: str) -> bool:
+    return speculators_type(source) == "eagle3"
+
+
+def read_config(path: Path) -> Eagle3Config:
+    d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if d.get("speculators_model_type") != "eagle3":
+        raise QuickdraftError(f"{path} holds no EAGLE-3 head (config.json's speculators_model_type is "
+                              f"{d.get('speculators_model_type')!r}, not 'eagle3')")
+    tl = d.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        raise QuickdraftError(f"{path}/config.json lacks 'transformer_layer_config', which an EAGLE-3 head needs")
+    family = tl.get("model_type", "qwen3")  # the library's default layer is Qwen3's
+    if family not in FAMILIES:
+        raise QuickdraftError(f"{path}: an EAGLE-3 head of {family} layers; quickdraft reads heads of "
+                              f"{' and '.join(FAMILIES)} layers")
+    activation = tl.get("hidden_act", "silu")
+    if activation not in ACTIVATIONS:
+        raise QuickdraftError(f"{path}: hidden_act {activation!r} is not one quickdraft runs "
+                              f"({', '.join(ACTIVATIONS)})")
+    if d.get("norm_before_fc") and d.get("fc_norm"):
+        raise QuickdraftError(f"{path}/config.json sets both norm_before_fc and fc_norm: they exclude each other")
+    try:
+        heads, dim, n_layers = tl["num_attention_heads"], tl["hidden_size"], tl["num_hidden_layers"]
+        head_dim = tl.get("head_dim") or (128 if family == "qwen3" else dim // heads)  # transformers' defaults
+        layers = d.get("eagle_aux_hidden_state_layer_ids")
+        if not layers:
+            raise KeyError("eagle_aux_hidden_state_layer_ids")
+        vocab = int(tl["vocab_size"])
+        types = tl.get("layer_types") or []
+        cfg = Eagle3Config(
+            dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=tl.get("num_key_value_heads") or heads,
+            head_dim=head_dim, ffn_dim=tl["intermediate_size"], norm_eps=tl.get("rms_norm_eps", 1e-6),
+            rope=hf_ropes(tl, head_dim)[0], vocab_size=vocab, draft_vocab=int(d.get("draft_vocab_size", vocab)),
+            aux_layers=tuple(int(i) for i in layers), family=family,
+            attention_bias=bool(tl.get("attention_bias", False)), mlp_bias=bool(tl.get("mlp_bias", False)),
+            activation=activation,
+            layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+            sliding_window=tl.get("sliding_window"),
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            norm_before_fc=bool(d.get("norm_before_fc", False)), fc_norm=bool(d.get("fc_norm", False)),
+            norm_output=bool(d.get("norm_output", False)), own_embedding=_has(path, "embed_tokens.weight"))
+    except KeyError as e:
+        raise QuickdraftError(f"{path}/config.json lacks {e.args[0]!r}, which an EAGLE-3 head needs") from None
+    if cfg.layer_types and len(cfg.layer_types) != n_layers:
+        raise QuickdraftError(f"{path}/config.json: layer_types names {len(cfg.layer_types)} layers, "
+                              f"num_hidden_layers is {n_layers}")
+    return cfg
+
+
+def check_target(cfg: Eagle3Config, name: str, target) -> None:
+    """QuickdraftError, naming the mismatch and the fix, where the head was made for another target than `target`
+    (a LoadedModel): another width or vocabulary, or layers it does not have."""
+    tcfg = target.config
+    fix = "give the EAGLE-3 head made for this target"
+    if cfg.dim != tcfg.dim:
+        raise QuickdraftError(f"{name} was made for a target {cfg.dim} wide; {target.name} is {tcfg.dim} wide: {fix}")
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise QuickdraftError(f"{name} was made for a target of {cfg.vocab_size} tokens; {target.name} has "
+                              f"{tcfg.vocab_size}: {fix}")
+    if max(cfg.aux_layers) > tcfg.n_layers or min(cfg.aux_layers) < 1:
+        raise QuickdraftError(f"{name} reads the target's hidden states at layer ids {list(cfg.aux_layers)}; "
+                              f"{target.name} has {tcfg.n_layers} layers (ids 1 to {tcfg.n_layers}): {fix}")
+
+
+def _names(path: Path) -> dict[str, list[int]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as opened:
+            for name in opened.keys():
+                shapes[name] = list(opened.get_slice(name).get_shape())
+    return shapes
+
+
+def _has(path: Path, name: str) -> bool:
+    return name in _names(path)
+
+
+def load(path: Path, max_context: int, dtype: torch.dtype, device: torch.device, weights: str = "bf16") -> Eagle3:
+    """The head in `path`, its linear layers in `weights` (quant.FORMATS: int8 / int4 where their kernels take the
+    shape; its output layer stays in `dtype`: a head quantized below int8 loses its acceptance)."""
+    from safetensors.torch import load_file
+
+    cfg = read_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise QuickdraftError(f"{path} has no .safetensors weights for its EAGLE-3 head")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    for unused in ("verifier_lm_head.weight", "verifier_norm.weight"):  # training's, not drafting's
+        tensors.pop(unused, None)
+    tensors = {n.replace(".self_attn.", ".").replace(".mlp.", "."): t for n, t in tensors.items()}
+    with torch.device("meta"):
+        model = Eagle3(cfg, max_context)
+    params = {n for n, _ in model.named_parameters()}
+    missing, unexpected = sorted(params - set(tensors)), sorted(set(tensors) - params)
+    if missing or unexpected:
+        raise QuickdraftError(f"{path}: the weights do not match an EAGLE-3 head of its config (missing "
+                              f"{missing[:3]}, unexpected {unexpected[:3]})")
+    if cfg.draft_vocab != cfg.vocab_size:
+        if d2t is None or tuple(d2t.shape) != (cfg.draft_vocab,):
+            raise QuickdraftError(f"{path}: a head of {cfg.draft_vocab} draft tokens needs d2t ({cfg.draft_vocab} "
+                                  "offsets to the target's ids) in its weights")
+        ids = torch.arange(cfg.draft_vocab) + d2t.long()
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or len(set(ids.tolist())) != cfg.draft_vocab:
+            raise QuickdraftError(f"{path}: its d2t does not map its {cfg.draft_vocab} draft tokens onto distinct "
+                                  f"ids of the target's {cfg.vocab_size}: the head's vocabulary map is broken")
+    else:
+        ids = torch.arange(cfg.draft_vocab)
+    modules = dict(model.named_modules())
+    for owner, module in modules.items():
+        own = {leaf: tensors[f"{owner}.{leaf}" if owner else leaf] for leaf, p in module._parameters.items()
+               if p is not None}
+        if not own:
+            continue
+        for leaf, w in own.items():
+            want = tuple(module._parameters[leaf].shape)
+            if tuple(w.shape) != want:
+                raise QuickdraftError(f"{path}: {owner}.{leaf} has shape {tuple(w.shape)}, its config makes it {want}")
+        kind = placement.linear_kind(weights, owner, {})
+        if isinstance(module, Linear) and owner != "lm_head" and kind != placement.FLOAT:
+            layer = placement.layer(kind, own["weight"].to(dtype), own.get("bias"), device)
+            if layer is not None:
+                parent, _, attr = owner.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, layer)
+                continue
+        for leaf, w in own.items():
+            module._parameters[leaf] = nn.Parameter(w.to(device, dtype), requires_grad=False)
+    model.target_ids = ids.to(device)
+    cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(path: Path, element: int = 2) -> int:
+    """Bytes of the head's weights at `element` bytes each (from the safetensors headers: nothing else is read)."""
+    return sum(element * math.prod(shape) for name, shape in _names(path).items()
+               if name not in ("d2t", "t2d", "verifier_lm_head.weight", "verifier_norm.weight"))

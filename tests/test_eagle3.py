@@ -204,6 +204,26 @@ def test_speculation_equals_plain(target_dir, head_dir, config):
     assert ours == plain
 
 
+@pytest.mark.parametrize("order", ["ngram,{}", "{},ngram"])
+def test_chained_with_lookup(target_dir, order):
+    """The head chained with n-gram lookup, either first: greedy and seeded output is plain decoding's over a prompt
+    that repeats itself; greedy with lookup first, both draft (lookup where it matches, the head elsewhere)."""
+    hf_target, tdir = target_dir
+    path = save_head(reference_head("qwen3-d2t", hf_target, tdir), tdir.parent / f"chained-{order[0]}")
+    target = load_model(str(tdir), BF16, progress=False)
+    text = order.format(path)
+    assert Draft.parse(text).kind == "chain" and str(Draft.parse(text)) == text
+    for params in (SamplingParams(max_tokens=40, stop_at_eos=False),
+                   SamplingParams(temperature=0.8, seed=4, max_tokens=40, stop_at_eos=False)):
+        plain, _ = run(Engine(target, 256), params, PROMPT * 3)
+        drafter = build(target, path, BF16, text=text)
+        assert drafter.name == text and drafter.sources in (("ngram", "eagle3"), ("eagle3", "ngram"))
+        ours, final = run(Engine(target, 256, drafter, SpeculationConfig()), params, PROMPT * 3)
+        assert ours == plain and final.stats.draft_n > 0
+        if order.startswith("ngram") and params.greedy:  # (greedy, the target repeats itself here)
+            assert {"ngram", "eagle3"} <= set(final.stats.sources)
+
+
 def test_a_resent_prompt_and_a_batch(target_dir, head_dir):
     """The same prompt twice on one engine (the head keeps its pairs of the prompt: its first pass takes in none),
     and three sequences in a batch: each answer is plain decoding's, alone or beside the others."""

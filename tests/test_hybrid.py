@@ -269,10 +269,10 @@ def mtp_drafter(target, spec, ngram=False):
     from quickdraft.speculative.draft import Draft, DraftBuilder
 
     builder = DraftBuilder(target, BF16, 256)
-    return builder.drafter(Draft.parse("ngram+mtp" if ngram else "mtp"), spec)
+    return builder.drafter(Draft.parse({False: "mtp", True: "ngram+mtp"}.get(ngram, ngram)), spec)
 
 
-@pytest.mark.parametrize("ngram", [False, True], ids=["mtp", "ngram+mtp"])
+@pytest.mark.parametrize("ngram", [False, True, "mtp,ngram"], ids=["mtp", "ngram+mtp", "mtp,ngram"])
 @pytest.mark.parametrize("spec", SPECS, ids=["fixed-1", "fixed-4", "adaptive"])
 def test_mtp_greedy_speculative_equals_plain(mtp_target, spec, ngram):
     target = mtp_target

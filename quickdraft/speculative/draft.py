@@ -27,35 +27,40 @@ from pathlib import Path
 from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.assistant import AssistantDrafter, is_assistant
 from quickdraft.speculative.base import Drafter
-from quickdraft.speculative.combined import CombinedDrafter
+from quickdraft.speculative.combined import ChainDrafter, CombinedDrafter
 from quickdraft.speculative.dflash import DFlashDrafter, is_dflash
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.eagle3 import Eagle3Drafter, is_eagle3
 from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
-KINDS: dict[str, type[Drafter]] = {"ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
+KINDS: dict[str, type[Drafter]] = {"chain": ChainDrafter, "ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
                                    "assistant": AssistantDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter}
 HEADS = ("assistant", "dflash", "eagle3")  # kinds whose model is a directory of layers over the target's states
 SPELLINGS = ("none, auto, ngram, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
-             "directory, a Gemma 4 assistant's or a DFlash drafter's too), or ngram+MODEL / ngram+mtp")
+             "directory, a Gemma 4 assistant's, a DFlash drafter's or an EAGLE-3 head's too), ngram+MODEL / ngram+mtp, "
+             "or a chain of them in order of preference (mtp,ngram or DIR,ngram)")
+FEATURES = ("dflash", "eagle3")  # kinds reading the target's layer states (one per chain: KVCache.keep_features)
 
 
 @dataclass(frozen=True)
 class Draft:
     """What drafts for a target."""
 
-    kind: str = "none"  # none | auto | one of KINDS (ngram, model, mtp, assistant, dflash)
+    kind: str = "none"  # none | auto | chain | one of KINDS (ngram, model, mtp, assistant, dflash, eagle3)
     model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory; "assistant", "dflash":
     # its directory
     ngram: bool = False  # prompt lookup first, the kind's drafter where it has no match (not for "ngram")
     device: str | None = None  # where a draft model runs (None: the target's device)
     weights: str = "auto"  # a draft model's weight format (quant.FORMATS; auto: int4 on the CPU kernels)
+    parts: tuple["Draft", ...] = ()  # kind "chain": its drafters, in order (each round the first that proposes)
 
     @classmethod
     def parse(cls, text: str, ngram: bool = False, device: str | None = None, weights: str = "auto") -> "Draft":
         """A draft from its spelling; ngram=True (the --ngram flag) puts prompt lookup in front of a model."""
         text = text.strip()
+        if "," in text and not Path(text).expanduser().exists():
+            return cls._chain(text, ngram, device, weights)
         if text.startswith("ngram+"):
             text, ngram = text[len("ngram+"):], True
         elif text.endswith("+ngram"):
@@ -75,12 +80,31 @@ class Draft:
                 else "model")
         return cls(kind, text, ngram, device, weights)
 
+    @classmethod
+    def _chain(cls, text: str, ngram: bool, device: str | None, weights: str) -> "Draft":
+        parts: list[Draft] = [cls("ngram")] if ngram else []
+        for spelling in text.split(","):
+            part = cls.parse(spelling, device=device, weights=weights)
+            if part.kind in ("none", "auto") or not spelling.strip():
+                raise QuickdraftError(f"draft {text!r}: a chain holds drafters ({spelling.strip() or 'an empty one'} "
+                                      "is none): give them in order of preference, e.g. mtp,ngram")
+            parts += [cls("ngram"), replace(part, ngram=False)] if part.ngram else [part]
+        names = [str(p) for p in parts]
+        if len(set(names)) < len(names):
+            raise QuickdraftError(f"draft {text!r} names a drafter twice: give each once")
+        if sum(p.kind in FEATURES for p in parts) > 1:
+            raise QuickdraftError(f"draft {text!r} chains two drafters that read the target's layer states (DFlash, "
+                                  "EAGLE-3): keep one of them")
+        return cls("chain", parts=tuple(parts)) if len(parts) > 1 else parts[0]
+
     @property
     def drafter_class(self) -> type[Drafter] | None:
         """The Drafter subclass this kind builds (None for none, and for auto until resolved)."""
         return KINDS.get(self.kind)
 
     def __str__(self) -> str:
+        if self.kind == "chain":
+            return ",".join(map(str, self.parts))
         if self.kind in ("none", "ngram"):
             return self.kind
         body = self.model if self.kind in ("model",) + HEADS else self.kind
@@ -121,6 +145,8 @@ class DraftBuilder:
         draft = self.resolve(draft)
         if draft.kind == "none":
             return []
+        if draft.kind == "chain":
+            return list(dict.fromkeys(m for part in draft.parts for m in self.models(part)))
         return KINDS[draft.kind].load(draft, self.target, lambda source: self._load(source, draft))
 
     def drafter(self, draft: Draft | str, speculation) -> Drafter | None:
@@ -128,6 +154,13 @@ class DraftBuilder:
         draft = self.resolve(draft)
         if draft.kind == "none":
             return None
+        if draft.kind == "chain":
+            cut = getattr(speculation, "draft_vocab", 0)
+            if cut and not any(part.kind == "model" for part in draft.parts):
+                raise QuickdraftError(f"{{draft_vocab}} cuts a draft model's output head, and {{draft}} {draft} has no "
+                                      "draft model: drop {draft_vocab} or give a draft model", "draft_vocab", "draft")
+            return ChainDrafter([self.drafter(part, speculation if part.kind == "model" or not cut else
+                                              replace(speculation, draft_vocab=0)) for part in draft.parts])
         if draft.kind not in KINDS:
             raise QuickdraftError(f"unknown kind of draft {draft.kind!r}: give {SPELLINGS}")
         if getattr(speculation, "draft_vocab", 0) and draft.kind != "model":

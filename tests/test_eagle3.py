@@ -290,6 +290,33 @@ def test_sampled_output_has_the_target_distribution(tmp_path):
     assert_second_and_third_follow(counts, exact)
 
 
+def _exports(profile: dict, path) -> None:
+    """A profile that picks the head, alone or chained before n-gram lookup, as each engine's EAGLE-3 flags."""
+    import shlex
+
+    from quickdraft.tools import export
+
+    alone = {**profile, "draft": str(path), "draft_kind": "eagle3", "draft_max": 4}
+    chained = {**alone, "draft": f"{path},ngram", "draft_kind": "chain", "draft_kinds": ["eagle3", "ngram"]}
+    for engine in export.ENGINES:
+        for chosen in (alone, chained):
+            text = export.export(chosen, engine, "/models/t.gguf")
+            (command,) = [line for line in text.splitlines() if not line.startswith("#")]
+            argv = shlex.split(command)
+            flags = dict(zip(argv[1:], argv[2:]))
+            if engine == "llama-server":
+                types = "draft-eagle3,ngram-simple" if chosen is chained else "draft-eagle3"
+                assert flags["--spec-type"] == types and flags["-md"] == f"{path}.gguf"
+                assert flags["--spec-draft-n-max"] == "4" and "#18039" in text
+            elif engine == "vllm":
+                assert json.loads(flags["--speculative-config"]) == {"method": "eagle3", "model": str(path),
+                                                                     "num_speculative_tokens": 4}
+                assert ("no n-gram lookup" in text) == (chosen is chained)
+            else:
+                assert flags["--speculative-algorithm"] == "EAGLE3" and flags["--speculative-num-steps"] == "4"
+                assert flags["--speculative-num-draft-tokens"] == "5"
+
+
 def test_recognised_planned_replayed_ranked_and_refused(target_dir, head_dir, tmp_path):
     """--draft DIR is the eagle3 kind; the memory plan made before loading counts what the built head holds; tune's
     replay over an output made of the target's first token and a round's own drafts keeps them all, and tune ranks
@@ -324,6 +351,7 @@ def test_recognised_planned_replayed_ranked_and_refused(target_dir, head_dir, tm
                            0.0, 16, log=lambda message: None, vocab=0)
         (measured,) = [c for c in profile["candidates"] if c["name"] == str(path) and c["tree"] == 1]
         assert len(measured["acceptance"]) == 4 and measured["r"] > 0
+        _exports(profile, path)
     for change, words in (({"width": 48}, "made for a target 48 wide"), ({"vocab": 300}, "of 300 tokens"),
                           ({"ids": (1, 3, 7)}, "layer ids [1, 3, 7]"), ({"ids": (0, 3, 5)}, "layer ids [0, 3, 5]")):
         other = tmp_path / "-".join(map(str, change.values()))

@@ -341,7 +341,8 @@ def _export(args, profile: dict) -> str:
     def gguf(name: str | None) -> str | None:
         return str(hub.model_path(name)) if name in hub.DEFAULT_MODELS else name
 
-    draft = profile["draft"].removeprefix("ngram+") if profile["draft"] not in ("none", "ngram") else None
+    members = profile["draft"].replace("ngram+", "ngram,", 1).split(",") if profile["draft"] != "none" else []
+    draft = next((m for m in members if m != "ngram"), None)  # a chain's drafter other than lookup
     if draft == "mtp":
         raise QuickdraftError("the profile drafts with the target's MTP layers, which --export does not write yet: "
                               "export a profile of a draft model or ngram")

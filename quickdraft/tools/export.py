@@ -14,8 +14,13 @@ Neither vLLM nor SGLang puts n-gram lookup in front of a draft model: an "ngram+
 
 A DFlash drafter (z-lab's block drafters; a profile whose draft_kind is "dflash"): llama.cpp's `--spec-type
 draft-dflash` with `-md` (the drafter converted to GGUF by its convert_hf_to_gguf.py, llama.cpp #22105), vLLM's
-`"method": "dflash"` (0.20 and later), SGLang's `--speculative-algorithm DFLASH`. Tree verification (--draft-tree) has
-no flag in any of them: it is quickdraft's own.
+`"method": "dflash"` (0.20 and later), SGLang's `--speculative-algorithm DFLASH`. An EAGLE-3 head (draft_kind
+"eagle3"): llama.cpp's `--spec-type draft-eagle3` (#18039), vLLM's `"method": "eagle3"`, SGLang's
+`--speculative-algorithm EAGLE3`. Tree verification (--draft-tree) has no flag in any of them: it is quickdraft's own.
+
+A chain (`mtp,ngram`, `DIR,ngram`: draft_kinds lists its members' kinds): llama-server takes its types in order
+(`--spec-type draft-eagle3,ngram-simple`); vLLM and SGLang run one method, the chain's first drafter that is not
+n-gram lookup.
 """
 
 from __future__ import annotations
@@ -41,7 +46,13 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
     if engine not in ENGINES:
         raise QuickdraftError(f"unknown engine {engine!r}: export to one of {', '.join(ENGINES)}")
     draft, k = profile["draft"], int(profile["draft_max"])
-    model = draft.split("+", 1)[1] if draft.startswith("ngram+") else None if draft in ("none", "ngram") else draft
+    members = [] if draft == "none" else draft.replace("ngram+", "ngram,", 1).split(",") if "," in draft or \
+        draft.startswith("ngram+") else [draft]
+    kinds = profile.get("draft_kinds") if profile.get("draft_kind") == "chain" else None  # (a chain's, by member)
+    lookup = "ngram" in members
+    model = next((m for m in members if m != "ngram"), None)
+    kind = kinds[members.index(model)] if kinds and model and len(kinds) == len(members) else \
+        profile.get("draft_kind", "model")
     winner = next((c for c in profile.get("candidates", []) if c["name"] == draft), None)
     notes = [f"{engine} flags for quickdraft's tuned profile ({VERSIONS[engine]})",
              f"target {profile['target']}; draft {draft}, k = {k}"]
@@ -58,12 +69,12 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
     if draft == "none":
         notes.append("speculation did not pay on the tuning machine: no speculative flags")
         return _comment(notes)
-    if model and profile.get("draft_kind") == "dflash":
-        return _dflash(engine, profile, notes, model, k, target_file, draft_file)
+    if model and kind in HEADS:
+        return _head(engine, kind, lookup, members, notes, profile, model, k, target_file, draft_file)
     if engine == "llama-server":
         flags = ["-m", target_file or profile["target"]]
         types = []
-        if draft.startswith("ngram"):
+        if lookup:
             types.append("ngram-simple")
             flags += ["--spec-ngram-simple-size-n", str(NGRAM_MAX), "--spec-ngram-simple-size-m", str(k)]
         if model:
@@ -76,8 +87,8 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
     if engine == "vllm":
         if model:
             config = {"method": "draft_model", "model": HF_REPOS.get(model, model), "num_speculative_tokens": k}
-            if draft.startswith("ngram+"):
-                notes.append("vLLM runs one method: the draft model (no n-gram lookup in front of it)")
+            if lookup:
+                notes.append("vLLM runs one method: the draft model (no n-gram lookup beside it)")
         else:
             config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": NGRAM_MAX,
                       "prompt_lookup_min": NGRAM_MIN}
@@ -86,33 +97,46 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
         flags = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", HF_REPOS.get(model, model),
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(k + 1)]
-        if draft.startswith("ngram+"):
-            notes.append("SGLang runs one algorithm: the draft model (no n-gram lookup in front of it)")
+        if lookup:
+            notes.append("SGLang runs one algorithm: the draft model (no n-gram lookup beside it)")
     else:
         flags = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k)]
         notes.append("SGLang's NGRAM runs on CUDA only")
     return _comment(notes) + "\npython -m sglang.launch_server " + shlex.join(["--model-path", target, *flags])
 
 
-def _dflash(engine: str, profile: dict, notes: list[str], model: str, k: int, target_file: str | None,
-            draft_file: str | None) -> str:
-    """A DFlash drafter's flags (the draft directory as the profile names it)."""
-    if profile.get("draft", "").startswith("ngram+"):
-        notes.append(f"{engine} runs one method: the DFlash drafter (no n-gram lookup in front of it)")
+# a head kind's method in each engine: llama.cpp's --spec-type, vLLM's method, SGLang's algorithm
+HEADS = {"dflash": ("draft-dflash", "dflash", "DFLASH", "#22105"), "eagle3": ("draft-eagle3", "eagle3", "EAGLE3", "#18039")}
+
+
+def _head(engine: str, kind: str, lookup: bool, members: list[str], notes: list[str], profile: dict, model: str,
+          k: int, target_file: str | None, draft_file: str | None) -> str:
+    """A DFlash drafter's or an EAGLE-3 head's flags (its directory as the profile names it), n-gram lookup beside it
+    where the engine chains methods."""
+    spec_type, method, algorithm, change = HEADS[kind]
+    name = {"dflash": "the DFlash drafter", "eagle3": "the EAGLE-3 head"}[kind]
+    if lookup and engine != "llama-server":
+        notes.append(f"{engine} runs one method: {name} (no n-gram lookup beside it)")
     if engine == "llama-server":
         gguf = draft_file if draft_file and draft_file.endswith(".gguf") else f"{model.rstrip('/')}.gguf"
-        notes.append(f"llama-server reads the drafter as GGUF: convert {model} with llama.cpp's convert_hf_to_gguf.py "
-                     f"into {gguf} (DFlash: llama.cpp #22105 and later)")
-        flags = ["-m", target_file or profile["target"], "-md", gguf, "--spec-type", "draft-dflash",
+        notes.append(f"llama-server reads {name} as GGUF: convert {model} with llama.cpp's convert_hf_to_gguf.py "
+                     f"into {gguf} (llama.cpp {change} and later)")
+        types = ["ngram-simple" if m == "ngram" else spec_type for m in members]
+        flags = ["-m", target_file or profile["target"], "-md", gguf, "--spec-type", ",".join(types),
                  "--spec-draft-n-max", str(k)]
+        if lookup:
+            flags += ["--spec-ngram-simple-size-n", str(NGRAM_MAX), "--spec-ngram-simple-size-m", str(k)]
         return _comment(notes) + "\nllama-server " + shlex.join(flags)
     target = HF_REPOS.get(profile["target"], profile["target"])
     if engine == "vllm":
-        notes.append("vLLM's dflash method: vLLM 0.20 and later")
-        config = {"method": "dflash", "model": model, "num_speculative_tokens": k}
+        if kind == "dflash":
+            notes.append("vLLM's dflash method: vLLM 0.20 and later")
+        config = {"method": method, "model": model, "num_speculative_tokens": k}
         return _comment(notes) + "\nvllm serve " + shlex.join([target, "--speculative-config", json.dumps(config)])
-    flags = ["--model-path", target, "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", model,
-             "--speculative-num-draft-tokens", str(k + 1)]
+    flags = ["--model-path", target, "--speculative-algorithm", algorithm, "--speculative-draft-model-path", model]
+    if kind == "eagle3":  # a chain of k steps, one candidate each
+        flags += ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1"]
+    flags += ["--speculative-num-draft-tokens", str(k + 1)]
     return _comment(notes) + "\npython -m sglang.launch_server " + shlex.join(flags)
 
 

@@ -234,9 +234,12 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     pick = next((x for x in checked if (x["candidate"], x["vocab"], x["tree"]) == (winner.name, winner.vocab,
                                                                                       winner.tree)), None)
     plain_tok_s = pick["plain_tok_s"] if pick else 1 / t_step  # decode tok/s without and with the pick, same run
-    kind = Draft.parse(winner.name).kind if winner.name != "none" else "none"
+    parsed = Draft.parse(winner.name) if winner.name != "none" else None
+    kind = parsed.kind if parsed is not None else "none"
+    parts = list(parsed.parts) if kind == "chain" else [Draft("ngram"), parsed] if parsed is not None and \
+        parsed.ngram else [parsed] if parsed is not None else []
     return {"version": PROFILE_VERSION, "target": target.name, "weights": target.weights, "draft": winner.name,
-            "draft_kind": kind,
+            "draft_kind": kind, "draft_kinds": [p.kind for p in parts],
             "draft_max": winner.best_k, "draft_vocab": winner.vocab, "draft_tree": winner.tree, "fixed_k": True,
             "p_min": p_min,
             "predicted_speedup": winner.best_speedup, "measured_speedup": measured, "plain_tok_s": plain_tok_s,

@@ -365,3 +365,26 @@ def test_recognised_planned_replayed_ranked_and_refused(target_dir, head_dir, tm
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(QuickdraftError, match="lacks 'eagle_aux_hidden_state_layer_ids'"):
         build(target, broken, F32)
+
+
+def test_doctor_describes_the_head(target_dir, head_dir):
+    """doctor names the head's vocabulary map and its caches beside the target's, gives it int8 on auto, and warns
+    where it is asked to run in int4 (a head below int8 loses most of its acceptance)."""
+    import quickdraft
+    from quickdraft.tools import doctor
+
+    _, tdir = target_dir
+    variant, _, path = head_dir
+    if variant != "qwen3-d2t":
+        pytest.skip("one variant is enough")
+    for weights, level in (("auto", "ok"), ("int4", "warn")):
+        llm = quickdraft.load(str(tdir), str(path), device="cpu", dtype="bfloat16", weights="bf16", context=256,
+                              draft_weights=weights, progress=False, cache_slots=1)
+        findings, engine = doctor.run(llm, Draft.parse(str(path), weights=weights), prompt=PROMPT)
+        by = {f.check: f for f in findings}
+        assert by["tokenizer"].level == "ok" and "proposes 200 of the target's 320 tokens" in by["tokenizer"].message
+        head = by["draft head"]
+        assert head.level == level, head.message
+        assert head.figures["weights"] == ("int8" if weights == "auto" else "int4")
+        assert head.figures["drafter_cache_bytes"] == engine.drafter.cache_bytes() > 0
+        assert engine.drafter.kind == "eagle3" and by["speculation"].figures["rounds"] > 0  # (the head drafted)

@@ -182,8 +182,9 @@ class DraftBuilder:
         device = draft.device or str(self.target.device)
         dtype = str(self.target.model.dtype).removeprefix("torch.")
         weights = quant.resolve(draft.weights, device, getattr(torch, dtype), role="draft")
-        if draft.kind == "eagle3" and draft.weights == "auto" and weights == "int4":  # a head in int4 hardly drafts
-            weights = "int8"  # (other engines' users saw its acceptance fall to ~0): doctor warns where asked for
+        if draft.kind in FEATURES and draft.weights == "auto" and weights == "int4":  # a head over the target's
+            weights = "int8"  # states in int4 hardly drafts (other engines' users saw acceptance fall to ~0): doctor
+            # warns where int4 is asked for
         key = (str(Path(source).expanduser()), device, weights)
         if key not in self.loaded and draft.kind == "dflash":  # not a model of its own: layers over the target's
             from quickdraft.speculative.dflash import load_drafter

@@ -245,10 +245,45 @@ def memory_plan(plan) -> Finding:
     return Finding("memory plan", "ok", line, figures)
 
 
+HEAD_KINDS = ("Eagle3Model", "DFlashModel")  # drafters over the target's states (speculative/eagle3.py, dflash.py)
+
+
+def heads(target, drafts: list, engine) -> Finding | None:
+    """A drafter built over the target's states (an EAGLE-3 head, a DFlash drafter): its weights' format (below int8
+    such heads lose most of their acceptance: other engines' users saw it fall to ~0), and its caches against the
+    target's (the target's states it reads and its own keys and values take the context's room). None without
+    one."""
+    head = next((m for m in drafts if type(m).__name__ in HEAD_KINDS), None)
+    if head is None:
+        return None
+    own = engine.drafter.cache_bytes() if engine.drafter is not None else 0
+    context = kv_bytes(engine.cache)
+    figures = {"weights": head.weights, "drafter_cache_bytes": own, "target_kv_bytes": context,
+               "context": engine.context}
+    name = head.name.rstrip("/").rsplit("/", 1)[-1]
+    if head.weights == "int4":
+        return Finding("draft head", "warn", f"{name} runs in int4: heads over the target's states quantized below "
+                                             "int8 lose most of their acceptance; use --draft-weights int8 (auto "
+                                             "gives heads int8)", figures)
+    line = (f"{name} in {head.weights}; its caches take {own / 2**20:.1f} MiB beside the target's "
+            f"{context / 2**20:.1f} MiB KV cache for {engine.context} tokens")
+    if own > context:
+        return Finding("draft head", "warn", f"{line}: more than the context itself, room a longer --ctx would "
+                                             "use; lower --ctx, or drop the head for ngram", figures)
+    return Finding("draft head", "ok", line, figures)
+
+
 def tokenizers(target, draft) -> Finding:
     if draft is None:
         return Finding("tokenizer", "ok", "no draft model: n-gram lookup and built-in MTP layers draft in the "
                                           "target's own vocabulary")
+    if draft.tokenizer is None and hasattr(draft.config, "draft_vocab"):  # an EAGLE-3 head: d2t maps its tokens
+        cfg, V = draft.config, target.config.vocab_size
+        if cfg.vocab_size != V:
+            return Finding("tokenizer", "error", f"the head maps its tokens onto a vocabulary of {cfg.vocab_size}; the "
+                                                 f"target has {V}: it was trained for another target")
+        return Finding("tokenizer", "ok", f"the head proposes {cfg.draft_vocab} of the target's {V} tokens"
+                       + (" (its d2t map)" if cfg.draft_vocab < V else ""))
     if draft.tokenizer is None:  # a Gemma 4 assistant without one, a DFlash drafter: it scores the target's tokens
         level = "ok" if draft.config.vocab_size == target.config.vocab_size else "error"
         return Finding("tokenizer", level, f"the drafter scores {draft.config.vocab_size} tokens of the target's "
@@ -345,6 +380,9 @@ def run(llm, draft, available: int | None = None, prompt: list[int] | None = Non
     engine = llm.engine_for(resolved if tokenizer.level != "error" else NONE, llm.engine.speculation)
     drafter = engine.drafter
     findings.append(memory(target, drafts, engine, available or device_memory(target.device)))
+    head = heads(target, drafts, engine)
+    if head is not None:
+        findings.append(head)
     if drafter is not None:
         findings.append(sampler(drafter, target.config.vocab_size, engine))
         findings.append(speculation(engine, prompt or encoded(target.tokenizer, ["code-en"])["code-en"]))

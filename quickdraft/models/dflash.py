@@ -58,7 +58,20 @@ class DFlashConfig:
     conv_group: int = 0
     selector_rank: int = 0  # DFlash2: the candidate selector's rank and candidates per position
     selector_top_k: int = 0
-    kind: str = "dflash"  # dflash | dflash2
+    kind: str = "dflash"  # dflash | dflash2 | dspark
+    # vLLM's speculators form (speculators_model_type dflash, dspark): its own output layer over a draft vocabulary
+    # (0: the target's head), whether the block's first row (the pending token's) guesses too, and DSpark's heads
+    draft_vocab: int = 0
+    sample_from_anchor: bool = False
+    markov_rank: int = 0  # DSpark's Markov logit bias (0: none): W2(W1[previous token]), gated or recurrent
+    markov_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence: bool = False  # DSpark's confidence head: each guess's predicted chance of acceptance
+    confidence_with_markov: bool = False  # it reads W1[previous token] beside the row
+
+    @property
+    def guesses(self) -> int:
+        """Guesses a block makes: its rows after the pending token's, and that row too where it guesses."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
 
 class DynamicConv(nn.Module):
@@ -184,6 +197,50 @@ class Selector(nn.Module):
         return unary[position] + self.successor_codebook(candidates[position]) @ pairing
 
 
+class MarkovHead(nn.Module):
+    """DSpark's sequential logit bias over the draft vocabulary, from the token before each guess (W1 indexes the
+    target's vocabulary, W2 maps to the draft's): vanilla W2(W1[prev]); gated W2(sigmoid(gate([row; W1[prev]])) *
+    W1[prev]); rnn a state carried over the block's rows, W2(tanh(out)) of a gated update from [state; W1[prev];
+    row]."""
+
+    def __init__(self, cfg: DFlashConfig, draft_vocab: int):
+        super().__init__()
+        r = cfg.markov_rank
+        self.kind, self.rank = cfg.markov_type, r
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)
+        self.markov_w2 = Linear(r, draft_vocab, bias=False)
+        self.gate_proj = Linear(cfg.dim + r, r) if self.kind == "gated" else None
+        self.joint_proj = Linear(2 * r + cfg.dim, 3 * r) if self.kind == "rnn" else None
+
+    def step(self, previous: torch.Tensor, row: torch.Tensor, state: torch.Tensor | None):
+        """The bias (draft vocab,) of a row (dim,) after the token `previous` (a (1,) id), W1[previous] (rank,) and
+        the recurrent state after the row (None but for rnn; `state` None: the block's first row)."""
+        emb = self.markov_w1(previous.view(-1))[0]
+        dtype = self.markov_w2.weight.dtype
+        emb, row = emb.to(dtype), row.to(dtype)
+        if self.kind == "vanilla":
+            return self.markov_w2(emb[None])[0], emb, None
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([row, emb])[None])[0])
+            return self.markov_w2((gate * emb)[None])[0], emb, None
+        state = emb.new_zeros(self.rank) if state is None else state
+        gate, candidate, out = self.joint_proj(torch.cat([state, emb, row])[None])[0].chunk(3)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(candidate)
+        return self.markov_w2(torch.tanh(out)[None])[0], emb, state
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's predicted chance that a guess is accepted: sigmoid(proj([row; W1[prev]])) (or of the row alone)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = Linear(width, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(features[None])[0, 0].float())
+
+
 class DFlash(nn.Module):
     def __init__(self, cfg: DFlashConfig, target_dim: int, max_context: int):
         super().__init__()
@@ -193,6 +250,13 @@ class DFlash(nn.Module):
         self.hidden_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.candidate_selector = Selector(cfg) if cfg.kind == "dflash2" else None
+        vocab = cfg.draft_vocab or cfg.vocab_size
+        self.lm_head = Linear(cfg.dim, cfg.draft_vocab, bias=False) if cfg.draft_vocab else None
+        self.markov_head = MarkovHead(cfg, vocab) if cfg.markov_rank else None
+        self.confidence_head = ConfidenceHead(cfg.dim + (cfg.markov_rank if cfg.confidence_with_markov else 0)) \
+            if cfg.confidence else None
+        # its output layer's id -> the target's (the identity without a draft vocabulary of its own)
+        self.register_buffer("target_ids", torch.arange(vocab), persistent=False)
         cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context + cfg.block_size)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

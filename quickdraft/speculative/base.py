@@ -57,17 +57,18 @@ class Offer:
         return j == self.kept and 1 <= self.rank <= width - 1
 
 
-def replay_chain(source: str, step, pending: int, known: list[int], kmax: int, p_min: float) -> Offer:
+def replay_chain(source: str, step, pending: int, known: list[int], kmax: int, p_min: float, sure=None) -> Offer:
     """The Offer of a greedy round over a known output, run as the round would run it: step(token) feeds a token and
     returns the drafter's logits (V,) for the next position; the chain goes on past a wrong guess with the drafter's
     own tokens (a tree's least sure position is judged over the whole chain) and stops where the drafter is unsure
-    (p_min, after its first token). known: the output's tokens from the round's first drafted position on."""
+    (p_min, after its first token). known: the output's tokens from the round's first drafted position on. sure:
+    what says how sure the drafter is of the step's token where not its top probability (DSpark's confidence)."""
     confidence, kept, rank, token = [], None, 0, pending
     for i in range(min(kmax, len(known))):
         logits = step(token).float()
         probs = logits.softmax(-1)
         top = float(probs.max())
-        if i and p_min > 0 and top < p_min:
+        if i and p_min > 0 and (top if sure is None or sure() is None else float(sure())) < p_min:
             return Offer(source, i, len(confidence) if kept is None else kept, tuple(confidence), rank)
         confidence.append(top)
         token = int(logits.argmax())

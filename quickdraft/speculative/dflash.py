@@ -84,6 +84,9 @@ class DFlashDrafter(DraftModelDrafter):
         self.logits: torch.Tensor | None = None  # the round's block: (B - 1, V) logits of its guesses
         self.selection = None  # DFlash2: (unary scores, candidates, projected hidden states) of the round's block
         self.position = 0  # the round's next guess
+        self.rows: torch.Tensor | None = None  # DSpark: the block's rows (B, dim), which its heads read
+        self.state: torch.Tensor | None = None  # DSpark's recurrent Markov head: its state after the rows so far
+        self.sure: torch.Tensor | None = None  # DSpark: the confidence head's chance that the last guess is kept
 
     def fork(self) -> "DFlashDrafter":
         return DFlashDrafter(self.drafter, self.target, self.capacity, self.p_min)
@@ -136,7 +139,7 @@ class DFlashDrafter(DraftModelDrafter):
         if self.target_cache is None or self.target_cache.features is None:
             raise QuickdraftError("a DFlash drafter reads the target's hidden states: build its engine with it "
                                   "(Engine(target, context, drafter))")
-        k = min(k_for("dflash"), self.block_size - 1)
+        k = min(k_for("dflash"), self.drafter.config.guesses)
         committed = len(seq) - 1  # the target has run positions 0 .. committed - 1; seq[committed] is pending
         if k <= 0 or committed < 1:
             return Proposal([], "dflash")
@@ -149,8 +152,10 @@ class DFlashDrafter(DraftModelDrafter):
     def _block(self, pending: int, committed: int) -> None:
         """The drafting pass: the context rows up to `committed` taken in, the block from the pending token on."""
         start = self.cache.length
-        hidden = self.drafter.model.block(self.target_cache.features[start:committed], self._embedded(pending),
-                                          self.cache)[1:]
+        rows = self.drafter.model.block(self.target_cache.features[start:committed], self._embedded(pending),
+                                        self.cache)
+        self.rows, self.state, self.sure = rows, None, None
+        hidden = rows if self.drafter.config.sample_from_anchor else rows[1:]
         self.logits = self._head(hidden)
         selector = self.drafter.model.candidate_selector
         self.selection = selector.candidates(hidden, self.logits) if selector is not None else None
@@ -160,6 +165,8 @@ class DFlashDrafter(DraftModelDrafter):
         """The target's output head over the block's rows (float32 (P, V)), as the drafter scales and caps it (not
         the target's own soft cap: the reference uses the head's weights alone)."""
         model, cfg = self.target.model, self.drafter.config
+        if self.drafter.model.lm_head is not None:  # the speculators form's own, over its draft vocabulary
+            return self.drafter.model.lm_head(hidden).float()
         logits = (linear(hidden, model.tok_embeddings.weight) if model.output is None else model.output(hidden)).float()
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
@@ -174,18 +181,53 @@ class DFlashDrafter(DraftModelDrafter):
         i = self.position
         self.position += 1
         if self.selection is None:
-            return self.logits[i].clone()
+            return self._over_target(self._biased(feed, i))
         unary, candidates, projected = self.selection
         previous = self._ids(feed)[0, -1]
         scores = self.drafter.model.candidate_selector.scores(unary, candidates, projected, i, previous).float()
         out = (scores.min() - OUTSIDE).expand(self.target_vocab).clone()  # (no read-back: a GPU round stays queued)
         return out.scatter_(0, candidates[i], scores)
 
+    def _biased(self, feed, i: int) -> torch.Tensor:
+        """Guess i's logits over the drafter's vocabulary: the block's row, plus DSpark's Markov bias after the token
+        fed (the pending one first, then each drawn); its confidence head's chance of the guess kept into sure."""
+        model, cfg = self.drafter.model, self.drafter.config
+        if model.markov_head is None and model.confidence_head is None:
+            return self.logits[i].clone()
+        previous = self._ids(feed)[0, -1:]
+        row = self.rows[i if cfg.sample_from_anchor else i + 1]
+        logits, emb = self.logits[i].clone(), None
+        if model.markov_head is not None:
+            if i == 0 and not cfg.sample_from_anchor and model.markov_head.kind == "rnn":  # the pending row's update
+                _, _, self.state = model.markov_head.step(previous, self.rows[0], None)
+            bias, emb, self.state = model.markov_head.step(previous, row, self.state)
+            logits += bias.float()
+        if model.confidence_head is not None:
+            self.sure = model.confidence_head(row if emb is None or not cfg.confidence_with_markov else
+                                              torch.cat([row, emb.to(row.dtype)]))
+        return logits
+
+    def _over_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over the drafter's vocabulary (V',) -> the target's (V,): each at the target id d2t maps it to,
+        every other OUTSIDE below the lowest (the identity where it scores the target's own vocabulary)."""
+        if self.drafter.model.lm_head is None:
+            return logits
+        out = (logits.min() - OUTSIDE).expand(self.target_vocab).clone()
+        return out.scatter_(0, self.drafter.model.target_ids, logits)
+
+    def _choose(self, logits, params, history, generator, position: int):
+        """As a draft model chooses; with DSpark's confidence head, its chance of the guess kept (not the top
+        probability) says whether to stop early below --draft-p-min."""
+        token, q, sure = super()._choose(logits, params, history, generator, position)
+        if self.sure is not None and self.p_min > 0:
+            sure = self.sure >= self.p_min
+        return token, q, sure
+
     # ---- self-description ---------------------------------------------------------------------------------
 
     @property
     def max_draft(self) -> int | None:
-        return self.block_size - 1
+        return self.drafter.config.guesses
 
     @property
     def cut_head(self) -> bool:
@@ -249,7 +291,7 @@ class DFlashDrafter(DraftModelDrafter):
         cache = KVCache(self.drafter.model.kv_layout(), len(seq) + self.block_size, dtype=self.drafter.model.dtype,
                         device=self.device)
         out = [Offer("", 0, 0)]
-        kmax = min(kmax, self.block_size - 1)
+        kmax = min(kmax, self.drafter.config.guesses)
         saved = self.target_cache, self.cache
         try:
             self.target_cache, self.cache = target, cache
@@ -257,7 +299,7 @@ class DFlashDrafter(DraftModelDrafter):
                 committed = len(prompt) + t - 1
                 self._block(seq[committed], committed)
                 out.append(replay_chain("dflash", lambda token: self._logits([token]), seq[committed], output[t:], kmax,
-                                        self.p_min))
+                                        self.p_min, lambda: self.sure))
         finally:
             self.target_cache, self.cache = saved
         return out

@@ -16,7 +16,8 @@ A DFlash drafter (z-lab's block drafters; a profile whose draft_kind is "dflash"
 draft-dflash` with `-md` (the drafter converted to GGUF by its convert_hf_to_gguf.py, llama.cpp #22105), vLLM's
 `"method": "dflash"` (0.20 and later), SGLang's `--speculative-algorithm DFLASH`. An EAGLE-3 head (draft_kind
 "eagle3"): llama.cpp's `--spec-type draft-eagle3` (#18039), vLLM's `"method": "eagle3"`, SGLang's
-`--speculative-algorithm EAGLE3`. Tree verification (--draft-tree) has no flag in any of them: it is quickdraft's own.
+`--speculative-algorithm EAGLE3`. A DSpark drafter (draft_kind "dspark"): llama.cpp's `draft-dspark` (#25173),
+vLLM's `"method": "dspark"`; SGLang has none this export knows of. Tree verification (--draft-tree) has no flag in any of them: it is quickdraft's own.
 
 A chain (`mtp,ngram`, `DIR,ngram`: draft_kinds lists its members' kinds): llama-server takes its types in order
 (`--spec-type draft-eagle3,ngram-simple`); vLLM and SGLang run one method, the chain's first drafter that is not
@@ -106,7 +107,8 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
 
 
 # a head kind's method in each engine: llama.cpp's --spec-type, vLLM's method, SGLang's algorithm
-HEADS = {"dflash": ("draft-dflash", "dflash", "DFLASH", "#22105"), "eagle3": ("draft-eagle3", "eagle3", "EAGLE3", "#18039")}
+HEADS = {"dflash": ("draft-dflash", "dflash", "DFLASH", "#22105"), "eagle3": ("draft-eagle3", "eagle3", "EAGLE3", "#18039"),
+         "dspark": ("draft-dspark", "dspark", None, "#25173")}
 
 
 def _head(engine: str, kind: str, lookup: bool, members: list[str], notes: list[str], profile: dict, model: str,
@@ -114,7 +116,7 @@ def _head(engine: str, kind: str, lookup: bool, members: list[str], notes: list[
     """A DFlash drafter's or an EAGLE-3 head's flags (its directory as the profile names it), n-gram lookup beside it
     where the engine chains methods."""
     spec_type, method, algorithm, change = HEADS[kind]
-    name = {"dflash": "the DFlash drafter", "eagle3": "the EAGLE-3 head"}[kind]
+    name = {"dflash": "the DFlash drafter", "eagle3": "the EAGLE-3 head", "dspark": "the DSpark drafter"}[kind]
     if lookup and engine != "llama-server":
         notes.append(f"{engine} runs one method: {name} (no n-gram lookup beside it)")
     if engine == "llama-server":
@@ -133,6 +135,10 @@ def _head(engine: str, kind: str, lookup: bool, members: list[str], notes: list[
             notes.append("vLLM's dflash method: vLLM 0.20 and later")
         config = {"method": method, "model": model, "num_speculative_tokens": k}
         return _comment(notes) + "\nvllm serve " + shlex.join([target, "--speculative-config", json.dumps(config)])
+    if algorithm is None:
+        notes.append(f"SGLang has no {name.split()[-2]} algorithm this export knows of: serve it with vLLM or "
+                     "llama-server")
+        return _comment(notes)
     flags = ["--model-path", target, "--speculative-algorithm", algorithm, "--speculative-draft-model-path", model]
     if kind == "eagle3":  # a chain of k steps, one candidate each
         flags += ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1"]

@@ -239,7 +239,8 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
     parts = list(parsed.parts) if kind == "chain" else [Draft("ngram"), parsed] if parsed is not None and \
         parsed.ngram else [parsed] if parsed is not None else []
     return {"version": PROFILE_VERSION, "target": target.name, "weights": target.weights, "draft": winner.name,
-            "draft_kind": kind, "draft_kinds": [p.kind for p in parts],
+            "draft_kind": _flavour(parsed) if parsed is not None and kind != "chain" else kind,
+            "draft_kinds": [_flavour(p) for p in parts],
             "draft_max": winner.best_k, "draft_vocab": winner.vocab, "draft_tree": winner.tree, "fixed_k": True,
             "p_min": p_min,
             "predicted_speedup": winner.best_speedup, "measured_speedup": measured, "plain_tok_s": plain_tok_s,
@@ -382,6 +383,16 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
     if c.acceptance and winner.acceptance and c.acceptance[0] < winner.acceptance[0]:
         return f"lower acceptance ({100 * c.acceptance[0]:.0f}% vs {100 * winner.acceptance[0]:.0f}% at position 1)"
     return f"predicted {c.best_speedup:.2f}x against {winner.best_speedup:.2f}x"
+
+
+def _flavour(draft: Draft) -> str:
+    """The draft's kind as other engines name its method: a DFlash-kind directory holding a DSpark drafter is
+    "dspark"."""
+    if draft.kind == "dflash":
+        from quickdraft.weights.eagle3 import speculators_type
+
+        return "dspark" if speculators_type(draft.model) == "dspark" else "dflash"
+    return draft.kind
 
 
 def write_profile(path: Path, profile: dict) -> None:

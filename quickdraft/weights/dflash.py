@@ -34,7 +34,12 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+SPECULATORS = ("dflash", "dspark")  # the speculators_model_type values read here (the block drafters' form in vLLM)
+
+
 def _kind(d: dict) -> str | None:
+    if "speculators_model_type" in d:
+        return d["speculators_model_type"] if d["speculators_model_type"] in SPECULATORS + ("dflash2",) else None
     arch = " ".join(d.get("architectures") or [])
     if "DFlash2" in arch:
         return "dflash2"
@@ -63,6 +68,8 @@ def read_config(path: Path) -> DFlashConfig:
     kind = _kind(d)
     if kind is None:
         raise QuickdraftError(f"{path} holds no DFlash drafter (config.json names no DFlash architecture)")
+    if "speculators_model_type" in d:
+        return _speculators(path, d, kind)
     try:
         heads, dim, n_layers = d["num_attention_heads"], d["hidden_size"], d["num_hidden_layers"]
         head_dim = d.get("head_dim") or dim // heads
@@ -88,6 +95,57 @@ def read_config(path: Path) -> DFlashConfig:
             cfg = _dflash2(cfg, d)
     except KeyError as e:
         raise QuickdraftError(f"{path}/config.json lacks {e.args[0]!r}, which a DFlash drafter needs") from None
+    if cfg.block_size < 2:
+        raise QuickdraftError(f"{path}/config.json: block_size {cfg.block_size} drafts nothing (it must be 2 or more)")
+    return cfg
+
+
+def _speculators(path: Path, d: dict, kind: str) -> DFlashConfig:
+    """A block drafter in vLLM's speculators form: its layers described by transformer_layer_config (Qwen3's), the
+    target layers it reads by aux_hidden_state_layer_ids (vLLM's convention: id i is the output of layer i - 1),
+    its own output layer over a draft vocabulary where draft_vocab_size is less than the target's; DSpark's Markov
+    and confidence heads."""
+    if kind == "dflash2":
+        raise QuickdraftError(f"{path}: DFlash2 in the speculators form is not read yet; give its z-lab form "
+                              "(config.json naming DFlash2DraftModel), which quickdraft reads")
+    tl = d.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        raise QuickdraftError(f"{path}/config.json lacks 'transformer_layer_config', which a {kind} drafter needs")
+    try:
+        heads, dim, n_layers = tl["num_attention_heads"], tl["hidden_size"], tl["num_hidden_layers"]
+        head_dim = tl.get("head_dim") or 128  # Qwen3Config's default
+        ids = d.get("aux_hidden_state_layer_ids")
+        if not ids:
+            raise KeyError("aux_hidden_state_layer_ids")
+        if d.get("mask_token_id") is None:
+            raise KeyError("mask_token_id")
+        vocab = int(tl["vocab_size"])
+        draft_vocab = int(d.get("draft_vocab_size", vocab))
+        types = tl.get("layer_types") or ["full_attention"] * n_layers
+        if "sliding_attention" in types:
+            raise QuickdraftError(f"{path}: a {kind} drafter with sliding-window layers (windows counted from the "
+                                  "block's first row) is not read yet")
+        if min(int(i) for i in ids) < 1:
+            raise QuickdraftError(f"{path} reads the target's layer ids {list(ids)}: id 0 (the embeddings) is not "
+                                  "kept for drafters")
+        markov = int(d.get("markov_rank", 256)) if kind == "dspark" else 0
+        confidence = bool(d.get("enable_confidence_head", True)) if kind == "dspark" else False
+        cfg = DFlashConfig(
+            dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=tl.get("num_key_value_heads") or heads,
+            head_dim=head_dim, ffn_dim=tl["intermediate_size"], norm_eps=tl.get("rms_norm_eps", 1e-6),
+            bias=bool(tl.get("attention_bias", False)), rope=hf_ropes(tl, head_dim)[0], vocab_size=vocab,
+            target_layers=tuple(int(i) - 1 for i in ids), block_size=int(d.get("block_size", 8)),
+            mask_token=int(d["mask_token_id"]), layer_types=("full",) * n_layers, kind=kind,
+            draft_vocab=draft_vocab if draft_vocab != vocab else 0,
+            sample_from_anchor=bool(d.get("sample_from_anchor", kind == "dspark")),
+            markov_rank=markov, markov_type=d.get("markov_head_type", "vanilla"), confidence=confidence,
+            confidence_with_markov=confidence and bool(d.get("confidence_head_with_markov", True)))
+    except KeyError as e:
+        raise QuickdraftError(f"{path}/config.json lacks {e.args[0]!r}, which a {kind} drafter needs") from None
+    if cfg.markov_type not in ("vanilla", "gated", "rnn"):
+        raise QuickdraftError(f"{path}: markov_head_type {cfg.markov_type!r} is not one of vanilla, gated, rnn")
+    if cfg.confidence_with_markov and not cfg.markov_rank:
+        raise QuickdraftError(f"{path}: its confidence head reads the Markov head's embedding, and markov_rank is 0")
     if cfg.block_size < 2:
         raise QuickdraftError(f"{path}/config.json: block_size {cfg.block_size} drafts nothing (it must be 2 or more)")
     return cfg
@@ -120,6 +178,9 @@ def load(path: Path, target_dim: int, max_context: int, dtype: torch.dtype, devi
             if name.startswith("candidate_selector.") and name.endswith("_codebook"):
                 name += ".weight"  # the reference's checkpoints name the codebooks without .weight
             tensors[name] = t
+    d2t = tensors.pop("d2t", None)
+    for unused in ("t2d", "verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight"):
+        tensors.pop(unused, None)  # training's, or the target's own (the speculators form reads the target's table)
     tensors = {_our_name(n): t for n, t in tensors.items()}
     with torch.device("meta"):
         model = DFlash(cfg, target_dim, max_context)
@@ -139,7 +200,8 @@ def load(path: Path, target_dim: int, max_context: int, dtype: torch.dtype, devi
             if tuple(w.shape) != want:
                 raise QuickdraftError(f"{path}: {owner}.{leaf} has shape {tuple(w.shape)}, its config makes it {want}")
         kind = placement.linear_kind(weights, owner, {})
-        if isinstance(module, Linear) and kind != placement.FLOAT:
+        head = owner.split(".")[0] in ("lm_head", "markov_head", "confidence_head")  # kept in its dtype
+        if isinstance(module, Linear) and kind != placement.FLOAT and not head:
             layer = placement.layer(kind, own["weight"].to(dtype), own.get("bias"), device)
             if layer is not None:
                 parent, _, attr = owner.rpartition(".")
@@ -147,6 +209,17 @@ def load(path: Path, target_dim: int, max_context: int, dtype: torch.dtype, devi
                 continue
         for leaf, w in own.items():
             module._parameters[leaf] = nn.Parameter(w.to(device, dtype), requires_grad=False)
+    if cfg.draft_vocab:
+        if d2t is None or tuple(d2t.shape) != (cfg.draft_vocab,):
+            raise QuickdraftError(f"{path}: a drafter of {cfg.draft_vocab} draft tokens needs d2t ({cfg.draft_vocab} "
+                                  "offsets to the target's ids) in its weights")
+        ids = torch.arange(cfg.draft_vocab) + d2t.long()
+        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or len(set(ids.tolist())) != cfg.draft_vocab:
+            raise QuickdraftError(f"{path}: its d2t does not map its {cfg.draft_vocab} draft tokens onto distinct ids "
+                                  f"of the target's {cfg.vocab_size}: the drafter's vocabulary map is broken")
+        model.target_ids = ids.to(device)
+    else:
+        model.target_ids = torch.arange(cfg.vocab_size, device=device)
     cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context + cfg.block_size)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)
@@ -166,5 +239,6 @@ def weight_bytes(path: Path, element: int = 2) -> int:
     for f in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(f), "pt") as opened:
             for name in opened.keys():
-                total += element * math.prod(opened.get_slice(name).get_shape())
+                if name not in ("d2t", "t2d", "verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight"):
+                    total += element * math.prod(opened.get_slice(name).get_shape())
     return total

@@ -291,12 +291,25 @@ def test_sampled_output_has_the_target_distribution(tmp_path):
 
 
 def _exports(profile: dict, path) -> None:
-    """A profile that picks the head, alone or chained before n-gram lookup, as each engine's EAGLE-3 flags."""
+    """A profile that picks the head, alone or chained before n-gram lookup, as each engine's EAGLE-3 flags, and as
+    its config in the speculators format, which the library itself loads (the tuned k, the target as verifier)."""
     import shlex
+    import shutil
 
     from quickdraft.tools import export
 
     alone = {**profile, "draft": str(path), "draft_kind": "eagle3", "draft_max": 4}
+    text = export.export(alone, "speculators")
+    body = text.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    assert text.splitlines()[-1] == f"vllm serve {path}"
+    copy = path.parent / f"{path.name}-exported"
+    shutil.copytree(path, copy, dirs_exist_ok=True)
+    (copy / "config.json").write_text(body)
+    loaded = Eagle3DraftModel.from_pretrained(str(copy))
+    method = loaded.config.speculators_config.proposal_methods[0]
+    assert method.speculative_tokens == 4 and loaded.config.speculators_config.verifier.name_or_path == profile["target"]
+    with pytest.raises(QuickdraftError, match="export this one as vllm flags"):
+        export.export({**alone, "draft": "ngram"}, "speculators")
     chained = {**alone, "draft": f"{path},ngram", "draft_kind": "chain", "draft_kinds": ["eagle3", "ngram"]}
     for engine in export.ENGINES:
         for chosen in (alone, chained):

@@ -309,9 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--profile", type=Path, default=Path("quickdraft-profile.json"),
                     help="where to write the profile (default: %(default)s)")
     tu.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
-    tu.add_argument("--export", choices=["llama-server", "vllm", "sglang"], default=None, metavar="ENGINE",
+    tu.add_argument("--export", choices=["llama-server", "vllm", "sglang", "speculators"], default=None,
+                    metavar="ENGINE",
                     help="also print the tuned draft and k as ENGINE's flags (llama-server, vllm or sglang), with the "
-                         "measured acceptance and predicted speed-up as comments: tune here, deploy there")
+                         "measured acceptance and predicted speed-up as comments: tune here, deploy there; "
+                         "speculators: a tuned EAGLE-3, DFlash or DSpark head's config.json in vLLM's speculators "
+                         "format, k and the verifier set, for `vllm serve DIR`")
     tu.add_argument("--from", dest="from_profile", type=Path, default=None, metavar="PROFILE",
                     help="with --export: export a profile tune wrote before instead of measuring again")
     _common(tu)

@@ -44,8 +44,10 @@ NGRAM_MIN, NGRAM_MAX = 2, 4  # quickdraft's prompt lookup matches 2..4-token suf
 def export(profile: dict, engine: str, target_file: str | None = None, draft_file: str | None = None) -> str:
     """The profile as engine's command-line flags (a shell fragment with comment lines). target_file / draft_file:
     the GGUF files llama-server loads (default: the profile's names)."""
+    if engine == "speculators":
+        return speculators(profile)
     if engine not in ENGINES:
-        raise QuickdraftError(f"unknown engine {engine!r}: export to one of {', '.join(ENGINES)}")
+        raise QuickdraftError(f"unknown engine {engine!r}: export to one of {', '.join(ENGINES)} or speculators")
     draft, k = profile["draft"], int(profile["draft_max"])
     members = [] if draft == "none" else draft.replace("ngram+", "ngram,", 1).split(",") if "," in draft or \
         draft.startswith("ngram+") else [draft]
@@ -144,6 +146,43 @@ def _head(engine: str, kind: str, lookup: bool, members: list[str], notes: list[
         flags += ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1"]
     flags += ["--speculative-num-draft-tokens", str(k + 1)]
     return _comment(notes) + "\npython -m sglang.launch_server " + shlex.join(flags)
+
+
+def speculators(profile: dict) -> str:
+    """A tuned head's config in vLLM's speculators format (its directory's config.json with the tuned k as the
+    greedy proposal's speculative_tokens and the target as the verifier), written by a shell fragment, then served:
+    `vllm serve DIR` reads the verifier and the method from it. Heads in z-lab's DFlash form have no such config:
+    convert them with speculators' converter first."""
+    from pathlib import Path
+
+    from quickdraft.weights.eagle3 import speculators_type
+
+    draft, k = profile["draft"], int(profile["draft_max"])
+    members = draft.replace("ngram+", "ngram,", 1).split(",") if draft != "none" else []
+    model = next((m for m in members if m != "ngram"), None)
+    if model is None or speculators_type(model) is None:
+        raise QuickdraftError(f"the profile drafts with {draft}; the speculators format holds heads trained for a "
+                              "verifier (EAGLE-3, DFlash, DSpark in its form): export this one as vllm flags "
+                              "(--export vllm)")
+    path = Path(model).expanduser()
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    inner = dict(config.get("speculators_config") or {})
+    inner["proposal_methods"] = [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}]
+    inner["default_proposal_method"] = "greedy"
+    verifier = dict(inner.get("verifier") or {})
+    verifier["name_or_path"] = HF_REPOS.get(profile["target"], profile["target"])
+    inner["verifier"] = verifier
+    config["speculators_config"] = inner
+    notes = [f"quickdraft's tuned profile as {path.name}'s config.json in vLLM's speculators format: k = {k}, verifier "
+             f"{verifier['name_or_path']}",
+             f"predicted speed-up {profile.get('predicted_speedup', 0):.2f}x, measured "
+             f"{profile.get('measured_speedup', 0):.2f}x (quickdraft, one stream, on the machine that tuned)"]
+    if len(members) > 1:
+        notes.append("vLLM runs one method: the head (no n-gram lookup beside it)")
+    body = json.dumps(config, indent=1)
+    return (_comment(notes) + f"\ncat > {shlex.quote(str(path / 'config.json'))} <<'EOF'\n{body}\nEOF\n"
+            f"vllm serve {shlex.quote(str(path))}")
 
 
 def kept_share(acceptance: list[float], k: int) -> float:

@@ -27,10 +27,9 @@ pip_install -e ".${extras:+[$extras]}"
 # its wheel pins (its model code needs torch and transformers alone).
 if [[ ",$extras," == *",test,"* ]]; then
     pip_install --no-deps "dflash==0.1.0"
-    # vLLM's speculators library: the EAGLE-3, DFlash and DSpark heads' reference (tests/test_eagle3.py, test_dspark.py).
-    # Its import reaches its
-    # training data modules, which import hs-connectors and datasets, and its loading code loguru; its serving and
-    # training packages stay out.
+    # vLLM's speculators library: the EAGLE-3, DFlash and DSpark heads' reference (tests/test_eagle3.py,
+    # test_dspark.py). Its import reaches its training data modules, which import hs-connectors and datasets, and its
+    # loading code loguru; its serving and training packages stay out.
     pip_install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
     pip_install "datasets==5.0.1" "loguru==0.7.3"
 fi

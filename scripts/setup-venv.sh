@@ -31,5 +31,5 @@ if [[ ",$extras," == *",test,"* ]]; then
     # test_dspark.py). Its import reaches its training data modules, which import hs-connectors and datasets, and its
     # loading code loguru; its serving and training packages stay out.
     pip_install --no-deps "speculators==0.9.0" "hs-connectors==0.9.0"
-    pip_install "datasets==5.0.1" "loguru==0.7.3"
+    pip_install "datasets==5.1.0" "loguru==0.7.3"  # (5.1.0: the first to allow the huggingface-hub transformers needs)
 fi

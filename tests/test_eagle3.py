@@ -378,6 +378,11 @@ def test_recognised_planned_replayed_ranked_and_refused(target_dir, head_dir, tm
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(QuickdraftError, match="lacks 'eagle_aux_hidden_state_layer_ids'"):
         build(target, broken, F32)
+    gemma = {**config, "eagle_aux_hidden_state_layer_ids": [1, 3, 5],
+             "transformer_layer_config": {**config["transformer_layer_config"], "model_type": "gemma3_text"}}
+    (broken / "config.json").write_text(json.dumps(gemma))
+    with pytest.raises(QuickdraftError, match="head of gemma3_text layers .*embed_scale.* is not read"):
+        build(target, broken, F32)
 
 
 def test_doctor_describes_the_head(target_dir, head_dir):

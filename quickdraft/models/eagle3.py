@@ -44,7 +44,7 @@ class Eagle3Config:
     vocab_size: int  # the target's
     draft_vocab: int  # its head's rows (the whole target vocabulary where equal: no d2t)
     aux_layers: tuple[int, ...]  # the config's ids: id i is the output of target layer i - 1
-    family: str = "llama"  # llama | qwen3 (its layers' q_norm and k_norm)
+    qk_norm: bool = False  # its layers' RMSNorm on each head of q and k (the layers' family says: qwen3's have it)
     attention_bias: bool = False
     mlp_bias: bool = False
     activation: str = "silu"
@@ -81,8 +81,8 @@ class Layer(nn.Module):
         self.k_proj = Linear(width, Hkv * D, bias=cfg.attention_bias)
         self.v_proj = Linear(width, Hkv * D, bias=cfg.attention_bias)
         self.o_proj = Linear(H * D, dim, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.family == "qwen3" else None
-        self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.family == "qwen3" else None
+        self.q_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.norm_eps) if cfg.qk_norm else None
         self.gate_proj = Linear(dim, cfg.ffn_dim, bias=cfg.mlp_bias)
         self.up_proj = Linear(dim, cfg.ffn_dim, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.ffn_dim, dim, bias=cfg.mlp_bias)

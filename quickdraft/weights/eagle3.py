@@ -19,7 +19,10 @@ from quickdraft.models.transformer import Linear
 from quickdraft.quant import placement
 from quickdraft.weights.families.base import hf_ropes
 
-FAMILIES = ("llama", "qwen3")  # the decoder layers speculators builds EAGLE-3 heads of
+# ModelConfig fields of decoder layers a head's layers do not have: a transformer_layer_config setting any of them
+# (gemma's, hybrids', MoE layers) is refused rather than run wrongly
+UNREAD = ("embed_scale", "sandwich_norms", "attn_scale", "attn_softcap", "head_dim_full", "k_eq_v", "v_norm",
+          "layer_scalar", "attn_output_gate", "n_experts", "ple_dim", "linear_k_heads")
 
 
 def speculators_type(source: str) -> str | None:
@@ -45,10 +48,7 @@ def read_config(path: Path) -> Eagle3Config:
     tl = d.get("transformer_layer_config")
     if not isinstance(tl, dict):
         raise QuickdraftError(f"{path}/config.json lacks 'transformer_layer_config', which an EAGLE-3 head needs")
-    family = tl.get("model_type", "qwen3")  # the library's default layer is Qwen3's
-    if family not in FAMILIES:
-        raise QuickdraftError(f"{path}: an EAGLE-3 head of {family} layers; quickdraft reads heads of "
-                              f"{' and '.join(FAMILIES)} layers")
+    layer = _layer_config(path, tl)
     activation = tl.get("hidden_act", "silu")
     if activation not in ACTIVATIONS:
         raise QuickdraftError(f"{path}: hidden_act {activation!r} is not one quickdraft runs "
@@ -56,19 +56,19 @@ def read_config(path: Path) -> Eagle3Config:
     if d.get("norm_before_fc") and d.get("fc_norm"):
         raise QuickdraftError(f"{path}/config.json sets both norm_before_fc and fc_norm: they exclude each other")
     try:
-        heads, dim, n_layers = tl["num_attention_heads"], tl["hidden_size"], tl["num_hidden_layers"]
-        head_dim = tl.get("head_dim") or (128 if family == "qwen3" else dim // heads)  # transformers' defaults
+        heads, dim, n_layers = layer.n_heads, layer.dim, layer.n_layers
+        head_dim = layer.head_dim
         layers = d.get("eagle_aux_hidden_state_layer_ids")
         if not layers:
             raise KeyError("eagle_aux_hidden_state_layer_ids")
         vocab = int(tl["vocab_size"])
         types = tl.get("layer_types") or []
         cfg = Eagle3Config(
-            dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=tl.get("num_key_value_heads") or heads,
-            head_dim=head_dim, ffn_dim=tl["intermediate_size"], norm_eps=tl.get("rms_norm_eps", 1e-6),
+            dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=layer.n_kv_heads,
+            head_dim=head_dim, ffn_dim=layer.ffn_dim, norm_eps=layer.norm_eps,
             rope=hf_ropes(tl, head_dim)[0], vocab_size=vocab, draft_vocab=int(d.get("draft_vocab_size", vocab)),
-            aux_layers=tuple(int(i) for i in layers), family=family,
-            attention_bias=bool(tl.get("attention_bias", False)), mlp_bias=bool(tl.get("mlp_bias", False)),
+            aux_layers=tuple(int(i) for i in layers), qk_norm=layer.qk_norm,
+            attention_bias=layer.qkv_bias, mlp_bias=bool(tl.get("mlp_bias", False)),
             activation=activation,
             layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
             sliding_window=tl.get("sliding_window"),
@@ -81,6 +81,28 @@ def read_config(path: Path) -> Eagle3Config:
         raise QuickdraftError(f"{path}/config.json: layer_types names {len(cfg.layer_types)} layers, "
                               f"num_hidden_layers is {n_layers}")
     return cfg
+
+
+def _layer_config(path: Path, tl: dict):
+    """The head's decoder layers as quickdraft's ModelConfig describes a model of their family (weights/families/;
+    the library's default layer is Qwen3's), refused where they have what a head's layers here do not."""
+    from dataclasses import fields
+
+    from quickdraft.config import ModelConfig
+    from quickdraft.weights.hf_config import model_config
+
+    tl = {"model_type": "qwen3", **tl}
+    try:
+        layer = model_config(tl)
+    except QuickdraftError as e:
+        raise QuickdraftError(f"{path}: its transformer_layer_config: {e}") from None
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    unread = [name for name in UNREAD if getattr(layer, name) != defaults[name]]
+    if unread or layer.layer_types and "linear" in layer.layer_types:
+        what = ", ".join(unread) or "linear attention"
+        raise QuickdraftError(f"{path}: an EAGLE-3 head of {tl['model_type']} layers ({what}) is not read; quickdraft "
+                              "reads heads of plain decoder layers (llama's, qwen3's and the like)")
+    return layer
 
 
 def check_target(cfg: Eagle3Config, name: str, target) -> None:

@@ -2,7 +2,7 @@
 """Speculative decoding on the default pair, side by side in one run.
 
 For each prompt (code, summary, Chinese) and configuration (plain; draft model at fixed k and adaptive;
-n-gram; combination): decode tok/s (median of --runs after a warm-up), acceptance, tokens per round,
+n-gram; lookup in front of the model, and the chain with the model first): decode tok/s (median of --runs after a warm-up), acceptance, tokens per round,
 and whether the output equals plain greedy output. Greedy, --n tokens, bf16 target on this machine.
 
 Usage: .venv/bin/python scripts/bench_spec.py [--runs 3] [-n 128] [--json out.json]
@@ -43,6 +43,7 @@ def configs(llm):
         "draft adaptive": llm.engine_for(draft, adaptive),
         "ngram adaptive": llm.engine_for("ngram", adaptive),
         "ngram+draft adaptive": llm.engine_for(combined, adaptive),
+        "draft,ngram adaptive": llm.engine_for(f"{draft},ngram", adaptive),  # a chain: the model first
     }
 
 

@@ -178,7 +178,9 @@ def test_the_block_equals_the_reference(target_dir, drafter_dir):
             logits, sure, token = [], [], tokens[-1]
             for _ in range(cfg.guesses):
                 logits.append(drafter._logits([token]).float())
-                sure.append(drafter.sure)
+                sure.append(drafter.confidence)
+                if drafter.confidence is not None:  # the early stop reads the round's product of them
+                    assert abs(float(drafter.sure) - float(torch.stack(sure).prod())) <= 1e-5
                 token = int(logits[-1].argmax())
             drafts = [int(x.argmax()) for x in logits]
             want, confidence = _reference_block(hf_target, model, tokens, drafts)
@@ -298,6 +300,9 @@ def test_recognised_planned_replayed_exported_and_refused(target_dir, drafter_di
     proposal = drafter.propose(PROMPT + first, lambda source: k, SamplingParams(max_tokens=8), None)
     assert len(proposal.tokens) == k
     assert drafter.offers(PROMPT, first + proposal.tokens, k)[1].kept == k
+    from quickdraft.tools import doctor
+
+    assert doctor.tokenizers(target, drafter.drafter).message.startswith("the drafter scores 320 tokens")
     plan = memory_plan(str(tdir), Draft.parse(str(path)), BF16)
     bf16 = load_model(str(tdir), BF16, progress=False)
     built = Engine(bf16, 256, build(bf16, path, BF16), SpeculationConfig()).drafter

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from quickdraft.errors import QuickdraftError
 from quickdraft.tools import export, remote
 from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
 from quickdraft.tools.servers import ServerProcess
@@ -188,3 +189,18 @@ def test_tune_export_from_a_written_profile(tmp_path):
     r = cli("tune", "--export", "vllm", "--from", str(path), timeout=120)
     assert r.returncode == 0, r.stderr
     assert '"method": "draft_model"' in r.stdout and "vLLM 0.11" in r.stdout
+
+
+def test_a_chain_exports_its_order_and_one_drafter():
+    """A chain with the model first exports llama-server's types in its order; vLLM and SGLang run its model and say
+    that lookup is left out; two drafters beside lookup are refused for llama-server (one -md)."""
+    chain = {**PROFILE, "draft": "qwen2.5-coder-0.5b,ngram", "draft_kind": "chain", "draft_kinds": ["model", "ngram"]}
+    text = export.export(chain, "llama-server", "/models/t.gguf", "/models/d.gguf")
+    (command,) = [line for line in text.splitlines() if not line.startswith("#")]
+    flags = dict(zip(shlex.split(command)[1:], shlex.split(command)[2:]))
+    assert flags["--spec-type"] == "draft-simple,ngram-simple" and flags["-md"] == "/models/d.gguf"
+    for engine in ("vllm", "sglang"):
+        assert "no n-gram lookup beside it" in export.export(chain, engine)
+    two = {**chain, "draft": "qwen2.5-coder-0.5b,/heads/e3", "draft_kinds": ["model", "eagle3"]}
+    with pytest.raises(QuickdraftError, match="loads one drafter beside lookup"):
+        export.export(two, "llama-server")

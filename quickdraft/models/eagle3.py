@@ -178,7 +178,8 @@ class Eagle3(nn.Module):
         and what a chain's next pair reads (S, dim)."""
         S, start = embedded.shape[0], cache.length
         if start + S > min(cache.capacity, self.max_context):
-            raise ValueError(f"positions up to {start + S} exceed the drafter's context of {cache.capacity}")
+            raise ValueError(f"positions up to {start + S} exceed the drafter's context of "
+                             f"{min(cache.capacity, self.max_context)}")
         cos, sin = self.rope_cos[start:start + S], self.rope_sin[start:start + S]
         x, e = hidden.to(self.dtype)[None], embedded.to(self.dtype)[None]
         for i, layer in enumerate(self.layers):

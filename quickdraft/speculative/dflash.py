@@ -86,7 +86,8 @@ class DFlashDrafter(DraftModelDrafter):
         self.position = 0  # the round's next guess
         self.rows: torch.Tensor | None = None  # DSpark: the block's rows (B, dim), which its heads read
         self.state: torch.Tensor | None = None  # DSpark's recurrent Markov head: its state after the rows so far
-        self.sure: torch.Tensor | None = None  # DSpark: the confidence head's chance that the last guess is kept
+        self.confidence: torch.Tensor | None = None  # DSpark: its confidence head's chance the last guess is kept
+        self.sure: torch.Tensor | None = None  # and the product of the round's: the chance the chain gets that far
 
     def fork(self) -> "DFlashDrafter":
         return DFlashDrafter(self.drafter, self.target, self.capacity, self.p_min)
@@ -154,7 +155,7 @@ class DFlashDrafter(DraftModelDrafter):
         start = self.cache.length
         rows = self.drafter.model.block(self.target_cache.features[start:committed], self._embedded(pending),
                                         self.cache)
-        self.rows, self.state, self.sure = rows, None, None
+        self.rows, self.state, self.confidence, self.sure = rows, None, None, None
         hidden = rows if self.drafter.config.sample_from_anchor else rows[1:]
         self.logits = self._head(hidden)
         selector = self.drafter.model.candidate_selector
@@ -190,7 +191,9 @@ class DFlashDrafter(DraftModelDrafter):
 
     def _biased(self, feed, i: int) -> torch.Tensor:
         """Guess i's logits over the drafter's vocabulary: the block's row, plus DSpark's Markov bias after the token
-        fed (the pending one first, then each drawn); its confidence head's chance of the guess kept into sure."""
+        fed (the pending one first, then each drawn); its confidence head's chance of the guess kept given the ones
+        before into confidence, their product over the round so far (the chance the chain is kept that far: what
+        dynamic draft lengths are scheduled by) into sure."""
         model, cfg = self.drafter.model, self.drafter.config
         if model.markov_head is None and model.confidence_head is None:
             return self.logits[i].clone()
@@ -203,8 +206,9 @@ class DFlashDrafter(DraftModelDrafter):
             bias, emb, self.state = model.markov_head.step(previous, row, self.state)
             logits += bias.float()
         if model.confidence_head is not None:
-            self.sure = model.confidence_head(row if emb is None or not cfg.confidence_with_markov else
-                                              torch.cat([row, emb.to(row.dtype)]))
+            self.confidence = model.confidence_head(row if emb is None or not cfg.confidence_with_markov else
+                                                    torch.cat([row, emb.to(row.dtype)]))
+            self.sure = self.confidence if i == 0 or self.sure is None else self.sure * self.confidence
         return logits
 
     def _over_target(self, logits: torch.Tensor) -> torch.Tensor:
@@ -216,8 +220,8 @@ class DFlashDrafter(DraftModelDrafter):
         return out.scatter_(0, self.drafter.model.target_ids, logits)
 
     def _choose(self, logits, params, history, generator, position: int):
-        """As a draft model chooses; with DSpark's confidence head, its chance of the guess kept (not the top
-        probability) says whether to stop early below --draft-p-min."""
+        """As a draft model chooses; with DSpark's confidence head, the chance the chain is kept up to this guess (the
+        product of its confidences, not the top probability) says whether to stop early below --draft-p-min."""
         token, q, sure = super()._choose(logits, params, history, generator, position)
         if self.sure is not None and self.p_min > 0:
             sure = self.sure >= self.p_min

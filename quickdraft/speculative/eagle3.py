@@ -195,12 +195,12 @@ class Eagle3Drafter(DraftModelDrafter):
         cfg = eagle3_files.read_config(path)
         size = torch.empty(0, dtype=dtype).element_size()
         kv = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * 2
-        features = len(cfg.aux_layers) * target_cfg.dim * 2
+        features = len(eagle3_files.for_target(cfg, target_cfg.n_layers).aux_layers) * target_cfg.dim * 2
         return [memory.Item("draft weights", eagle3_files.weight_bytes(path, size),
                             f"{path.name}, at most {str(dtype).removeprefix('torch.')}"),
                 memory.Item("draft KV cache", context * (kv + features),
                             f"{context} positions: its keys and values, the target's hidden states of "
-                            f"{len(cfg.aux_layers)} layers")]
+                            f"{features // (target_cfg.dim * 2)} layers")]
 
     def cache_bytes(self) -> int:
         features = self.target_cache.features if self.target_cache is not None else None
@@ -260,7 +260,7 @@ def load_head(source: str, target, dtype: torch.dtype, weights: str, capacity: i
     path = Path(source).expanduser()
     eagle3_files.check_target(eagle3_files.read_config(path), path.name, target)
     t0 = time.perf_counter()
-    model = eagle3_files.load(path, capacity, dtype, target.device, weights)
+    model = eagle3_files.load(path, capacity, dtype, target.device, weights, target.config.n_layers)
     kernels = kernels_apply(model)
     model.plan(kernels)
     linear = Counter(layer_format(m) for m in model.modules() if hasattr(m, "fused_operands")

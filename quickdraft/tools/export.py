@@ -52,10 +52,14 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
     members = [] if draft == "none" else draft.replace("ngram+", "ngram,", 1).split(",") if "," in draft or \
         draft.startswith("ngram+") else [draft]
     kinds = profile.get("draft_kinds") if profile.get("draft_kind") == "chain" else None  # (a chain's, by member)
+    if not kinds or len(kinds) != len(members):
+        kinds = ["ngram" if m == "ngram" else profile.get("draft_kind", "model") for m in members]
     lookup = "ngram" in members
     model = next((m for m in members if m != "ngram"), None)
-    kind = kinds[members.index(model)] if kinds and model and len(kinds) == len(members) else \
-        profile.get("draft_kind", "model")
+    kind = kinds[members.index(model)] if model else "ngram"
+    if engine == "llama-server" and sum(k != "ngram" for k in kinds) > 1:
+        raise QuickdraftError(f"the profile chains {draft}: llama-server loads one drafter beside lookup (-md); "
+                              "export a chain of one drafter and ngram")
     winner = next((c for c in profile.get("candidates", []) if c["name"] == draft), None)
     notes = [f"{engine} flags for quickdraft's tuned profile ({VERSIONS[engine]})",
              f"target {profile['target']}; draft {draft}, k = {k}"]
@@ -73,18 +77,15 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
         notes.append("speculation did not pay on the tuning machine: no speculative flags")
         return _comment(notes)
     if model and kind in HEADS:
-        return _head(engine, kind, lookup, members, notes, profile, model, k, target_file, draft_file)
+        return _head(engine, kind, lookup, kinds, notes, profile, model, k, target_file, draft_file)
     if engine == "llama-server":
         flags = ["-m", target_file or profile["target"]]
-        types = []
         if lookup:
-            types.append("ngram-simple")
             flags += ["--spec-ngram-simple-size-n", str(NGRAM_MAX), "--spec-ngram-simple-size-m", str(k)]
         if model:
-            types.append("draft-simple")
             flags += ["-md", draft_file or model, "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
                       "--spec-draft-p-min", f"{profile.get('p_min', 0.0):g}"]
-        flags = flags[:2] + ["--spec-type", ",".join(types)] + flags[2:]
+        flags = flags[:2] + ["--spec-type", _types(kinds)] + flags[2:]
         return _comment(notes) + "\nllama-server " + shlex.join(flags)
     target = HF_REPOS.get(profile["target"], profile["target"])
     if engine == "vllm":
@@ -113,11 +114,23 @@ HEADS = {"dflash": ("draft-dflash", "dflash", "DFLASH", "#22105"), "eagle3": ("d
          "dspark": ("draft-dspark", "dspark", None, "#25173")}
 
 
-def _head(engine: str, kind: str, lookup: bool, members: list[str], notes: list[str], profile: dict, model: str,
+LLAMA_TYPES = {"ngram": "ngram-simple", "model": "draft-simple", **{kind: names[0] for kind, names in HEADS.items()}}
+
+
+def _types(kinds: list[str]) -> str:
+    """llama-server's --spec-type list for the profile's drafters, in their order."""
+    missing = [k for k in kinds if k not in LLAMA_TYPES]
+    if missing:
+        raise QuickdraftError(f"the profile drafts with a {missing[0]} drafter, which llama-server has no --spec-type "
+                              "for this export knows of: export to vllm")
+    return ",".join(LLAMA_TYPES[k] for k in kinds)
+
+
+def _head(engine: str, kind: str, lookup: bool, kinds: list[str], notes: list[str], profile: dict, model: str,
           k: int, target_file: str | None, draft_file: str | None) -> str:
     """A DFlash drafter's or an EAGLE-3 head's flags (its directory as the profile names it), n-gram lookup beside it
     where the engine chains methods."""
-    spec_type, method, algorithm, change = HEADS[kind]
+    _, method, algorithm, change = HEADS[kind]
     name = {"dflash": "the DFlash drafter", "eagle3": "the EAGLE-3 head", "dspark": "the DSpark drafter"}[kind]
     if lookup and engine != "llama-server":
         notes.append(f"{engine} runs one method: {name} (no n-gram lookup beside it)")
@@ -125,8 +138,7 @@ def _head(engine: str, kind: str, lookup: bool, members: list[str], notes: list[
         gguf = draft_file if draft_file and draft_file.endswith(".gguf") else f"{model.rstrip('/')}.gguf"
         notes.append(f"llama-server reads {name} as GGUF: convert {model} with llama.cpp's convert_hf_to_gguf.py "
                      f"into {gguf} (llama.cpp {change} and later)")
-        types = ["ngram-simple" if m == "ngram" else spec_type for m in members]
-        flags = ["-m", target_file or profile["target"], "-md", gguf, "--spec-type", ",".join(types),
+        flags = ["-m", target_file or profile["target"], "-md", gguf, "--spec-type", _types(kinds),
                  "--spec-draft-n-max", str(k)]
         if lookup:
             flags += ["--spec-ngram-simple-size-n", str(NGRAM_MAX), "--spec-ngram-simple-size-m", str(k)]

@@ -58,9 +58,7 @@ def read_config(path: Path) -> Eagle3Config:
     try:
         heads, dim, n_layers = layer.n_heads, layer.dim, layer.n_layers
         head_dim = layer.head_dim
-        layers = d.get("eagle_aux_hidden_state_layer_ids")
-        if not layers:
-            raise KeyError("eagle_aux_hidden_state_layer_ids")
+        layers = d.get("eagle_aux_hidden_state_layer_ids") or ()  # none: the library's default (default_layers)
         vocab = int(tl["vocab_size"])
         types = tl.get("layer_types") or []
         cfg = Eagle3Config(
@@ -105,6 +103,19 @@ def _layer_config(path: Path, tl: dict):
     return layer
 
 
+def default_layers(n_layers: int) -> tuple[int, ...]:
+    """The layer ids a head reads when its config names none (the library's and vLLM's default for a verifier of
+    n_layers): 2, n // 2 and n - 3."""
+    return (2, n_layers // 2, n_layers - 3)
+
+
+def for_target(cfg: Eagle3Config, n_layers: int) -> Eagle3Config:
+    """cfg with its layer ids resolved for a target of n_layers where the config names none."""
+    from dataclasses import replace
+
+    return cfg if cfg.aux_layers else replace(cfg, aux_layers=default_layers(n_layers))
+
+
 def check_target(cfg: Eagle3Config, name: str, target) -> None:
     """QuickdraftError, naming the mismatch and the fix, where the head was made for another target than `target`
     (a LoadedModel): another width or vocabulary, or layers it does not have."""
@@ -115,9 +126,13 @@ def check_target(cfg: Eagle3Config, name: str, target) -> None:
     if cfg.vocab_size != tcfg.vocab_size:
         raise QuickdraftError(f"{name} was made for a target of {cfg.vocab_size} tokens; {target.name} has "
                               f"{tcfg.vocab_size}: {fix}")
-    if max(cfg.aux_layers) > tcfg.n_layers or min(cfg.aux_layers) < 1:
+    cfg = for_target(cfg, tcfg.n_layers)
+    if max(cfg.aux_layers) > tcfg.n_layers or min(cfg.aux_layers) < 0:
         raise QuickdraftError(f"{name} reads the target's hidden states at layer ids {list(cfg.aux_layers)}; "
-                              f"{target.name} has {tcfg.n_layers} layers (ids 1 to {tcfg.n_layers}): {fix}")
+                              f"{target.name} has {tcfg.n_layers} layers (ids 0 to {tcfg.n_layers}): {fix}")
+    if min(cfg.aux_layers) == 0:
+        raise QuickdraftError(f"{name} reads layer id 0, the target's embeddings, which quickdraft does not keep for "
+                              "drafters (it keeps layers' outputs, ids 1 and up): give a head that reads layers")
 
 
 def _names(path: Path) -> dict[str, list[int]]:
@@ -135,12 +150,14 @@ def _has(path: Path, name: str) -> bool:
     return name in _names(path)
 
 
-def load(path: Path, max_context: int, dtype: torch.dtype, device: torch.device, weights: str = "bf16") -> Eagle3:
-    """The head in `path`, its linear layers in `weights` (quant.FORMATS: int8 / int4 where their kernels take the
-    shape; its output layer stays in `dtype`: a head quantized below int8 loses its acceptance)."""
+def load(path: Path, max_context: int, dtype: torch.dtype, device: torch.device, weights: str = "bf16",
+         n_target_layers: int = 0) -> Eagle3:
+    """The head in `path` for a target of n_target_layers (where its config names no layer ids), its linear layers
+    in `weights` (quant.FORMATS: int8 / int4 where their kernels take the shape; its output layer stays in `dtype`:
+    a head quantized below int8 loses its acceptance)."""
     from safetensors.torch import load_file
 
-    cfg = read_config(path)
+    cfg = for_target(read_config(path), n_target_layers)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise QuickdraftError(f"{path} has no .safetensors weights for its EAGLE-3 head")

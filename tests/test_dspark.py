@@ -1,6 +1,6 @@
-"""Block drafters in vLLM's speculators form (speculators_model_type "dflash", "dspark": models/dflash.py,
+"""Block drafters in vLLM's speculators form (speculators_model_type "dflash", "dflash2", "dspark": models/dflash.py,
 speculative/dflash.py) against the reference implementation, the `speculators` library (speculators/models/dflash,
-dspark: DFlashDraftModel, DSparkDraftModel), on random weights over a tiny target: each guess's logits (the block's
+dflash2, dspark: DFlashDraftModel, DFlash2DraftModel (its CandidateSelector.select), DSparkDraftModel), on random weights over a tiny target: each guess's logits (the block's
 row, DSpark's Markov bias after the token before it, mapped from a draft vocabulary by d2t) and DSpark's confidence,
 as the reference's forward computes them for one anchor (its loss code replaced by a recorder); speculation with
 them exactly plain decoding (greedy, seeded, trees, in a batch, with a prompt resent), the sampled distribution
@@ -26,6 +26,7 @@ try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence 
     import speculators.models.dspark.core as dspark_core
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 except ImportError as e:
@@ -38,6 +39,7 @@ LAYERS, BLOCK = 6, 5
 # (model type, draft vocabulary (0: the target's), the config's options)
 VARIANTS = {
     "dflash": ("dflash", 0, {}),
+    "dflash2": ("dflash2", 0, {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 12}),
     "dspark": ("dspark", 200, {"markov_rank": 8}),
     "dspark-gated": ("dspark", 0, {"markov_rank": 8, "markov_head_type": "gated", "confidence_head_with_markov": False}),
     "dspark-rnn": ("dspark", 160, {"markov_rank": 8, "markov_head_type": "rnn", "sample_from_anchor": False}),
@@ -63,8 +65,9 @@ def reference_drafter(variant: str, hf_target, seed: int = 5, ids=(2, 4), width:
     speculators = SpeculatorsConfig(
         algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK - 1)],
         default_proposal_method="greedy", verifier=VerifierConfig(name_or_path="target", architectures=[]))
-    config_class, model_class = ((DSparkSpeculatorConfig, DSparkDraftModel) if kind == "dspark" else
-                                 (DFlashSpeculatorConfig, DFlashDraftModel))
+    config_class, model_class = {"dspark": (DSparkSpeculatorConfig, DSparkDraftModel),
+                                 "dflash2": (DFlash2SpeculatorConfig, DFlash2DraftModel),
+                                 "dflash": (DFlashSpeculatorConfig, DFlashDraftModel)}[kind]
     config = config_class(transformer_layer_config=layer, draft_vocab_size=draft_vocab or V, block_size=BLOCK,
                           aux_hidden_state_layer_ids=list(ids), mask_token_id=V - 1, speculators_config=speculators,
                           **options)
@@ -83,8 +86,10 @@ def reference_drafter(variant: str, hf_target, seed: int = 5, ids=(2, 4), width:
                 p.copy_(torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-            elif "markov_w1" in name:
-                p.copy_(torch.randn_like(p))  # (initialised at 0.01: a bias that would not matter)
+            elif "markov_w1" in name or "codebook" in name:
+                p.copy_(torch.randn_like(p))  # (initialised at 0.01 or 0.02: a bias that would not matter)
+            elif "base_kernel" in name or "kernel_projection" in name:
+                p.copy_(0.3 * torch.randn_like(p))  # (initialised as the identity)
             else:
                 p.mul_(3.0)
         if (width or tc.hidden_size) == tc.hidden_size:
@@ -119,6 +124,8 @@ def _reference_block(hf_target, model, tokens: list[int], drafts: list[int]):
     has no token), the confidence head's chances or None)."""
     kind = VARIANTS_KIND[type(model).__name__]
     anchor = len(tokens) - 1
+    if kind == "dflash2":
+        return _reference_selection(hf_target, model, tokens, drafts), None
     seq = tokens + drafts + [0] * (BLOCK + 1 - len(drafts))
     with torch.no_grad():
         hidden = hf_target(torch.tensor([seq]), output_hidden_states=True).hidden_states
@@ -153,7 +160,29 @@ def _reference_block(hf_target, model, tokens: list[int], drafts: list[int]):
     return logits, confidence
 
 
-VARIANTS_KIND = {"DFlashDraftModel": "dflash", "DSparkDraftModel": "dspark"}
+VARIANTS_KIND = {"DFlashDraftModel": "dflash", "DSparkDraftModel": "dspark", "DFlash2DraftModel": "dflash2"}
+
+
+def _reference_selection(hf_target, model, tokens: list[int], drafts: list[int]) -> torch.Tensor:
+    """DFlash2's guesses as the library selects them at inference (CandidateSelector.select over its backbone's
+    unary logits and rows, after the tokens before each guess): its candidates' scores per guess, -inf elsewhere."""
+    anchor = len(tokens) - 1
+    seq = tokens + drafts + [0] * (BLOCK + 1 - len(drafts))
+    with torch.no_grad():
+        hidden_states = hf_target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        aux = torch.cat([hidden_states[i] for i in model.config.aux_hidden_state_layer_ids], dim=-1)
+        T = len(seq)
+        loss_mask = torch.zeros(1, T, dtype=torch.long)
+        loss_mask[0, anchor] = 1
+        ids = torch.tensor([seq])
+        last = torch.zeros(1, T, hidden_states[-1].shape[-1])  # (the loss's: not read here)
+        hidden, unary, _, _, block = model._backbone_forward(aux, ids, loss_mask, last,
+                                                             torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+        candidates, scores = model.candidate_selector.select(unary, hidden, model._predecessor_ids(ids, block)
+                                                             .reshape(1, -1))
+    first = 0 if model.config.sample_from_anchor else 1
+    candidates, scores = candidates[0, first:], scores[0, first:].float()
+    return torch.full((candidates.shape[0], hf_target.config.vocab_size), float("-inf")).scatter_(1, candidates, scores)
 
 
 def test_the_block_equals_the_reference(target_dir, drafter_dir):

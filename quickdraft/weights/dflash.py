@@ -34,12 +34,12 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-SPECULATORS = ("dflash", "dspark")  # the speculators_model_type values read here (the block drafters' form in vLLM)
+SPECULATORS = ("dflash", "dflash2", "dspark")  # the speculators_model_type values read here (vLLM's form)
 
 
 def _kind(d: dict) -> str | None:
     if "speculators_model_type" in d:
-        return d["speculators_model_type"] if d["speculators_model_type"] in SPECULATORS + ("dflash2",) else None
+        return d["speculators_model_type"] if d["speculators_model_type"] in SPECULATORS else None
     arch = " ".join(d.get("architectures") or [])
     if "DFlash2" in arch:
         return "dflash2"
@@ -103,11 +103,9 @@ def read_config(path: Path) -> DFlashConfig:
 def _speculators(path: Path, d: dict, kind: str) -> DFlashConfig:
     """A block drafter in vLLM's speculators form: its layers described by transformer_layer_config (Qwen3's), the
     target layers it reads by aux_hidden_state_layer_ids (vLLM's convention: id i is the output of layer i - 1),
-    its own output layer over a draft vocabulary where draft_vocab_size is less than the target's; DSpark's Markov
-    and confidence heads."""
-    if kind == "dflash2":
-        raise QuickdraftError(f"{path}: DFlash2 in the speculators form is not read yet; give its z-lab form "
-                              "(config.json naming DFlash2DraftModel), which quickdraft reads")
+    its own output layer over a draft vocabulary where draft_vocab_size is less than the target's; DFlash2's
+    convolutions and candidate selector (their fields at the config's top level); DSpark's Markov and confidence
+    heads."""
     tl = d.get("transformer_layer_config")
     if not isinstance(tl, dict):
         raise QuickdraftError(f"{path}/config.json lacks 'transformer_layer_config', which a {kind} drafter needs")
@@ -142,6 +140,14 @@ def _speculators(path: Path, d: dict, kind: str) -> DFlashConfig:
             confidence_with_markov=confidence and bool(d.get("confidence_head_with_markov", True)))
     except KeyError as e:
         raise QuickdraftError(f"{path}/config.json lacks {e.args[0]!r}, which a {kind} drafter needs") from None
+    if kind == "dflash2":
+        if cfg.draft_vocab:
+            raise QuickdraftError(f"{path}: a DFlash2 drafter scores the target's whole vocabulary (its selector's "
+                                  f"codebooks index it); draft_vocab_size {cfg.draft_vocab} is not the target's")
+        try:
+            cfg = _dflash2(cfg, d)
+        except KeyError as e:
+            raise QuickdraftError(f"{path}/config.json lacks {e.args[0]!r}, which a dflash2 drafter needs") from None
     if cfg.markov_type not in ("vanilla", "gated", "rnn"):
         raise QuickdraftError(f"{path}: markov_head_type {cfg.markov_type!r} is not one of vanilla, gated, rnn")
     if cfg.confidence_with_markov and not cfg.markov_rank:

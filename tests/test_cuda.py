@@ -373,6 +373,72 @@ def test_cuda_gemma4_assistant_speculates_exactly(tmp_path):
         assert ours == plain and final.stats.draft_n > 0, params
 
 
+def random_head(path, kind: str, seed: int = 2):
+    """A random EAGLE-3 head or DSpark drafter in vLLM's speculators format for tiny_hf_model("qwen3", layers=6),
+    written by hand (the GPU machine has no speculators library: tests/test_eagle3.py and test_dspark.py check these
+    layouts against it): qwen3 layers over 200 of the target's 320 tokens (d2t)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    dim, V, Vd = 64, 320, 200
+
+    def w(*shape, scale=0.2):
+        return scale * torch.randn(*shape, generator=g)
+
+    layers = 1 if kind == "eagle3" else 2
+    tl = {"model_type": "qwen3", "vocab_size": V, "hidden_size": dim, "intermediate_size": 80,
+          "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "rope_theta": 1e6, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+    kept = sorted(torch.randperm(V, generator=g)[:Vd].tolist())
+    t = {"lm_head.weight": w(Vd, dim), "norm.weight": 1 + w(dim), "d2t": torch.tensor(kept) - torch.arange(Vd)}
+    width = 2 * dim if kind == "eagle3" else dim
+    for i in range(layers):
+        p = f"layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": w(64, width), p + "self_attn.k_proj.weight": w(32, width),
+              p + "self_attn.v_proj.weight": w(32, width), p + "self_attn.o_proj.weight": w(dim, 64),
+              p + "self_attn.q_norm.weight": 1 + w(16), p + "self_attn.k_norm.weight": 1 + w(16),
+              p + "mlp.gate_proj.weight": w(80, dim), p + "mlp.up_proj.weight": w(80, dim),
+              p + "mlp.down_proj.weight": w(dim, 80), p + "input_layernorm.weight": 1 + w(dim),
+              p + "post_attention_layernorm.weight": 1 + w(dim)}
+    if kind == "eagle3":
+        t |= {"fc.weight": w(dim, 3 * dim), "layers.0.hidden_norm.weight": 1 + w(dim), "embed_tokens.weight": w(V, dim)}
+        config = {"speculators_model_type": "eagle3", "draft_vocab_size": Vd,
+                  "eagle_aux_hidden_state_layer_ids": [1, 3, 5], "transformer_layer_config": tl}
+    else:
+        t |= {"fc.weight": w(dim, 2 * dim), "hidden_norm.weight": 1 + w(dim), "markov_head.markov_w1.weight": w(V, 8),
+              "markov_head.markov_w2.weight": w(Vd, 8), "confidence_head.proj.weight": w(1, dim + 8),
+              "confidence_head.proj.bias": w(1)}
+        config = {"speculators_model_type": "dspark", "draft_vocab_size": Vd, "aux_hidden_state_layer_ids": [2, 4],
+                  "mask_token_id": V - 1, "block_size": 5, "markov_rank": 8, "transformer_layer_config": tl}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    return path
+
+
+@kernels
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_cuda_speculators_heads_speculate_exactly(tmp_path, kind):
+    """An EAGLE-3 head and a DSpark drafter (vLLM's speculators format) on the GPU, reading the target's layer states
+    its graphed passes keep: greedy and seeded speculation (DSpark's confidence stopping its chains) equal plain
+    decoding."""
+    from quickdraft.speculative.draft import Draft, DraftBuilder
+
+    hf = tiny_hf_model("qwen3", layers=6, logit_scale=4)
+    gpu = load_model(save_hf_dir(hf, tmp_path / "t"))
+    head = random_head(tmp_path / kind, kind)
+    for spec in (SpeculationConfig(draft_max=4, adaptive=False, p_min=0.0), SpeculationConfig(p_min=0.3)):
+        drafter = DraftBuilder(gpu, CUDA, 256).drafter(Draft.parse(str(head)), spec)
+        assert drafter.device.type == DEVICE and drafter.kind == ("eagle3" if kind == "eagle3" else "dflash")
+        for params in (SamplingParams(max_tokens=32, stop_at_eos=False),
+                       SamplingParams(temperature=0.9, seed=3, max_tokens=32, stop_at_eos=False)):
+            plain, _ = tokens_of(Engine(gpu, 256), params)
+            ours, final = tokens_of(Engine(gpu, 256, drafter, spec), params)
+            assert ours == plain and final.stats.draft_n > 0, (spec, params)
+
+
 @kernels
 def test_cuda_dflash_drafter_speculates_exactly(tmp_path):
     """A DFlash drafter on the GPU, reading the target's hidden states that its graphed passes keep (written at the

@@ -1,6 +1,7 @@
-"""Block drafters in vLLM's speculators form (speculators_model_type "dflash", "dflash2", "dspark": models/dflash.py,
-speculative/dflash.py) against the reference implementation, the `speculators` library (speculators/models/dflash,
-dflash2, dspark: DFlashDraftModel, DFlash2DraftModel (its CandidateSelector.select), DSparkDraftModel), on random weights over a tiny target: each guess's logits (the block's
+"""Block drafters in vLLM's speculators form (speculators_model_type "dflash", "dflash2", "dspark":
+models/dflash.py, speculative/dflash.py) against the reference implementation, the `speculators` library
+(speculators/models/dflash, dflash2, dspark: DFlashDraftModel, DFlash2DraftModel (its CandidateSelector.select),
+DSparkDraftModel), on random weights over a tiny target: each guess's logits (the block's
 row, DSpark's Markov bias after the token before it, mapped from a draft vocabulary by d2t) and DSpark's confidence,
 as the reference's forward computes them for one anchor (its loss code replaced by a recorder); speculation with
 them exactly plain decoding (greedy, seeded, trees, in a batch, with a prompt resent), the sampled distribution
@@ -41,7 +42,8 @@ VARIANTS = {
     "dflash": ("dflash", 0, {}),
     "dflash2": ("dflash2", 0, {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 12}),
     "dspark": ("dspark", 200, {"markov_rank": 8}),
-    "dspark-gated": ("dspark", 0, {"markov_rank": 8, "markov_head_type": "gated", "confidence_head_with_markov": False}),
+    "dspark-gated": ("dspark", 0, {"markov_rank": 8, "markov_head_type": "gated",
+                                   "confidence_head_with_markov": False}),
     "dspark-rnn": ("dspark", 160, {"markov_rank": 8, "markov_head_type": "rnn", "sample_from_anchor": False}),
 }
 

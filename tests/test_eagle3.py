@@ -307,7 +307,8 @@ def _exports(profile: dict, path) -> None:
     (copy / "config.json").write_text(body)
     loaded = Eagle3DraftModel.from_pretrained(str(copy))
     method = loaded.config.speculators_config.proposal_methods[0]
-    assert method.speculative_tokens == 4 and loaded.config.speculators_config.verifier.name_or_path == profile["target"]
+    verifier = loaded.config.speculators_config.verifier
+    assert method.speculative_tokens == 4 and verifier.name_or_path == profile["target"]
     with pytest.raises(QuickdraftError, match="export this one as vllm flags"):
         export.export({**alone, "draft": "ngram"}, "speculators")
     chained = {**alone, "draft": f"{path},ngram", "draft_kind": "chain", "draft_kinds": ["eagle3", "ngram"]}

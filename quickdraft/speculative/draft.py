@@ -34,7 +34,8 @@ from quickdraft.speculative.eagle3 import Eagle3Drafter, is_eagle3
 from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 
-KINDS: dict[str, type[Drafter]] = {"chain": ChainDrafter, "ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
+KINDS: dict[str, type[Drafter]] = {"chain": ChainDrafter,
+                                   "ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
                                    "assistant": AssistantDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter}
 HEADS = ("assistant", "dflash", "eagle3")  # kinds whose model is a directory of layers over the target's states
 SPELLINGS = ("none, auto, ngram, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "

@@ -277,7 +277,8 @@ def tokenizers(target, draft) -> Finding:
     if draft is None:
         return Finding("tokenizer", "ok", "no draft model: n-gram lookup and built-in MTP layers draft in the "
                                           "target's own vocabulary")
-    if draft.tokenizer is None and type(draft.config).__name__ == "Eagle3Config":  # an EAGLE-3 head: d2t maps its tokens
+    if draft.tokenizer is None and type(draft.config).__name__ == "Eagle3Config":  # an EAGLE-3 head: d2t maps
+        # its tokens
         cfg, V = draft.config, target.config.vocab_size
         if cfg.vocab_size != V:
             return Finding("tokenizer", "error", f"the head maps its tokens onto a vocabulary of {cfg.vocab_size}; the "

@@ -17,7 +17,8 @@ draft-dflash` with `-md` (the drafter converted to GGUF by its convert_hf_to_ggu
 `"method": "dflash"` (0.20 and later), SGLang's `--speculative-algorithm DFLASH`. An EAGLE-3 head (draft_kind
 "eagle3"): llama.cpp's `--spec-type draft-eagle3` (#18039), vLLM's `"method": "eagle3"`, SGLang's
 `--speculative-algorithm EAGLE3`. A DSpark drafter (draft_kind "dspark"): llama.cpp's `draft-dspark` (#25173),
-vLLM's `"method": "dspark"`; SGLang has none this export knows of. Tree verification (--draft-tree) has no flag in any of them: it is quickdraft's own.
+vLLM's `"method": "dspark"`; SGLang has none this export knows of. Tree verification (--draft-tree) has no flag in
+any of them: it is quickdraft's own.
 
 A chain (`mtp,ngram`, `DIR,ngram`: draft_kinds lists its members' kinds): llama-server takes its types in order
 (`--spec-type draft-eagle3,ngram-simple`); vLLM and SGLang run one method, the chain's first drafter that is not
@@ -110,7 +111,8 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
 
 
 # a head kind's method in each engine: llama.cpp's --spec-type, vLLM's method, SGLang's algorithm
-HEADS = {"dflash": ("draft-dflash", "dflash", "DFLASH", "#22105"), "eagle3": ("draft-eagle3", "eagle3", "EAGLE3", "#18039"),
+HEADS = {"dflash": ("draft-dflash", "dflash", "DFLASH", "#22105"),
+         "eagle3": ("draft-eagle3", "eagle3", "EAGLE3", "#18039"),
          "dspark": ("draft-dspark", "dspark", None, "#25173")}
 
 

@@ -354,3 +354,22 @@ def assert_second_and_third_follow(counts: torch.Tensor, exact: tuple[torch.Tens
     for i, want in enumerate(exact):
         _, dof, p_value = chi_square(counts[i], want)
         assert dof >= 3 and p_value > 1e-3, (i, counts[i] / counts[i].sum(), want)
+
+
+def in_a_batch(engine, prompts: list[list[int]], params: list) -> tuple[list[list[int]], list]:
+    """The prompts run side by side in one Batch of the engine (every one admitted at once): each one's tokens, and
+    the sequences (their stats)."""
+    from quickdraft.engine import Batch, Halt
+
+    batch = Batch(engine, len(prompts))
+    got: dict[int, list[int]] = {}
+    sequences = [batch.add(prompt, p, None, Halt()) for prompt, p in zip(prompts, params)]
+
+    def deliver(s, event):
+        assert not isinstance(event, Exception), event
+        if event.token is not None:
+            got.setdefault(sequences.index(s), []).append(event.token)
+
+    while batch.active:
+        batch.step(deliver)
+    return [got.get(i, []) for i in range(len(prompts))], sequences

@@ -17,7 +17,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.helpers import PROMPT, in_a_batch, save_hf_dir, tiny_hf_model, tokens_of as run
 
 try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence fails the suite, never skips it
     import dflash.model as dflash_ref
@@ -265,8 +265,6 @@ def test_sampled_output_has_the_target_distribution(tmp_path, kind):
 
 
 def test_sequences_in_a_batch_get_what_they_get_alone(target_dir, drafter_dir):
-    from quickdraft.engine import Batch, Halt
-
     _, tdir = target_dir
     _, _, path = drafter_dir
     target = load_model(str(tdir), BF16, progress=False)
@@ -277,19 +275,8 @@ def test_sequences_in_a_batch_get_what_they_get_alone(target_dir, drafter_dir):
               SamplingParams(max_tokens=16, stop_at_eos=False)]
     want = [run(Engine(target, 256, build(target, path, BF16, spec), spec), p, prompt)[0]
             for prompt, p in zip(prompts, params)]
-    engine = Engine(target, 256, build(target, path, BF16, spec), spec, slots=4)
-    batch = Batch(engine, 3)
-    got = {}
-    sequences = [batch.add(prompt, p, None, Halt()) for prompt, p in zip(prompts, params)]
-
-    def deliver(s, event):
-        assert not isinstance(event, Exception), event
-        if event.token is not None:
-            got.setdefault(sequences.index(s), []).append(event.token)
-
-    while batch.active:
-        batch.step(deliver)
-    assert [got[i] for i in range(3)] == want
+    got, _ = in_a_batch(Engine(target, 256, build(target, path, BF16, spec), spec, slots=4), prompts, params)
+    assert got == want
 
 
 def test_on_a_hybrid_target(tmp_path):

@@ -20,7 +20,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.helpers import PROMPT, in_a_batch, save_hf_dir, tiny_hf_model, tokens_of as run
 
 try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence fails the suite, never skips it
     import speculators.models.dflash.core as dflash_core
@@ -249,8 +249,6 @@ def test_speculation_equals_plain(target_dir, drafter_dir, config):
 
 
 def test_a_resent_prompt_and_a_batch(target_dir, drafter_dir):
-    from quickdraft.engine import Batch, Halt
-
     _, tdir = target_dir
     variant, _, path = drafter_dir
     if variant == "dspark-gated":
@@ -269,18 +267,8 @@ def test_a_resent_prompt_and_a_batch(target_dir, drafter_dir):
               SamplingParams(temperature=0.8, seed=3, max_tokens=24, stop_at_eos=False),
               SamplingParams(max_tokens=16, stop_at_eos=False)]
     want = [run(Engine(target, 256), p, prompt)[0] for prompt, p in zip(prompts, params)]
-    batch = Batch(Engine(target, 256, build(target, path, BF16, spec), spec, slots=4), 3)
-    got = {}
-    sequences = [batch.add(prompt, p, None, Halt()) for prompt, p in zip(prompts, params)]
-
-    def deliver(s, event):
-        assert not isinstance(event, Exception), event
-        if event.token is not None:
-            got.setdefault(sequences.index(s), []).append(event.token)
-
-    while batch.active:
-        batch.step(deliver)
-    assert [got[i] for i in range(3)] == want and sum(s.stats.draft_n for s in sequences) > 0
+    got, sequences = in_a_batch(Engine(target, 256, build(target, path, BF16, spec), spec, slots=4), prompts, params)
+    assert got == want and sum(s.stats.draft_n for s in sequences) > 0
 
 
 def test_sampled_output_has_the_target_distribution(tmp_path):

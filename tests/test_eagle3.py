@@ -18,7 +18,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.helpers import PROMPT, in_a_batch, save_hf_dir, tiny_hf_model, tokens_of as run
 
 try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence fails the suite, never skips it
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -227,8 +227,6 @@ def test_chained_with_lookup(target_dir, order):
 def test_a_resent_prompt_and_a_batch(target_dir, head_dir):
     """The same prompt twice on one engine (the head keeps its pairs of the prompt: its first pass takes in none),
     and three sequences in a batch: each answer is plain decoding's, alone or beside the others."""
-    from quickdraft.engine import Batch, Halt
-
     _, tdir = target_dir
     _, _, path = head_dir
     target = load_model(str(tdir), BF16, progress=False)
@@ -245,20 +243,8 @@ def test_a_resent_prompt_and_a_batch(target_dir, head_dir):
               SamplingParams(temperature=0.8, seed=3, max_tokens=24, stop_at_eos=False),
               SamplingParams(max_tokens=16, stop_at_eos=False)]
     want = [run(Engine(target, 256), p, prompt)[0] for prompt, p in zip(prompts, params)]
-    batch = Batch(Engine(target, 256, build(target, path, BF16, spec), spec, slots=4), 3)
-    got = {}
-    sequences = [batch.add(prompt, p, None, Halt()) for prompt, p in zip(prompts, params)]
-
-    def deliver(s, event):
-        assert not isinstance(event, Exception), event
-        if event.token is not None:
-            got.setdefault(sequences.index(s), []).append(event.token)
-
-    drafted = 0
-    while batch.active:
-        batch.step(deliver)
-        drafted = max(drafted, sum(s.stats.draft_n for s in sequences))
-    assert [got[i] for i in range(3)] == want and drafted > 0
+    got, sequences = in_a_batch(Engine(target, 256, build(target, path, BF16, spec), spec, slots=4), prompts, params)
+    assert got == want and sum(s.stats.draft_n for s in sequences) > 0
 
 
 def test_sampled_output_has_the_target_distribution(tmp_path):

@@ -9,13 +9,11 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import rope as ropes
 from quickdraft.models.dflash import DFlash, DFlashConfig
-from quickdraft.models.transformer import Linear
-from quickdraft.quant import placement
+from quickdraft.weights import heads
 from quickdraft.weights.families.base import hf_ropes
 
 
@@ -195,37 +193,9 @@ def load(path: Path, target_dim: int, max_context: int, dtype: torch.dtype, devi
     if missing or unexpected:
         raise QuickdraftError(f"{path}: the weights do not match a {cfg.kind} drafter of its config for a target "
                               f"{target_dim} wide (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    modules = dict(model.named_modules())
-    for owner, module in modules.items():
-        own = {leaf: tensors[f"{owner}.{leaf}" if owner else leaf] for leaf, p in module._parameters.items()
-               if p is not None}
-        if not own:
-            continue
-        for leaf, w in own.items():
-            want = tuple(module._parameters[leaf].shape)
-            if tuple(w.shape) != want:
-                raise QuickdraftError(f"{path}: {owner}.{leaf} has shape {tuple(w.shape)}, its config makes it {want}")
-        kind = placement.linear_kind(weights, owner, {})
-        head = owner.split(".")[0] in ("lm_head", "markov_head", "confidence_head")  # kept in its dtype
-        if isinstance(module, Linear) and kind != placement.FLOAT and not head:
-            layer = placement.layer(kind, own["weight"].to(dtype), own.get("bias"), device)
-            if layer is not None:
-                parent, _, attr = owner.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, attr, layer)
-                continue
-        for leaf, w in own.items():
-            module._parameters[leaf] = nn.Parameter(w.to(device, dtype), requires_grad=False)
-    if cfg.draft_vocab:
-        if d2t is None or tuple(d2t.shape) != (cfg.draft_vocab,):
-            raise QuickdraftError(f"{path}: a drafter of {cfg.draft_vocab} draft tokens needs d2t ({cfg.draft_vocab} "
-                                  "offsets to the target's ids) in its weights")
-        ids = torch.arange(cfg.draft_vocab) + d2t.long()
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or len(set(ids.tolist())) != cfg.draft_vocab:
-            raise QuickdraftError(f"{path}: its d2t does not map its {cfg.draft_vocab} draft tokens onto distinct ids "
-                                  f"of the target's {cfg.vocab_size}: the drafter's vocabulary map is broken")
-        model.target_ids = ids.to(device)
-    else:
-        model.target_ids = torch.arange(cfg.vocab_size, device=device)
+    heads.place(model, tensors, path, weights, dtype, device, keep_float=("lm_head", "markov_head", "confidence_head"))
+    model.target_ids = (heads.draft_ids(path, d2t, cfg.draft_vocab, cfg.vocab_size) if cfg.draft_vocab else
+                        torch.arange(cfg.vocab_size)).to(device)
     cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context + cfg.block_size)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     return model.eval().requires_grad_(False)

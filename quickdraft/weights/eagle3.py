@@ -10,13 +10,11 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.models import rope as ropes
 from quickdraft.models.eagle3 import ACTIVATIONS, Eagle3, Eagle3Config
-from quickdraft.models.transformer import Linear
-from quickdraft.quant import placement
+from quickdraft.weights import heads
 from quickdraft.weights.families.base import hf_ropes
 
 # ModelConfig fields of decoder layers a head's layers do not have: a transformer_layer_config setting any of them
@@ -164,7 +162,8 @@ def load(path: Path, max_context: int, dtype: torch.dtype, device: torch.device,
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
-    d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
+    d2t = tensors.pop("d2t", None)
+    tensors.pop("t2d", None)  # (the reverse map: d2t says it all)
     for unused in ("verifier_lm_head.weight", "verifier_norm.weight"):  # training's, not drafting's
         tensors.pop(unused, None)
     tensors = {n.replace(".self_attn.", ".").replace(".mlp.", "."): t for n, t in tensors.items()}
@@ -175,35 +174,9 @@ def load(path: Path, max_context: int, dtype: torch.dtype, device: torch.device,
     if missing or unexpected:
         raise QuickdraftError(f"{path}: the weights do not match an EAGLE-3 head of its config (missing "
                               f"{missing[:3]}, unexpected {unexpected[:3]})")
-    if cfg.draft_vocab != cfg.vocab_size:
-        if d2t is None or tuple(d2t.shape) != (cfg.draft_vocab,):
-            raise QuickdraftError(f"{path}: a head of {cfg.draft_vocab} draft tokens needs d2t ({cfg.draft_vocab} "
-                                  "offsets to the target's ids) in its weights")
-        ids = torch.arange(cfg.draft_vocab) + d2t.long()
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or len(set(ids.tolist())) != cfg.draft_vocab:
-            raise QuickdraftError(f"{path}: its d2t does not map its {cfg.draft_vocab} draft tokens onto distinct "
-                                  f"ids of the target's {cfg.vocab_size}: the head's vocabulary map is broken")
-    else:
-        ids = torch.arange(cfg.draft_vocab)
-    modules = dict(model.named_modules())
-    for owner, module in modules.items():
-        own = {leaf: tensors[f"{owner}.{leaf}" if owner else leaf] for leaf, p in module._parameters.items()
-               if p is not None}
-        if not own:
-            continue
-        for leaf, w in own.items():
-            want = tuple(module._parameters[leaf].shape)
-            if tuple(w.shape) != want:
-                raise QuickdraftError(f"{path}: {owner}.{leaf} has shape {tuple(w.shape)}, its config makes it {want}")
-        kind = placement.linear_kind(weights, owner, {})
-        if isinstance(module, Linear) and owner != "lm_head" and kind != placement.FLOAT:
-            layer = placement.layer(kind, own["weight"].to(dtype), own.get("bias"), device)
-            if layer is not None:
-                parent, _, attr = owner.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, attr, layer)
-                continue
-        for leaf, w in own.items():
-            module._parameters[leaf] = nn.Parameter(w.to(device, dtype), requires_grad=False)
+    ids = heads.draft_ids(path, d2t, cfg.draft_vocab, cfg.vocab_size) if cfg.draft_vocab != cfg.vocab_size else \
+        torch.arange(cfg.draft_vocab)
+    heads.place(model, tensors, path, weights, dtype, device, keep_float=("lm_head",))
     model.target_ids = ids.to(device)
     cos, sin = ropes.tables(cfg.rope, cfg.head_dim, max_context)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)

@@ -373,3 +373,19 @@ def in_a_batch(engine, prompts: list[list[int]], params: list) -> tuple[list[lis
     while batch.active:
         batch.step(deliver)
     return [got.get(i, []) for i in range(len(prompts))], sequences
+
+
+def second_and_third_drawn(engine, prompt: list[int], params, vocab: int, draws: int = 500) -> tuple:
+    """Counts (2, vocab) of the second and third tokens of `draws` unseeded generations (the first round verifying a
+    chain of 2 drafts, asserted), and the drafts accepted in all: what assert_second_and_third_follow judges."""
+    counts = torch.zeros(2, vocab, dtype=torch.float64)
+    torch.manual_seed(0)
+    accepted = 0
+    for _ in range(draws):
+        events = list(engine.generate(prompt, params))
+        tokens = [e.token for e in events if e.token is not None]
+        counts[0, tokens[1]] += 1
+        counts[1, tokens[2]] += 1
+        accepted += events[-1].stats.draft_n_accepted
+        assert events[-1].stats.k_history[0] == 2  # the first round verified a chain of 2
+    return counts, accepted

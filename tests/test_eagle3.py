@@ -251,7 +251,7 @@ def test_sampled_output_has_the_target_distribution(tmp_path):
     """Unseeded at T = 0.7 with chains of 2 drafts from a head over 16 of the target's 24 tokens: the second and third
     tokens emitted (from the one round verifying both drafts) follow the target's two- and three-step distributions
     (chi-square), though the head never proposes a third of them."""
-    from tests.helpers import assert_second_and_third_follow, two_and_three_step
+    from tests.helpers import assert_second_and_third_follow, second_and_third_drawn, two_and_three_step
 
     hf = tiny_hf_model("qwen3", layers=LAYERS, vocab=24, logit_scale=2)
     tdir = save_hf_dir(hf, tmp_path / "t")
@@ -262,16 +262,7 @@ def test_sampled_output_has_the_target_distribution(tmp_path):
     exact = two_and_three_step(target, prompt, params)
     spec = SpeculationConfig(draft_max=2, adaptive=False, p_min=0.0)
     engine = Engine(target, 16, build(target, path, F32, spec), spec)
-    counts = torch.zeros(2, V, dtype=torch.float64)
-    torch.manual_seed(0)
-    accepted = 0
-    for _ in range(500):
-        events = list(engine.generate(prompt, params))
-        tokens = [e.token for e in events if e.token is not None]
-        counts[0, tokens[1]] += 1
-        counts[1, tokens[2]] += 1
-        accepted += events[-1].stats.draft_n_accepted
-        assert events[-1].stats.k_history[0] == 2
+    counts, accepted = second_and_third_drawn(engine, prompt, params, V)
     assert accepted > 0
     assert_second_and_third_follow(counts, exact)
 

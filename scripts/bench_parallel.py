@@ -15,6 +15,14 @@ summarise; -n greedy tokens each) answered one after another, then the same four
 from the cache) and decode tok/s at once, and whether each answer at once equals its answer alone.
 
     .venv/bin/python scripts/bench_parallel.py --mixed [-n 128] [--cells 2]
+
+--cycling N: memory under many conversations: quickdraft serve (--parallel 4, --cache-ram as given) answers N
+distinct conversations (each a different stretch of a long text, ~400 prompt tokens), four at a time, then every one's
+second turn (its history resent), so the kept slots cycle through more conversations than --cache-ram holds. After
+each request: the server's resident memory (VmRSS) and its /metrics (prefix_cache_bytes, evictions); at the end the
+second turns' cache_n (prompt tokens taken from a kept slot).
+
+    .venv/bin/python scripts/bench_parallel.py --cycling 32 [-n 16] [--cache-ram 1G]
 """
 
 from __future__ import annotations
@@ -113,6 +121,76 @@ def main_mixed(args) -> int:
     return 0
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (Linux: /proc/PID/status VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def metric(url: str, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def main_cycling(args) -> int:
+    print(f"machine: {machine()}", flush=True)
+    n_conv = args.cycling
+    text = bundled.text("long-1k")
+    starts = [(i * 997) % max(len(text) - 1600, 1) for i in range(n_conv)]
+    firsts = [f"Conversation {i}. Summarise this passage in two sentences:\n\n{text[s:s + 1500]}"
+              for i, s in enumerate(starts)]
+    server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "4096", "--parallel", "4", "--cache-ram",
+                           args.cache_ram, startup_timeout=600)
+    samples = []  # (request, rss, prefix_cache_bytes, evictions)
+    try:
+        endpoint = remote.Endpoint(server.base_url)
+        endpoint.check()
+        endpoint.complete("Hello", 4)
+        base = rss_bytes(server.pid)
+        print(f"server RSS after load and a warm-up: {base / 2**30:.2f} GiB; --cache-ram {args.cache_ram}",
+              flush=True)
+
+        def turn(messages):
+            reply = endpoint.complete(messages, args.n)
+            samples.append((len(samples), rss_bytes(server.pid), metric(server.url, "quickdraft_prefix_cache_bytes"),
+                            metric(server.url, "quickdraft_prefix_cache_evictions")))
+            return reply
+
+        histories = [[{"role": "user", "content": f}] for f in firsts]
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(turn, histories))
+        for h, r in zip(histories, replies):
+            h += [{"role": "assistant", "content": r.text}, {"role": "user", "content": "Now in one sentence."}]
+        print(f"first turns done: RSS {samples[-1][1] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+        with ThreadPoolExecutor(4) as pool:
+            seconds = list(pool.map(turn, histories))
+    finally:
+        server.stop()
+    rss = [s[1] for s in samples]
+    kept = [s[2] for s in samples]
+    figures = Figures()
+    for r in seconds:
+        figures.add("cache_n", r.cache_n)
+        figures.add("ttft", r.ttft_s)
+    print(f"\n{n_conv} conversations x 2 turns ({args.n} greedy tokens each), four at a time, --parallel 4, "
+          f"--cache-ram {args.cache_ram}")
+    print(f"server RSS: {base / 2**30:.2f} GiB after load; max {max(rss) / 2**30:.2f} GiB; last {rss[-1] / 2**30:.2f} "
+          f"GiB; growth at most {(max(rss) - base) / 2**20:.0f} MiB")
+    print(f"kept slots' bytes (/metrics prefix_cache_bytes): max {max(kept) / 2**20:.0f} MiB; evictions "
+          f"{samples[-1][3]:.0f}")
+    print(f"second turns: cache_n median {figures.median('cache_n'):.0f} (min {min(figures.samples['cache_n']):.0f}, "
+          f"max {max(figures.samples['cache_n']):.0f}); time to first token median {figures.median('ttft'):.2f} s")
+    print("RSS by request: " + " ".join(f"{r / 2**30:.2f}" for r in rss))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=256, help="greedy tokens a stream (default: %(default)s)")
@@ -120,9 +198,14 @@ def main() -> int:
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--mixed", action="store_true", help="the mixed case (see above) instead")
+    ap.add_argument("--cycling", type=int, default=0, metavar="N", help="memory under N cycling conversations")
+    ap.add_argument("--cache-ram", default="1G", help="--cycling: the server's --cache-ram (default: %(default)s)")
     args = ap.parse_args()
     if args.mixed:
         return main_mixed(args)
+    if args.cycling:
+        args.n = 16 if args.n == 256 else args.n  # (-n's default is the streams case's)
+        return main_cycling(args)
     print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     counts = [int(x) for x in args.streams.split(",")]
     target, draft = (hub.model_path(a) for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT))

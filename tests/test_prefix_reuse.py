@@ -2,6 +2,8 @@
 output is the one an empty cache gives, token for token (greedy and seeded), on every family (sliding windows,
 soft caps, shared keys and values, hybrids' recurrent states, mixtures of experts) and with each drafter."""
 
+import sys
+
 import pytest
 import torch
 
@@ -290,3 +292,20 @@ def test_a_slot_that_forgets_takes_its_drafts_share_along(pair):
     assert engine.last.drafter.cache.length > 0
     engine.last.forget()
     assert engine.last.drafter.cache.length == 0 and engine.last.drafter.tokens == []
+
+
+def test_a_finished_request_gives_the_heap_back(pair, monkeypatch):
+    """Each request's end trims the heap (runtime/heap.py: glibc otherwise keeps what passes freed, and a server's
+    memory grows past --cache-ram); on Linux the trim reaches glibc."""
+    from quickdraft.runtime import heap
+
+    target, _ = pair
+    trims = []
+    real = heap.trim
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(real()) or trims[-1])
+    engine = Engine(target, 256)
+    for prompt in ([1, 2, 3, 4], [5, 6, 7]):
+        list(engine.generate(prompt, SamplingParams(max_tokens=4, stop_at_eos=False)))
+    assert len(trims) == 2
+    if sys.platform.startswith("linux"):
+        assert heap._c(), "glibc's malloc_trim not found"

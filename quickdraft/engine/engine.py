@@ -26,6 +26,7 @@ from quickdraft.engine.sequence import Detokenizer, Halt, Sequence, Work
 from quickdraft.errors import QuickdraftError
 from quickdraft.grammar import Grammar
 from quickdraft.models.transformer import ROWWISE_MAX
+from quickdraft.runtime import heap
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import Slot, Slots
 from quickdraft.speculative.base import Drafter, KFor, Proposal
@@ -205,6 +206,7 @@ class Engine:
             if s.drafting and not s.ended:
                 self.drafting -= 1
             s.ended = True
+            heap.trim()  # what its passes freed goes back to the system (runtime/heap.py)
 
     def fail(self, s: Sequence, error: Exception) -> Exception:
         """End the sequence with an error (its slot forgets what it held: a pass may have stopped half way);

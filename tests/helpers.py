@@ -389,3 +389,27 @@ def second_and_third_drawn(engine, prompt: list[int], params, vocab: int, draws:
         accepted += events[-1].stats.draft_n_accepted
         assert events[-1].stats.k_history[0] == 2  # the first round verified a chain of 2
     return counts, accepted
+
+
+def assert_resent_and_batched_equal_plain(target, drafter_for) -> None:
+    """A drafter's answers equal plain decoding's with a prompt sent twice to one engine (the second reusing the
+    first's positions, and the drafter what it holds of them) and with three sequences in one batch (greedy and
+    seeded), and it drafted in both. drafter_for(speculation): a fresh drafter."""
+    from quickdraft.config import SamplingParams, SpeculationConfig
+    from quickdraft.engine import Engine
+
+    spec = SpeculationConfig(draft_max=4, adaptive=False)
+    params = SamplingParams(max_tokens=20, stop_at_eos=False)
+    plain, _ = tokens_of(Engine(target, 256), params, PROMPT * 2)
+    engine = Engine(target, 256, drafter_for(spec), spec)
+    for _ in range(2):
+        ours, final = tokens_of(engine, params, PROMPT * 2)
+        assert ours == plain and final.stats.draft_n > 0
+    assert final.timings.cache_n > 0
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT[3:] * 3]
+    params = [SamplingParams(max_tokens=20, stop_at_eos=False),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=24, stop_at_eos=False),
+              SamplingParams(max_tokens=16, stop_at_eos=False)]
+    want = [tokens_of(Engine(target, 256), p, prompt)[0] for prompt, p in zip(prompts, params)]
+    got, sequences = in_a_batch(Engine(target, 256, drafter_for(spec), spec, slots=4), prompts, params)
+    assert got == want and sum(s.stats.draft_n for s in sequences) > 0

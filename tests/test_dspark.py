@@ -20,7 +20,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, in_a_batch, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.helpers import PROMPT, assert_resent_and_batched_equal_plain, save_hf_dir, tiny_hf_model, tokens_of as run
 
 try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence fails the suite, never skips it
     import speculators.models.dflash.core as dflash_core
@@ -120,21 +120,28 @@ def build(target, path, config, speculation=SpeculationConfig(), text=None):
     return DraftBuilder(target, config, 256).drafter(Draft.parse(text or str(path)), speculation)
 
 
-def _reference_block(hf_target, model, tokens: list[int], drafts: list[int]):
-    """The reference's guesses for the block at the pending token (tokens[-1]), the drafts after it as the tokens
-    its Markov head conditions on: (logits over the target's vocabulary per guess (-inf where the draft vocabulary
-    has no token), the confidence head's chances or None)."""
-    kind = VARIANTS_KIND[type(model).__name__]
-    anchor = len(tokens) - 1
-    if kind == "dflash2":
-        return _reference_selection(hf_target, model, tokens, drafts), None
+def _reference_inputs(hf_target, model, tokens: list[int], drafts: list[int]) -> tuple:
+    """The reference's forward's inputs for the one block at the pending token (tokens[-1]), the drafts after it:
+    (the target's states at the layers it reads, the ids, a loss mask whose one anchor is the pending token (the only
+    one its sampler can choose), the verifier's last states (the loss's: zeros), document ids)."""
     seq = tokens + drafts + [0] * (BLOCK + 1 - len(drafts))
     with torch.no_grad():
         hidden = hf_target(torch.tensor([seq]), output_hidden_states=True).hidden_states
     aux = torch.cat([hidden[i] for i in model.config.aux_hidden_state_layer_ids], dim=-1)
     T = len(seq)
     loss_mask = torch.zeros(1, T, dtype=torch.long)
-    loss_mask[0, anchor] = 1  # the one anchor the reference's sampler can choose
+    loss_mask[0, len(tokens) - 1] = 1
+    return aux, torch.tensor([seq]), loss_mask, torch.zeros(1, T, hidden[-1].shape[-1]), torch.zeros(1, T,
+                                                                                                    dtype=torch.long)
+
+
+def _reference_block(hf_target, model, tokens: list[int], drafts: list[int]):
+    """The reference's guesses for the block at the pending token (tokens[-1]), the drafts after it as the tokens
+    its Markov head conditions on: (logits over the target's vocabulary per guess (-inf where the draft vocabulary
+    has no token), the confidence head's chances or None)."""
+    kind = VARIANTS_KIND[type(model).__name__]
+    if kind == "dflash2":
+        return _reference_selection(hf_target, model, tokens, drafts), None
     seen = {}
 
     def record(logits, targets, *rest, **kwargs):
@@ -148,8 +155,7 @@ def _reference_block(hf_target, model, tokens: list[int], drafts: list[int]):
     module.compute_metrics = record
     try:
         with torch.no_grad():
-            model(aux, torch.tensor([seq]), loss_mask, torch.zeros(1, T, hidden[-1].shape[-1]),
-                  torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+            model(*_reference_inputs(hf_target, model, tokens, drafts), max_anchors=1)
     finally:
         module.compute_metrics = saved
     rows = seen["logits"] if model.config.sample_from_anchor else seen["logits"][1:]
@@ -168,18 +174,9 @@ VARIANTS_KIND = {"DFlashDraftModel": "dflash", "DSparkDraftModel": "dspark", "DF
 def _reference_selection(hf_target, model, tokens: list[int], drafts: list[int]) -> torch.Tensor:
     """DFlash2's guesses as the library selects them at inference (CandidateSelector.select over its backbone's
     unary logits and rows, after the tokens before each guess): its candidates' scores per guess, -inf elsewhere."""
-    anchor = len(tokens) - 1
-    seq = tokens + drafts + [0] * (BLOCK + 1 - len(drafts))
+    aux, ids, loss_mask, last, documents = _reference_inputs(hf_target, model, tokens, drafts)
     with torch.no_grad():
-        hidden_states = hf_target(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        aux = torch.cat([hidden_states[i] for i in model.config.aux_hidden_state_layer_ids], dim=-1)
-        T = len(seq)
-        loss_mask = torch.zeros(1, T, dtype=torch.long)
-        loss_mask[0, anchor] = 1
-        ids = torch.tensor([seq])
-        last = torch.zeros(1, T, hidden_states[-1].shape[-1])  # (the loss's: not read here)
-        hidden, unary, _, _, block = model._backbone_forward(aux, ids, loss_mask, last,
-                                                             torch.zeros(1, T, dtype=torch.long), max_anchors=1)
+        hidden, unary, _, _, block = model._backbone_forward(aux, ids, loss_mask, last, documents, max_anchors=1)
         candidates, scores = model.candidate_selector.select(unary, hidden, model._predecessor_ids(ids, block)
                                                              .reshape(1, -1))
     first = 0 if model.config.sample_from_anchor else 1
@@ -254,21 +251,7 @@ def test_a_resent_prompt_and_a_batch(target_dir, drafter_dir):
     if variant == "dspark-gated":
         pytest.skip("three variants are enough")
     target = load_model(str(tdir), BF16, progress=False)
-    spec = SpeculationConfig(draft_max=4, adaptive=False)
-    params = SamplingParams(max_tokens=20, stop_at_eos=False)
-    plain, _ = run(Engine(target, 256), params, PROMPT * 2)
-    engine = Engine(target, 256, build(target, path, BF16, spec), spec)
-    for _ in range(2):
-        ours, final = run(engine, params, PROMPT * 2)
-        assert ours == plain and final.stats.draft_n > 0
-    assert final.timings.cache_n > 0
-    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT[3:] * 3]
-    params = [SamplingParams(max_tokens=20, stop_at_eos=False),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=24, stop_at_eos=False),
-              SamplingParams(max_tokens=16, stop_at_eos=False)]
-    want = [run(Engine(target, 256), p, prompt)[0] for prompt, p in zip(prompts, params)]
-    got, sequences = in_a_batch(Engine(target, 256, build(target, path, BF16, spec), spec, slots=4), prompts, params)
-    assert got == want and sum(s.stats.draft_n for s in sequences) > 0
+    assert_resent_and_batched_equal_plain(target, lambda spec: build(target, path, BF16, spec))
 
 
 def test_sampled_output_has_the_target_distribution(tmp_path):

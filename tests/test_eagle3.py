@@ -18,7 +18,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, in_a_batch, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.helpers import PROMPT, assert_resent_and_batched_equal_plain, save_hf_dir, tiny_hf_model, tokens_of as run
 
 try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence fails the suite, never skips it
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -230,21 +230,7 @@ def test_a_resent_prompt_and_a_batch(target_dir, head_dir):
     _, tdir = target_dir
     _, _, path = head_dir
     target = load_model(str(tdir), BF16, progress=False)
-    spec = SpeculationConfig(draft_max=4, adaptive=False)
-    params = SamplingParams(max_tokens=20, stop_at_eos=False)
-    plain, _ = run(Engine(target, 256), params, PROMPT * 2)
-    engine = Engine(target, 256, build(target, path, BF16, spec), spec)
-    for _ in range(2):
-        ours, final = run(engine, params, PROMPT * 2)
-        assert ours == plain and final.stats.draft_n > 0
-    assert final.timings.cache_n > 0
-    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], PROMPT[3:] * 3]
-    params = [SamplingParams(max_tokens=20, stop_at_eos=False),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=24, stop_at_eos=False),
-              SamplingParams(max_tokens=16, stop_at_eos=False)]
-    want = [run(Engine(target, 256), p, prompt)[0] for prompt, p in zip(prompts, params)]
-    got, sequences = in_a_batch(Engine(target, 256, build(target, path, BF16, spec), spec, slots=4), prompts, params)
-    assert got == want and sum(s.stats.draft_n for s in sequences) > 0
+    assert_resent_and_batched_equal_plain(target, lambda spec: build(target, path, BF16, spec))
 
 
 def test_sampled_output_has_the_target_distribution(tmp_path):

@@ -241,7 +241,30 @@ class ConfidenceHead(nn.Module):
         return torch.sigmoid(self.proj(features[None])[0, 0].float())
 
 
-class DFlash(nn.Module):
+class HeadLayers(nn.Module):
+    """What a drafter's layers over the target's states (DFlash here, EAGLE-3: models/eagle3.py) say of themselves:
+    their device and dtype (their final norm's), their caches' layout and their norms' kernel plan."""
+
+    cfg: DFlashConfig
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def kv_layout(self) -> list[tuple[int, int, int]]:
+        return [(self.cfg.n_kv_heads, self.cfg.head_dim, i) for i in range(self.cfg.n_layers)]
+
+    def plan(self, kernels: bool) -> None:
+        for norm in self.modules():
+            if isinstance(norm, RMSNorm):
+                norm.plan(kernels)
+
+
+class DFlash(HeadLayers):
     def __init__(self, cfg: DFlashConfig, target_dim: int, max_context: int):
         super().__init__()
         self.cfg = cfg
@@ -262,28 +285,12 @@ class DFlash(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    @property
     def max_context(self) -> int:
         return self.rope_cos.shape[0] - self.cfg.block_size
 
     @property
     def hybrid(self) -> bool:
         return False
-
-    def kv_layout(self) -> list[tuple[int, int, int]]:
-        return [(self.cfg.n_kv_heads, self.cfg.head_dim, i) for i in range(self.cfg.n_layers)]
-
-    def plan(self, kernels: bool) -> None:
-        for norm in self.modules():
-            if isinstance(norm, RMSNorm):
-                norm.plan(kernels)
 
     def block(self, features: torch.Tensor, embedded: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One drafting pass: features (C, n * target dim), the target's hidden states of the C context positions

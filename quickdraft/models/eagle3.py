@@ -25,6 +25,7 @@ from torch import nn
 
 from quickdraft.config import RopeConfig
 from quickdraft.models import rope as ropes
+from quickdraft.models.dflash import HeadLayers
 from quickdraft.models.transformer import Linear, RMSNorm, apply_rotary
 from quickdraft.runtime.kv_cache import KVCache
 
@@ -123,7 +124,7 @@ class Layer(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(1, S, -1))
 
 
-class Eagle3(nn.Module):
+class Eagle3(HeadLayers):
     def __init__(self, cfg: Eagle3Config, max_context: int):
         super().__init__()
         self.cfg = cfg
@@ -142,24 +143,8 @@ class Eagle3(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
-    def device(self) -> torch.device:
-        return self.norm.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    @property
     def max_context(self) -> int:
         return self.rope_cos.shape[0]
-
-    def kv_layout(self) -> list[tuple[int, int, int]]:
-        return [(self.cfg.n_kv_heads, self.cfg.head_dim, i) for i in range(self.cfg.n_layers)]
-
-    def plan(self, kernels: bool) -> None:
-        for norm in self.modules():
-            if isinstance(norm, RMSNorm):
-                norm.plan(kernels)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The target's states (S, n * dim), as the first layer reads them (S, dim): normed as the config says, fc."""

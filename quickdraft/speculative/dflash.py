@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.dflash import DFlash, DFlashConfig
+from quickdraft.models.dflash import DFlashConfig
 from quickdraft.models.transformer import linear
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
@@ -37,23 +37,41 @@ is_dflash = dflash_files.is_dflash
 OUTSIDE = 1e5
 
 
-class DFlashModel:
-    """A loaded DFlash drafter: its module and where it came from (what DraftBuilder loads once per target), described
-    as doctor and bench describe a loaded model (weights format, kernel plan, load time; no tokenizer of its own: it
-    drafts in the target's vocabulary)."""
+class HeadModel:
+    """A loaded drafter over the target's states (a DFlash or DSpark drafter, an EAGLE-3 head: models/dflash.py's
+    HeadLayers): its module and where it came from (what DraftBuilder loads once per target), described as doctor and
+    bench describe a loaded model (weights format, kernel plan, load time; no tokenizer of its own: it drafts in the
+    target's vocabulary)."""
 
     tokenizer = None
     graphs = None
     kept_from = None
 
-    def __init__(self, name: str, model: DFlash, weights: str, plan: dict, load_seconds: float = 0.0):
+    def __init__(self, name: str, model, weights: str, plan: dict, load_seconds: float = 0.0):
         self.name, self.model, self.weights, self.plan = name, model, weights, plan
         self.device = model.device
         self.load_seconds = load_seconds
 
     @property
-    def config(self) -> DFlashConfig:
+    def config(self):
+        """Its module's config (a DFlashConfig, an Eagle3Config)."""
         return self.model.cfg
+
+    @classmethod
+    def load(cls, path: Path, weights: str, load) -> "HeadModel":
+        """The module load() gives (a HeadLayers), its norms' kernels planned, described, its load timed."""
+        from collections import Counter
+
+        from quickdraft.runtime.plan import kernels_apply, layer_format
+
+        t0 = time.perf_counter()
+        model = load()
+        kernels = kernels_apply(model)
+        model.plan(kernels)
+        linear = Counter(layer_format(m) for m in model.modules() if hasattr(m, "fused_operands")
+                         or isinstance(m, torch.nn.Linear))
+        plan = {"cpu_kernels": kernels, "layers": model.cfg.n_layers, "fused_layers": 0, "linear": dict(linear)}
+        return cls(str(path), model, weights, plan, time.perf_counter() - t0)
 
 
 class DFlashDrafter(DraftModelDrafter):
@@ -63,7 +81,7 @@ class DFlashDrafter(DraftModelDrafter):
     samples = True
     reads_hidden = True
 
-    def __init__(self, drafter: DFlashModel, target, capacity: int, p_min: float = 0.0):
+    def __init__(self, drafter: HeadModel, target, capacity: int, p_min: float = 0.0):
         """drafter: the loaded DFlash drafter; target: the LoadedModel it drafts for."""
         cfg, tcfg = drafter.config, target.config
         check_target(cfg, drafter.name, target)
@@ -330,19 +348,9 @@ def check_target(cfg: DFlashConfig, name: str, target) -> None:
                               f"{tcfg.n_layers}: give the DFlash drafter made for this target")
 
 
-def load_drafter(source: str, target, dtype: torch.dtype, weights: str, capacity: int) -> DFlashModel:
+def load_drafter(source: str, target, dtype: torch.dtype, weights: str, capacity: int) -> HeadModel:
     """The DFlash drafter in directory `source`, for `target` (a LoadedModel), on the target's device."""
-    from collections import Counter
-
-    from quickdraft.runtime.plan import kernels_apply, layer_format
-
     path = Path(source).expanduser()
     check_target(dflash_files.read_config(path), path.name, target)
-    t0 = time.perf_counter()
-    model = dflash_files.load(path, target.config.dim, capacity, dtype, target.device, weights)
-    kernels = kernels_apply(model)
-    model.plan(kernels)
-    linear = Counter(layer_format(m) for m in model.modules() if hasattr(m, "fused_operands")
-                     or isinstance(m, torch.nn.Linear))
-    plan = {"cpu_kernels": kernels, "layers": model.cfg.n_layers, "fused_layers": 0, "linear": dict(linear)}
-    return DFlashModel(str(path), model, weights, plan, time.perf_counter() - t0)
+    return HeadModel.load(path, weights, lambda: dflash_files.load(path, target.config.dim, capacity, dtype,
+                                                                   target.device, weights))

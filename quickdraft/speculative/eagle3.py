@@ -15,39 +15,19 @@ sampled, masked by a grammar, stopped early below --draft-p-min): exactness is t
 from __future__ import annotations
 
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.models.eagle3 import Eagle3, Eagle3Config
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import common_prefix
 from quickdraft.speculative.base import Offer, Proposal, replay_chain
-from quickdraft.speculative.dflash import OUTSIDE
+from quickdraft.speculative.dflash import OUTSIDE, HeadModel
 from quickdraft.speculative.draft_model import CATCH_UP, DraftModelDrafter
 from quickdraft.weights import eagle3 as eagle3_files, memory
 
 is_eagle3 = eagle3_files.is_eagle3
-
-
-class Eagle3Model:
-    """A loaded EAGLE-3 head and where it came from (what DraftBuilder loads once per target), described as doctor
-    and bench describe a loaded model (weights format, kernel plan, load time; no tokenizer of its own)."""
-
-    tokenizer = None
-    graphs = None
-    kept_from = None
-
-    def __init__(self, name: str, model: Eagle3, weights: str, plan: dict, load_seconds: float = 0.0):
-        self.name, self.model, self.weights, self.plan = name, model, weights, plan
-        self.device = model.device
-        self.load_seconds = load_seconds
-
-    @property
-    def config(self) -> Eagle3Config:
-        return self.model.cfg
 
 
 class Eagle3Drafter(DraftModelDrafter):
@@ -56,7 +36,7 @@ class Eagle3Drafter(DraftModelDrafter):
     samples = True
     reads_hidden = True
 
-    def __init__(self, head: Eagle3Model, target, capacity: int, p_min: float = 0.0):
+    def __init__(self, head: HeadModel, target, capacity: int, p_min: float = 0.0):
         eagle3_files.check_target(head.config, head.name, target)
         if head.device != target.device:
             raise QuickdraftError(f"an EAGLE-3 head reads the target's hidden states: it runs on the target's device "
@@ -253,17 +233,9 @@ class Eagle3Drafter(DraftModelDrafter):
         return drafted + stopped_early, 1
 
 
-def load_head(source: str, target, dtype: torch.dtype, weights: str, capacity: int) -> Eagle3Model:
+def load_head(source: str, target, dtype: torch.dtype, weights: str, capacity: int) -> HeadModel:
     """The EAGLE-3 head in directory `source`, for `target` (a LoadedModel), on the target's device."""
-    from quickdraft.runtime.plan import kernels_apply, layer_format
-
     path = Path(source).expanduser()
     eagle3_files.check_target(eagle3_files.read_config(path), path.name, target)
-    t0 = time.perf_counter()
-    model = eagle3_files.load(path, capacity, dtype, target.device, weights, target.config.n_layers)
-    kernels = kernels_apply(model)
-    model.plan(kernels)
-    linear = Counter(layer_format(m) for m in model.modules() if hasattr(m, "fused_operands")
-                     or isinstance(m, torch.nn.Linear))
-    plan = {"cpu_kernels": kernels, "layers": model.cfg.n_layers, "fused_layers": 0, "linear": dict(linear)}
-    return Eagle3Model(str(path), model, weights, plan, time.perf_counter() - t0)
+    return HeadModel.load(path, weights, lambda: eagle3_files.load(path, capacity, dtype, target.device, weights,
+                                                                   target.config.n_layers))

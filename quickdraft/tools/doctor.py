@@ -245,15 +245,14 @@ def memory_plan(plan) -> Finding:
     return Finding("memory plan", "ok", line, figures)
 
 
-HEAD_KINDS = ("Eagle3Model", "DFlashModel")  # drafters over the target's states (speculative/eagle3.py, dflash.py)
-
-
 def heads(target, drafts: list, engine) -> Finding | None:
     """A drafter built over the target's states (an EAGLE-3 head, a DFlash drafter): its weights' format (below int8
     such heads lose most of their acceptance: other engines' users saw it fall to ~0), and its caches against the
     target's (the target's states it reads and its own keys and values take the context's room). None without
     one."""
-    head = next((m for m in drafts if type(m).__name__ in HEAD_KINDS), None)
+    from quickdraft.speculative.dflash import HeadModel
+
+    head = next((m for m in drafts if isinstance(m, HeadModel)), None)
     if head is None:
         return None
     own = engine.drafter.cache_bytes() if engine.drafter is not None else 0

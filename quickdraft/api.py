@@ -245,7 +245,7 @@ def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int |
     # a stated size may plan for a device this machine lacks (--device cuda on a CPU machine)
     device = torch.device(engine.device) if capacity is not None and engine.device != "auto" else \
         resolve_device(engine.device)
-    dtype = resolve_dtype(engine.dtype, device)
+    dtype = resolve_dtype(engine.dtype, device, engine.weights)
     spec = memory.spec_from_source("target", target, quant.resolve(engine.weights, device, dtype))
     context = engine.max_context or min(spec.cfg.max_context, DEFAULT_MAX_CONTEXT)
     draft = draft.resolve(target)

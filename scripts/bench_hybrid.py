@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from quickdraft.quant import vnni
 from quickdraft.tools import roofline
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
@@ -87,7 +88,7 @@ def main() -> int:
         s, t = ssm, spare
         for _ in range(8):
             if a.fused_step:
-                torch.ops.quickdraft_vnni.gated_delta_step(s, q, k, v, d, b, t)
+                vnni.ops().gated_delta_step(s, q, k, v, d, b, t)
                 s, t = t, s
             else:
                 s = s * d[..., None, None] + k[..., None] * v[..., None, :]

@@ -10,15 +10,22 @@ catch-up is in it), the median of --runs, configurations taken in turn (rotated 
 with the prompt cached (its cold prefill is the warm-up's: the TTFT column). Ratios: the default against llama-server
 plain and against quickdraft's own drafting off; "same": the default's output equals drafting off's, token for token.
 
+--isa avx2 measures what a CPU without AVX-512 runs, on this one: quickdraft's AVX2 kernels (QUICKDRAFT_ISA=avx2, with
+PyTorch's and oneDNN's own ops held to AVX2: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) beside a llama-server built for
+AVX2 + FMA only (quickdraft/tools/llamacpp.py ISAS).
+
 Usage: python scripts/bench_matrix.py [--prompts code-en,long-1k,review-5k] [-n 128] [--runs 2] [--profile FILE]
-       [--weights int4,int8] [--no-llama] [--json FILE]    (llama-server is built on first use: about 10 minutes)
+       [--weights int4,int8] [--no-llama] [--isa native|avx2] [--json FILE]
+       (llama-server is built on first use: about 10 minutes)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -71,8 +78,13 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="a profile `quickdraft tune` wrote: its configuration as a column")
     ap.add_argument("--no-llama", action="store_true", help="quickdraft's columns alone")
     ap.add_argument("--weights", help="also the target in these formats (comma-separated), drafting off and default")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: both engines as a CPU without AVX-512 runs them")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.isa == "avx2" and os.environ.get("QUICKDRAFT_ISA") != "avx2":  # before PyTorch reads its own switches
+        held = {"QUICKDRAFT_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **held})
     temperatures = [float(t) for t in args.temperatures.split(",")]
     names = args.prompts.split(",")
 
@@ -95,7 +107,7 @@ def main() -> int:
         from quickdraft.tools import llamacpp
         from quickdraft.tools.servers import LlamaServer
 
-        binary = llamacpp.server_binary()
+        binary = llamacpp.server_binary(isa=args.isa)
         path, draft = str(hub.model_path(hub.DEFAULT_TARGET)), str(hub.model_path(hub.DEFAULT_DRAFT))
         servers["llama-server plain"] = LlamaServer(binary, "-m", path, "-c", str(args.ctx))
         servers["llama-server -md"] = LlamaServer(binary, "-m", path, "-c", str(args.ctx), "-md", draft,
@@ -103,8 +115,11 @@ def main() -> int:
         for server in servers.values():
             server.proc.send_signal(signal.SIGSTOP)
     columns = list(servers) + list(engines)
-    print(f"machine: {machine()}; {hub.DEFAULT_TARGET} (quickdraft: {llm.target.weights}) with "
-          f"{hub.DEFAULT_DRAFT}; {args.n} tokens a request, medians of {args.runs}", flush=True)
+    from quickdraft.runtime.plan import cpu_path
+
+    print(f"machine: {machine()}; {hub.DEFAULT_TARGET} (quickdraft: {llm.target.weights}, {cpu_path(llm.target)[0]}; "
+          f"llama-server: its {args.isa} build) with {hub.DEFAULT_DRAFT}; {args.n} tokens a request, medians of "
+          f"{args.runs}", flush=True)
     figures, ttft, rows = Figures(), {}, []
     try:
         for name in names:

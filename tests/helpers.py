@@ -267,12 +267,13 @@ def target_and_noisy_draft(directory: Path, config):
     return target, load_model(str(save_hf_dir(draft_hf, directory / "d")), config, False)
 
 
-def byte_level_pair(directory: Path, config):
+def byte_level_pair(directory: Path, config, **sizes):
     """A tiny llama target with a byte-level vocabulary and an end-of-text token, as GGUF (text in, text out:
-    constraints and chat prompts work), and a draft that agrees with it often but not always."""
+    constraints and chat prompts work), and a draft that agrees with it often but not always (sizes: as
+    tiny_hf_config's)."""
     from quickdraft.weights.loader import load_model
 
-    hf = tiny_hf_model("llama", seed=3, logit_scale=4)
+    hf = tiny_hf_model("llama", seed=3, logit_scale=4, **sizes)
     target = load_model(str(write_gguf_from_hf(hf, directory / "t.gguf", eos=True)), config, False)
     add_noise(hf)
     return target, load_model(str(write_gguf_from_hf(hf, directory / "d.gguf", eos=True)), config, False)

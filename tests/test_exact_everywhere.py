@@ -1,24 +1,34 @@
 """Exactness beyond the suite's bf16 on two threads: float32 compute (what `--dtype auto` gives a CPU without native
-bf16: most laptops and desktops) and other thread counts. Speculation (each drafter, chains and trees), prefix reuse
-and batching must give the logprobs and tokens plain decoding gives, bit for bit.
+bf16 for float weights), other thread counts, and quickdraft's int8/int4 kernels built for AVX2 (what a CPU without
+AVX-512 VNNI runs for quantized weights: these cases run in a process held to AVX2 throughout, PyTorch's and oneDNN's
+own ops too, by test_what_a_cpu_without_avx512_runs_is_exact). Speculation (each drafter, chains and trees), prefix
+reuse and batching must give the logprobs and tokens plain decoding gives, bit for bit.
 
-Each check here fails on PyTorch's own float32 GEMM and activations (QUICKDRAFT_NO_AVX2=1 runs them: MKL orders a
-row's sums by the row and thread counts); quickdraft's fixed-order kernels (quant/avx2.py) make them pass."""
+Each float32 check here fails on PyTorch's own float32 GEMM and activations (QUICKDRAFT_NO_AVX2=1 runs them: MKL orders
+a row's sums by the row and thread counts); quickdraft's fixed-order kernels (quant/avx2.py) make them pass."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from quickdraft.config import EngineConfig, SamplingParams, SpeculationConfig
 from quickdraft.engine import Engine
-from quickdraft.quant import avx2
+from quickdraft.quant import avx2, vnni
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.weights.loader import load_model
 from tests import test_batch, test_prefix_reuse
 from tests.helpers import PROMPT, add_noise, byte_level_pair, drafter, save_hf_dir, tiny_hf_model
 
-COMPUTE = {"float32-3-threads": ("float32", 3), "bf16-4-threads": ("bfloat16", 4)}
+# name: (compute dtype, threads, weights, the int kernels' build it needs (None: any))
+COMPUTE = {"float32-3-threads": ("float32", 3, "bf16", None), "bf16-4-threads": ("bfloat16", 4, "bf16", None),
+           "int8-avx2-3-threads": ("bfloat16", 3, "int8", "avx2"),
+           "int4-avx2-2-threads": ("bfloat16", 2, "int4", "avx2")}
+WIDE = dict(hidden_size=128, intermediate_size=256)  # every layer on the int kernels (K a multiple of 128)
+AS_AN_AVX2_CPU = {"QUICKDRAFT_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 SCORED = {"greedy": SamplingParams(max_tokens=32, stop_at_eos=False, logprobs=3),
           "seeded": SamplingParams(max_tokens=32, stop_at_eos=False, logprobs=3, temperature=0.9, top_p=0.95, seed=3)}
 SPECS = {"fixed-4": SpeculationConfig(draft_max=4, adaptive=False, p_min=0.0),
@@ -28,21 +38,43 @@ SPECS = {"fixed-4": SpeculationConfig(draft_max=4, adaptive=False, p_min=0.0),
 
 @pytest.fixture(scope="module", params=list(COMPUTE))
 def compute(request, tmp_path_factory):
-    """(config, target, draft): a tiny qwen2 target and its noisy draft in this compute dtype, with torch's threads
-    set to this count for the module's tests that use it."""
-    dtype, threads = COMPUTE[request.param]
+    """(config, target, draft): a tiny qwen2 target and its noisy draft in this compute dtype and format, with torch's
+    threads set to this count for the module's tests that use it."""
+    dtype, threads, weights, isa = COMPUTE[request.param]
     if dtype == "float32" and not avx2.available():
         pytest.skip(f"quickdraft's float32 kernels do not run here: {avx2.unavailable_reason()}")
+    if isa is not None and vnni.isa() != isa:
+        pytest.skip(f"the {isa} build's cases run in a process of their own "
+                    "(test_what_a_cpu_without_avx512_runs_is_exact)")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    config = EngineConfig(device="cpu", dtype=dtype, weights="bf16", max_context=256)
+    config = EngineConfig(device="cpu", dtype=dtype, weights=weights, max_context=256)
     root = tmp_path_factory.mktemp(request.param)
-    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=8), root / "t")), config, False)
-    noisy = add_noise(tiny_hf_model("qwen2", seed=0, logit_scale=8), 0.3)
+    sizes = WIDE if weights != "bf16" else {}
+    target = load_model(str(save_hf_dir(tiny_hf_model("qwen2", seed=0, logit_scale=8, **sizes), root / "t")), config,
+                        False)
+    noisy = add_noise(tiny_hf_model("qwen2", seed=0, logit_scale=8, **sizes), 0.3)
     draft = load_model(str(save_hf_dir(noisy, root / "d")), config, False)
     assert target.model.dtype == getattr(torch, dtype)
+    if weights != "bf16":  # every linear layer on quickdraft's kernels, every layer as one fused step
+        assert set(target.plan["linear"]) == {f"{weights} (quickdraft)"}, target.plan
+        assert target.plan["fused_layers"] == target.plan["layers"], target.plan
     yield config, target, draft
     torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(os.environ.get("QUICKDRAFT_ISA") == "avx2", reason="(this is that process)")
+def test_what_a_cpu_without_avx512_runs_is_exact():
+    """This module's cases on quickdraft's AVX2 kernels, in a process whose PyTorch and oneDNN are held to AVX2 too
+    (the instructions a CPU without AVX-512 has): every case runs there and passes."""
+    if vnni.BUILDS["avx2"].reason() is not None:
+        pytest.skip(f"quickdraft's AVX2 kernels do not run here: {vnni.BUILDS['avx2'].reason()}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "avx2", __file__],
+                         env={**os.environ, **AS_AN_AVX2_CPU}, capture_output=True, text=True, timeout=1200)
+    tail = run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    summary = run.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary and "deselected" in summary, tail
 
 
 def scored(engine, params, prompt=PROMPT):
@@ -88,7 +120,7 @@ def test_every_sequence_of_a_batch_gets_what_it_gets_alone(compute, tmp_path, sa
     """Five requests through a batch of three (a prefill chunk beside decoding rows, drafts of several sequences
     verified in one pass): each gets the tokens it gets alone."""
     config = compute[0]
-    target, draft = byte_level_pair(tmp_path, config)
+    target, draft = byte_level_pair(tmp_path, config, **(WIDE if config.weights != "bf16" else {}))
     reqs = test_batch.requests(target, sampled)
     want = [test_batch.alone(target, draft, "combined", r) for r in reqs]
     got, rows, drafted = test_batch.batched(target, draft, "combined", reqs)

@@ -77,14 +77,14 @@ def test_vnni_kernels_every_row_count(rows):
     """Row tiles of 1-4 and 5-8 and their remainders, several output tiles, K in two blocks (the int8 kernel
     takes K 2048 bytes at a time from 5 rows on), with and without bias, a zero row."""
     torch.manual_seed(rows)
-    ops = torch.ops.quickdraft_vnni
+    ops = vnni.ops()
     n, k = 40, 2304
     x = torch.randn(rows, k, dtype=torch.bfloat16) * 3
     x[0] = 0
     if rows > 1:
         x[-1, 7] = 3000  # massive activations: a second level of codes for that row
     bias = torch.randn(n, dtype=torch.bfloat16)
-    u = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    u = torch.randint(1, 256, (n, k), dtype=torch.uint8)  # q + 128, q in -127..127
     scales = torch.rand(n) * 0.01
     for b in (None, bias):
         got = ops.int8_linear(x, vnni.tile(u, 64), scales, b)
@@ -103,7 +103,7 @@ def test_vnni_kernels_every_row_count(rows):
 
 @pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
 def test_vnni_kernels_refuse_bad_shapes():
-    ops = torch.ops.quickdraft_vnni
+    ops = vnni.ops()
     with pytest.raises(RuntimeError, match="multiple of 64"):
         ops.int8_linear(torch.zeros(1, 96, dtype=torch.bfloat16), torch.zeros(4, 96, dtype=torch.uint8),
                         torch.ones(4), None)
@@ -190,21 +190,76 @@ def test_decode_attention_matches_sdpa_row_by_row(start, rows, window, batch):
     cache_v = torch.randn(batch, 2, 256, 32, dtype=torch.bfloat16)
     keys, values = cache_k[:, :, :start + rows], cache_v[:, :, :start + rows]
     q = torch.randn(batch, 6, rows, 32, dtype=torch.bfloat16) * 3
-    got = torch.ops.quickdraft_vnni.decode_attention(q, keys, values, start, window)
+    got = vnni.ops().decode_attention(q, keys, values, start, window)
     for i in range(rows):
         seen = slice(max(0, start + i + 1 - window) if window else 0, start + i + 1)
         want = F.scaled_dot_product_attention(q[:, :, i:i + 1].float(), keys[:, :, seen].float(),
                                               values[:, :, seen].float(), enable_gqa=True)
         torch.testing.assert_close(got[:, :, i:i + 1].float(), want, rtol=1e-2, atol=1e-2)
-        alone = torch.ops.quickdraft_vnni.decode_attention(q[:, :, i:i + 1].contiguous(), keys[:, :, :start + i + 1],
+        alone = vnni.ops().decode_attention(q[:, :, i:i + 1].contiguous(), keys[:, :, :start + i + 1],
                                                            values[:, :, :start + i + 1], start + i, window)
         assert torch.equal(alone, got[:, :, i:i + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # the pairs split among threads otherwise
-        assert torch.equal(torch.ops.quickdraft_vnni.decode_attention(q, keys, values, start, window), got)
+        assert torch.equal(vnni.ops().decode_attention(q, keys, values, start, window), got)
     finally:
         torch.set_num_threads(threads)
+
+
+def every_op_once():
+    """(op name, arguments) covering each op of the kernels and their shapes' edge cases: 1-13 rows and a row of
+    massive activations (two levels of codes), K blocks and a group count that is not a multiple of 16, output widths
+    with a tail, attention over several tiles, windows, grouped heads and head sizes 16-256, the fused steps' widths."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    out = []
+    for rows in (1, 2, 5, 9, 13):
+        for n, k in ((40, 2304), (36, 1408), (1540, 896)):
+            x = r(rows, k, scale=3).bfloat16()
+            x[0, :5] = 0
+            if rows > 1:
+                x[-1, 7] = 3000
+            bias = r(n).bfloat16() if rows % 2 else None
+            u = torch.randint(1, 256, (n, k), dtype=torch.uint8, generator=g)
+            out.append(("int8_linear", (x, vnni.tile(u, 64), torch.rand(n, generator=g) * 0.01, bias)))
+            if k % 128 == 0:
+                codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+                s, lo = (torch.rand(n, k // 32, generator=g) * 0.01).half(), r(n, k // 32, scale=0.05).half()
+                out.append(("int4_linear", (x, vnni.tile(vnni.pack_int4(codes), 64), vnni.tile(s, 4), lo, bias)))
+    for start, rows, window, batch, d, h, hkv in [(0, 1, 0, 1, 32, 6, 2), (37, 5, 0, 1, 128, 12, 2),
+                                                  (3, 17, 4, 1, 64, 4, 1), (150, 5, 0, 2, 64, 8, 2),
+                                                  (150, 3, 70, 1, 256, 4, 1), (77, 1, 0, 1, 16, 2, 2)]:
+        keys, values = (r(batch, hkv, start + rows + 11, d).bfloat16() for _ in range(2))
+        q = r(batch, h, rows, d, scale=3).bfloat16()
+        out.append(("decode_attention", (q, keys[:, :, :start + rows], values[:, :, :start + rows], start, window)))
+    for width in (16, 48, 896):
+        out.append(("rms_norm", (r(3, width, scale=3).bfloat16(), r(width).bfloat16(), 1e-6)))
+        out.append(("silu_mul", (r(3, 2 * width, scale=6).bfloat16(),)))
+    for hq, hkv, d, rows in ((4, 2, 64, 3), (12, 2, 128, 5)):
+        out.append(("qkv_rotary", (r(2, rows, (hq + 2 * hkv) * d).bfloat16(), r(rows, d), r(rows, d), hq, hkv)))
+    state = r(2, 3, 16, 24)
+    out.append(("gated_delta_step", (state, r(2, 3, 16), r(2, 3, 16), r(2, 3, 24), torch.rand(2, 3, generator=g),
+                                     torch.rand(2, 3, generator=g), torch.empty_like(state))))
+    out.append(("int4_fit", (r(500, 32, scale=0.02), 3)))
+    return out
+
+
+@pytest.mark.skipif(any(b.reason() for b in vnni.BUILDS.values()), reason="this CPU runs one of the two builds only")
+def test_the_avx2_build_gives_the_avx512_builds_bits():
+    """The kernels built for AVX2 and for AVX-512 VNNI, op by op on the same inputs: the same bits (so a model's output
+    does not depend on the build), and the AVX2 build's fused layer step is its modules' too (below, per build)."""
+    builds = [getattr(torch.ops, b.prefix) for b in vnni.BUILDS.values()]
+    for name, args in every_op_once():
+        got = []
+        for ops in builds:
+            fresh = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # gated_delta_step writes
+            res = getattr(ops, name)(*fresh)
+            got.append((*(res if isinstance(res, tuple) else (res,)), fresh[-1]))
+        assert all(torch.equal(a, b) for a, b in zip(*got) if isinstance(a, torch.Tensor)), name
 
 
 @pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
@@ -215,7 +270,7 @@ def test_fused_steps_equal_the_pytorch_code_bit_for_bit():
     from quickdraft.models import rope, transformer as T
 
     torch.manual_seed(4)
-    ops = torch.ops.quickdraft_vnni
+    ops = vnni.ops()
     norm = T.RMSNorm(256, 1e-6).to(torch.bfloat16)
     norm.weight.data = torch.randn(256, dtype=torch.bfloat16)
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16) * 3

@@ -3,7 +3,7 @@ qwen3, phi3, gemma2, gemma3, gemma4, told apart by their ModelConfig's fields al
 
 No file I/O, no sampling: tokens and a KV cache in, logits out. Loading maps checkpoint names into these parameter
 names (quickdraft.weights.names). Which kernel runs each step is decided once, at load (runtime/plan.py calls
-`Transformer.plan`): quickdraft's fused CPU kernels (quant/csrc/vnni.cpp, each doing the arithmetic of the
+`Transformer.plan`): quickdraft's fused CPU kernels (quant/csrc/kernels.cpp, each doing the arithmetic of the
 PyTorch code beside it) where they apply, PyTorch's operators otherwise.
 
 What varies by family: the FFN's activation (SiLU or tanh GELU), norms around attention and the FFN too
@@ -23,7 +23,7 @@ from torch import nn
 
 from quickdraft.config import ModelConfig
 from quickdraft.models import rope as ropes
-from quickdraft.quant import avx2
+from quickdraft.quant import avx2, vnni
 from quickdraft.quant.gpu import ROW_TILE
 from quickdraft.runtime.kv_cache import KVCache, RecurrentState, Segments, TreeRows
 
@@ -80,7 +80,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return torch.ops.quickdraft_vnni.rms_norm(x.contiguous(), self.weight, self.eps)  # the same, fused
+            return vnni.ops().rms_norm(x.contiguous(), self.weight, self.eps)  # the same, fused
         # Normalise in float32, scale in the model dtype (as the reference implementations do).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -161,7 +161,7 @@ class Attention(nn.Module):
         nothing real attends to: their attention is not computed."""
         B, S, _ = x.shape
         if self.fused_qkv:
-            q, k, v = torch.ops.quickdraft_vnni.qkv_rotary(self.wqkv(x).contiguous(), cos, sin, self.n_heads,
+            q, k, v = vnni.ops().qkv_rotary(self.wqkv(x).contiguous(), cos, sin, self.n_heads,
                                                            self.n_kv_heads)
             return self._attend(q, k, v, cache, layer, mask, B, S, rows=rows)
         parts = self.wqkv(x).split(self.split, dim=-1)
@@ -209,7 +209,7 @@ class Attention(nn.Module):
         start = keys.shape[2] - S
         if mask is None and S <= ROWWISE_MAX and self.fused_attention:  # every row alone, in one call
             scaled = q if self.scale == self.head_dim ** -0.5 else q * (self.scale * self.head_dim ** 0.5)
-            out = torch.ops.quickdraft_vnni.decode_attention(scaled.contiguous(), keys, values, start,
+            out = vnni.ops().decode_attention(scaled.contiguous(), keys, values, start,
                                                              self.window or 0)
         elif self.softcap is not None:
             out = self._capped(q, keys, values, mask, start)
@@ -363,8 +363,8 @@ class GatedDeltaNet(nn.Module):
             beta, g = self._gates(b[:, t].contiguous(), a[:, t].contiguous())  # (B, Hv)
             decay = g.exp()
             index, slot = state.fresh()
-            if self.fused_step:  # the same recurrence in one C++ call (quant/csrc/vnni.cpp)
-                outs.append(torch.ops.quickdraft_vnni.gated_delta_step(
+            if self.fused_step:  # the same recurrence in one C++ call (quant/csrc/kernels.cpp)
+                outs.append(vnni.ops().gated_delta_step(
                     ssm, q[:, :, t].contiguous(), k[:, :, t].contiguous(), v[:, :, t].contiguous(), decay, beta,
                     slot))
             else:
@@ -427,7 +427,7 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         gate_up = self.w13(x)
         if self.fused:
-            return self.w2(torch.ops.quickdraft_vnni.silu_mul(gate_up.contiguous()))  # the same, fused
+            return self.w2(vnni.ops().silu_mul(gate_up.contiguous()))  # the same, fused
         # the same in one fixed order, whatever the threads' split (quant/avx2.py)
         if not gate_up.is_cuda and gate_up.dtype != torch.float16 and avx2.available():
             return self.w2(torch.ops.quickdraft_avx2.act_mul(gate_up.contiguous(), avx2.ACTIVATIONS[self.activation]))
@@ -485,7 +485,7 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
 
-# What block_step (quant/csrc/vnni.cpp) computes is a llama-shaped layer: the config fields it follows. A layer runs it
+# What block_step (csrc/kernels.cpp) computes is a llama-shaped layer: the config fields it follows. A layer runs it
 # only where its config sets nothing else (every other field at its default): a whitelist, so a family's new feature
 # runs the modules until the C++ step learns it. (rope: where its rotary covers whole heads, checked at plan;
 # layer_types: where this layer is a full-attention one; mtp_layers and dense_layers describe other layers.)
@@ -549,7 +549,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, layer, mask, ple=None, rows: int | None = None):
         if self.step is not None and mask is None and x.shape[1] <= ROWWISE_MAX and isinstance(cache, KVCache):
             a = self.attention
-            return torch.ops.quickdraft_vnni.block_step(x, self.step[0], self.step[1], self.attention_norm.eps, cos,
+            return vnni.ops().block_step(x, self.step[0], self.step[1], self.attention_norm.eps, cos,
                                                         sin, a.n_heads, a.n_kv_heads, cache.k[layer], cache.v[layer],
                                                         cache.length)
         h = self.attention(self.attention_norm(x), cos, sin, cache, layer, mask, rows)

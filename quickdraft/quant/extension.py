@@ -27,15 +27,19 @@ def cpu_flags() -> set[str]:
 
 
 class Extension:
-    """One source file's extension: its name's prefix, the compiler flags, the CPU flags it needs, and the environment
-    variable that turns it off."""
+    """One source file's extension: its name's prefix (also its operators' namespace), the compiler flags, the CPU
+    flags it needs, the environment variable that turns it off, and the headers it includes."""
 
-    def __init__(self, prefix: str, source: Path, flags: list[str], needs: tuple[str, ...], off: str):
+    def __init__(self, prefix: str, source: Path, flags: list[str], needs: tuple[str, ...], off: str,
+                 headers: tuple[Path, ...] = ()):
         self.prefix, self.source, self.flags, self.needs, self.off = prefix, source, flags, needs, off
+        self.headers = headers  # files the source includes: part of what names the build
 
     def name(self) -> str:
-        """Named by the source's and flags' hash: two versions (two checkouts) never rebuild over each other."""
-        digest = hashlib.sha1(self.source.read_bytes() + " ".join(self.flags).encode()).hexdigest()
+        """Named by the source's, headers' and flags' hash: two versions (two checkouts) never rebuild over each
+        other."""
+        text = b"".join(p.read_bytes() for p in (self.source, *self.headers)) + " ".join(self.flags).encode()
+        digest = hashlib.sha1(text).hexdigest()
         return f"{self.prefix}_{digest[:10]}"
 
     @functools.cache  # noqa: B019 - one per extension, for the process's life

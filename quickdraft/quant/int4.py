@@ -67,7 +67,7 @@ def fit(w: torch.Tensor, steps: int = REFINE) -> tuple[torch.Tensor, torch.Tenso
     codes, kept where they lower the error. The GGUF files' 4-bit blocks lie on grids that min-max over
     15 steps misses whenever a block's codes do not span 0..15."""
     if w.device.type == "cpu" and vnni.available():  # the same in C++, much faster
-        scale, lo = torch.ops.quickdraft_vnni.int4_fit(w.contiguous(), steps)
+        scale, lo = vnni.ops().int4_fit(w.contiguous(), steps)
         return scale.reshape(*w.shape[:-1], 1), lo.reshape(*w.shape[:-1], 1)
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     scale = ((hi - lo) / 15).clamp_min(1e-8)
@@ -161,7 +161,7 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.vnni:
-            out = torch.ops.quickdraft_vnni.int4_linear(x2.contiguous(), self.packed, self.scales, self.lows, self.bias)
+            out = vnni.ops().int4_linear(x2.contiguous(), self.packed, self.scales, self.lows, self.bias)
         elif self.on_cuda:  # a short pass as ROW_TILE rows (one tile): each row's result whatever the pass
             rows = x2.shape[0]
             padded = F.pad(x2, (0, 0, 0, gpu.ROW_TILE - rows)) if rows < gpu.ROW_TILE else x2
@@ -175,7 +175,7 @@ class Int4Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
-        """This layer's part of a fused layer step (csrc/vnni.cpp block_step): its tensors and kind; None off
+        """This layer's part of a fused layer step (csrc/kernels.cpp block_step): its tensors and kind; None off
         quickdraft's kernel."""
         if not self.vnni:
             return None

@@ -79,7 +79,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.vnni:
-            out = torch.ops.quickdraft_vnni.int8_linear(x2.contiguous(), self.q, self.scales, self.bias)
+            out = vnni.ops().int8_linear(x2.contiguous(), self.q, self.scales, self.bias)
         elif self.triton:
             out = gpu.int8_mm(x2.contiguous(), self.q, self.scales, self.bias, self.splits)
         else:
@@ -89,7 +89,7 @@ class Int8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
     def fused_operands(self) -> tuple[list[torch.Tensor], int] | None:
-        """This layer's part of a fused layer step (csrc/vnni.cpp block_step): its tensors and kind; None off
+        """This layer's part of a fused layer step (csrc/kernels.cpp block_step): its tensors and kind; None off
         quickdraft's kernel."""
         if not self.vnni:
             return None

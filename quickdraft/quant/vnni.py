@@ -1,19 +1,28 @@
-"""quickdraft's own CPU kernels (csrc/vnni.cpp: AVX-512 VNNI), built on first use, and their plain references.
+"""quickdraft's own CPU kernels (csrc/kernels.cpp over csrc/simd.h), built on first use for this CPU's instruction
+set, and their plain references.
 
 PyTorch's weight-only CPU ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) multiply in floating
 point, converting every weight for every row of activations: they stay well below the memory bandwidth for one
 row, and their cost grows about linearly with the rows. These kernels quantize the activations (int8, one scale
-per row) and multiply bytes by `vpdpbusd`, 64 products per instruction, so one row runs near memory speed and
-verifying k+1 rows reads the weights once (docs/performance.md, "quickdraft's CPU kernels", has the figures).
-The extension also holds the attention of decode and verification passes (`decode_attention`: each row
-alone, batch invariant, in one call instead of one SDPA call per row) and the int4 grid fit (`int4_fit`).
+per row) and multiply bytes (`vpdpbusd` with AVX-512 VNNI, 64 products an instruction; `vpmaddubsw` with AVX2, 32),
+so one row runs near memory speed and verifying k+1 rows reads the weights once (docs/performance.md, "quickdraft's CPU
+kernels", has the figures). The extension also holds the attention of decode and verification passes
+(`decode_attention`: each row alone, batch invariant, in one call instead of one SDPA call per row), the fused norm,
+rotary and SiLU steps, and the int4 grid fit (`int4_fit`).
 
-The extension is built on first use (quant/extension.py); where the CPU lacks VNNI or the build fails,
-`unavailable_reason()` says why and the layers use PyTorch's ops instead.
+One source, two builds: AVX-512 VNNI (`quickdraft_vnni`) where the CPU has it, else AVX2 + FMA + F16C
+(`quickdraft_avx2_int`: every x86-64 CPU since 2013). Both give the same bits for every op (integer sums are exact,
+and every float operation runs on 16-lane vectors in one order: csrc/simd.h), so a model's output does not depend on
+which of them runs. `QUICKDRAFT_ISA=avx2` runs the AVX2 build on a CPU that has both (the tests and benchmarks of that
+path); `QUICKDRAFT_NO_VNNI=1` turns both off. Where the CPU lacks the instructions or the build fails,
+`unavailable_reason()` says why and the layers use PyTorch's ops instead. The names here keep "vnni" for the
+kernels' tiled layout and family, whichever build runs them.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
 
 import torch
@@ -21,36 +30,79 @@ import torch
 from quickdraft.quant import extension
 from quickdraft.quant.extension import Extension
 
-SOURCE = Path(__file__).parent / "csrc" / "vnni.cpp"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off",
-         "-fopenmp"]
+SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+HEADERS = (Path(__file__).parent / "csrc" / "simd.h",)
+COMMON = ["-O3", "-mf16c", "-mfma", "-ffp-contract=off", "-fopenmp"]
+FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *COMMON]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c", "fma")
+AVX2_FLAGS = ["-mavx2", "-mbmi2", *COMMON]
+AVX2_CPU_FLAGS = ("avx2", "fma", "f16c")
 
-KERNELS = Extension("quickdraft_vnni", SOURCE, FLAGS, CPU_FLAGS, "QUICKDRAFT_NO_VNNI")
+OFF = "QUICKDRAFT_NO_VNNI"
+BUILDS = {  # the instruction set -> its build, best first
+    "avx512-vnni": Extension("quickdraft_vnni", SOURCE, FLAGS, CPU_FLAGS, OFF, HEADERS),
+    "avx2": Extension("quickdraft_avx2_int", SOURCE, AVX2_FLAGS, AVX2_CPU_FLAGS, OFF, HEADERS),
+}
+NAMES = {"avx512-vnni": "AVX-512 VNNI", "avx2": "AVX2"}
 cpu_flags = extension.cpu_flags
 
 
+@functools.cache  # read once: every layer's call asks
+def isa() -> str:
+    """The instruction set whose build runs here: QUICKDRAFT_ISA where set (avx2 or avx512-vnni), else the best this
+    CPU has (a CPU with neither: avx2, whose reason then says what it lacks)."""
+    forced = os.environ.get("QUICKDRAFT_ISA", "").strip().lower()
+    if forced:
+        if forced not in BUILDS:
+            raise ValueError(f"QUICKDRAFT_ISA={forced}: one of {', '.join(BUILDS)}")
+        return forced
+    have = cpu_flags()
+    return next((name for name, build in BUILDS.items() if all(f in have for f in build.needs)), "avx2")
+
+
+def kernels() -> Extension:
+    return BUILDS[isa()]
+
+
+def ops():
+    """The chosen build's operators (torch.ops.quickdraft_vnni or torch.ops.quickdraft_avx2_int), built and loaded."""
+    return _ops(isa())
+
+
+@functools.cache
+def _ops(name: str):
+    reason = BUILDS[name].reason()
+    if reason is not None:
+        raise RuntimeError(f"quickdraft's {NAMES[name]} kernels do not run here: {reason}")
+    return getattr(torch.ops, BUILDS[name].prefix)
+
+
+def isa_name() -> str:
+    """The chosen build as a user reads it: "AVX-512 VNNI" or "AVX2"."""
+    return NAMES[isa()]
+
+
 def extension_name() -> str:
-    return KERNELS.name()
+    return kernels().name()
 
 
 def build_lock_path() -> Path | None:
-    return KERNELS.lock_path()
+    return kernels().lock_path()
 
 
 def _build_lock():
-    return KERNELS.lock()
+    return kernels().lock()
 
 
 def available() -> bool:
-    return KERNELS.reason() is None
+    return kernels().reason() is None
 
 
 def unavailable_reason() -> str | None:
-    return KERNELS.reason()
+    return kernels().reason()
 
 
-OUTLIER_RATIO = 100.0  # as kOutlierRatio in csrc/vnni.cpp
+OUTLIER_RATIO = 100.0  # as kOutlierRatio in csrc/kernels.cpp
 
 
 def _quantize(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """Which kernel runs each step of a model, decided once when it is loaded (the model itself only follows the plan).
 
-On a CPU with AVX-512 VNNI, for bf16 activations: quickdraft's own kernels (quant/csrc/vnni.cpp) for the norms,
-rotary, attention of decode and verification passes, SiLU, and each decoder layer whose linear layers all run on
-its int8/int4 kernels as one C++ call (the fused layer step). Everywhere else: PyTorch's operators.
+On an x86 CPU with AVX2 (AVX-512 VNNI where it has it: the same bits), for bf16 activations: quickdraft's own kernels
+(quant/csrc/kernels.cpp) for the norms, rotary, attention of decode and verification passes, SiLU, and each decoder
+layer whose linear layers all run on its int8/int4 kernels as one C++ call (the fused layer step). Everywhere else:
+PyTorch's operators.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def cpu_path(model) -> tuple[str, bool]:
         return "CUDA", True
     dtype = str(model.model.dtype).removeprefix("torch.")
     if model.model.dtype == torch.bfloat16:
-        if vnni.available():
-            return "AVX-512 VNNI kernels, bfloat16 compute", True
-        return f"PyTorch's kernels ({model.weights} weights), bfloat16 compute", False  # the suite runs on VNNI CPUs
+        if vnni.available():  # both builds give the same bits, and the suite runs the exactness tests on each
+            return f"{vnni.isa_name()} kernels, bfloat16 compute", True
+        return f"PyTorch's kernels ({model.weights} weights), bfloat16 compute", False
     if model.model.dtype == torch.float32 and avx2.available():
         quantized = model.weights in ("int8", "int4", "mixed")
         return (f"AVX2 float32 kernels ({model.weights} weights on PyTorch's)" if quantized
@@ -91,5 +92,6 @@ def cpu_path_line(model) -> str:
     if exact:
         return f"{path}: output bit-exact with speculation, prefix reuse and batching"
     return (f"{path}: NOT proven bit-exact (PyTorch's kernels may order a row's sums by the rows and threads of a "
-            "pass: speculation may change logprobs, and tokens at near ties); the exact paths are bfloat16 on a CPU "
-            "with AVX-512 VNNI and float32 --weights bf16 on one with AVX2 and FMA (--dtype)")
+            "pass: speculation may change logprobs, and tokens at near ties); the exact paths are bfloat16 on "
+            "quickdraft's kernels (a CPU with AVX2 and FMA, or AVX-512 VNNI) and float32 --weights bf16 on AVX2 "
+            "(--dtype)")

@@ -102,7 +102,8 @@ def kernels(*models) -> Finding:
         slow = [m.name.split("/")[-1] for m, f, n in steps if m.weights in quant.QUANTIZED and f < n]
         tail = (f" (the other layers of {', '.join(slow)} run module by module, on the same kernels: their shapes or "
                 "parts are not the fused step's)") if slow else ""
-        return Finding("kernels", "ok", f"quickdraft's AVX-512 VNNI kernels ({formats}); {fused}{tail}", figures)
+        return Finding("kernels", "ok", f"quickdraft's {vnni.isa_name()} kernels ({formats}); {fused}{tail}",
+                       {**figures, "isa": vnni.isa()})
     reason = vnni.unavailable_reason()
     fix = ("install a C++ compiler (g++) and ninja, then run again" if "build" in reason
            else "PyTorch's slower ops are used; nothing to install")

@@ -32,29 +32,43 @@ def tree() -> Path:
     return root
 
 
-def server_binary(log=None) -> Path:
+def server_binary(log=None, isa: str = "native") -> Path:
     """llama.cpp's own llama-server, built once from the vendored source into the cache (about 10 minutes on 2
-    cores: for slow tests and benchmark scripts only)."""
-    return binary("llama-server", log)
+    cores: for slow tests and benchmark scripts only); isa: one of ISAS."""
+    return binary("llama-server", log, isa)
 
 
-def built(target: str) -> bool:
-    """Whether a program is built already (binary would not build it)."""
+# How llama.cpp is built: for this CPU (its AVX-512 kernels where it has them), or for AVX2 + FMA only (what a CPU
+# without AVX-512 runs: the peer of quickdraft's AVX2 kernels, measured on the same machine)
+ISAS = {
+    "native": ("noamx", ["-DGGML_NATIVE=ON"]),
+    "avx2": ("avx2", ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                      "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+                      "-DGGML_AVX_VNNI=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"]),
+}
+
+
+def _root(isa: str) -> Path:
     from quickdraft.weights import hub
 
-    root = hub.cache_dir() / "ext" / f"llama-server-{VERSION}-noamx"
+    if isa not in ISAS:
+        raise ValueError(f"isa {isa!r}: one of {', '.join(ISAS)}")
+    return hub.cache_dir() / "ext" / f"llama-server-{VERSION}-{ISAS[isa][0]}"
+
+
+def built(target: str, isa: str = "native") -> bool:
+    """Whether a program is built already (binary would not build it)."""
+    root = _root(isa)
     marked = (root / f".{target}.complete").exists() or (target == "llama-server" and (root / ".complete").exists())
     return marked and (root / "build" / "bin" / target).exists()
 
 
-def binary(target: str, log=None) -> Path:
+def binary(target: str, log=None, isa: str = "native") -> Path:
     """One of llama.cpp's programs (llama-server, llama-perplexity, ...), built once from the vendored source into
-    the cache, all in one build (the libraries they share are built once)."""
-    from quickdraft.weights import hub
-
-    root = hub.cache_dir() / "ext" / f"llama-server-{VERSION}-noamx"
+    the cache, all in one build (the libraries they share are built once); isa: one of ISAS."""
+    root = _root(isa)
     path, done = root / "build" / "bin" / target, root / f".{target}.complete"
-    if built(target):
+    if built(target, isa):
         return path
     if not (root / "src" / "CMakeLists.txt").exists():
         _extract(root / "src", ("",))
@@ -62,7 +76,7 @@ def binary(target: str, log=None) -> Path:
     # without AMX: -march=native turns on llama.cpp's AMX matmul where the CPU has it, and on the Intel Xeon VMs of
     # this workplace it segfaults at the first pass (their tile state is not usable); its AVX-512 kernels remain
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    for command in (["cmake", "-S", str(root / "src"), "-B", str(root / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    for command in (["cmake", "-S", str(root / "src"), "-B", str(root / "build"), *ISAS[isa][1], "-DLLAMA_CURL=OFF",
                      "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DCMAKE_BUILD_TYPE=Release",
                      f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"],
                     ["cmake", "--build", str(root / "build"), "-j", str(os.cpu_count() or 2), "--target", target]):

@@ -152,15 +152,20 @@ def resolve_device(device: str) -> torch.device:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, weights: str = "auto") -> torch.dtype:
+    """The compute dtype `dtype` stands for with `weights` (a format, or auto) on device."""
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     if dtype != "auto":
         raise QuickdraftError(f"{{dtype}} {dtype!r}: choose auto, {', '.join(_DTYPES)}", "dtype")
-    if device.type == "cuda":
-        return torch.bfloat16
-    # bf16 halves the bytes every token reads; use it where the CPU computes it natively.
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    if device.type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16  # half the bytes every token reads, computed natively
+    from quickdraft.quant import vnni
+
+    # without native bf16: quantized weights run on quickdraft's own kernels (AVX2 or AVX-512 VNNI), which take bf16
+    # activations and do the norms, rotary and attention too; float weights on PyTorch's bf16 ops would be emulated
+    # (slow), and run in float32 on quickdraft's AVX2 float kernels instead
+    return torch.bfloat16 if weights != "bf16" and device.type == "cpu" and vnni.available() else torch.float32
 
 
 def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: bool | None = None) -> LoadedModel:
@@ -169,7 +174,7 @@ def load_model(source: str, engine: EngineConfig = EngineConfig(), progress: boo
     start = time.perf_counter()
     path = resolve(source)
     device = resolve_device(engine.device)
-    dtype = resolve_dtype(engine.dtype, device)
+    dtype = resolve_dtype(engine.dtype, device, engine.weights)
     weights = quant.resolve(engine.weights, device, dtype)
     kept = None  # where the conversion is kept on disk (quantized formats on the CPU: weights/converted.py)
     _check_format(weights, device, dtype)

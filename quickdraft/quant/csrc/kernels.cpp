@@ -1,29 +1,30 @@
-// quickdraft's CPU kernels for x86 CPUs with AVX-512 VNNI: weight-only int8 and int4 linear layers, the
-// attention of decode and verification passes, fused RMSNorm / SiLU-and-multiply / rotary steps, and the
-// int4 grid fit. Each has a plain reference in Python (quickdraft/quant/vnni.py, models/transformer.py).
+// quickdraft's CPU kernels for x86 CPUs, built twice from this one source (quant/vnni.py): for AVX-512 VNNI, and for
+// AVX2 + FMA + F16C (every x86-64 CPU since 2013). Weight-only int8 and int4 linear layers, the attention of decode and
+// verification passes, fused RMSNorm / SiLU-and-multiply / rotary steps, and the int4 grid fit. Each has a plain
+// reference in Python (quickdraft/quant/vnni.py, models/transformer.py).
 //
-// Each call quantizes the activations per row (symmetric int8, one scale per row) and multiplies them
-// with the integer weights by vpdpbusd (64 unsigned x signed byte products per instruction), reading
-// every weight once for all the rows: verifying k+1 tokens costs little more than decoding one.
+// Each call quantizes the activations per row (symmetric int8, one scale per row) and multiplies them with the integer
+// weights as bytes (vpdpbusd, 64 unsigned x signed byte products an instruction; on AVX2 vpmaddubsw + vpmaddwd, 32),
+// reading every weight once for all the rows: verifying k+1 tokens costs little more than decoding one.
 //
-// int8: weights u = q + 128 in 0..255 (q in -127..127, one scale per output row).
-//       y[m][n] = d[m] * s[n] * (sum_k u[n][k] x[m][k] - 128 * sum_k x[m][k])
+// int8: weights u = q + 128 in 1..255 (q in -127..127, one scale per output row; the AVX2 build needs |q| <= 127).
+//       y[m][n] = d[m] * s[n] * sum_k q[n][k] x[m][k]   (VNNI: sum_k u[n][k] x[m][k] - 128 * sum_k x[m][k])
 // int4: weights q in 0..15 in groups of 32 along K, w = q * scale + lo (fp16 scale and lo per group),
 //       packed in chunks of 128 (4 groups): byte 16g + i holds elements 32g + i (low nibble) and 32g + 16 + i
-//       (high nibble), so both vpdpbusd of a chunk (low nibbles, high nibbles) add into the same group's
+//       (high nibble), so both products of a chunk (low nibbles, high nibbles) add into the same group's
 //       lanes and a chunk needs one conversion to float and one multiply-add per activation row.
 //       y[m][n] = d[m] * sum_g (scale[n][g] * sum_{k in g} q[n][k] x[m][k] + lo[n][g] * sum_{k in g} x[m][k])
 // where x are the int8 activations and d their row scales (a row of massive activations gets a second level
 // of codes for its remainder, and its output sums both). Weights are tiled: each 4 output rows are
 // interleaved in 64-byte pieces (and the int4 scales in pieces of 4), so a tile is one sequential stream
-// for the hardware prefetcher. The plain reference is in Python
-// (quickdraft/quant/vnni.py); each output is computed the same way whatever the number of rows, so
-// batched verification gives bit-identical rows to one-at-a-time decoding.
+// for the hardware prefetcher. Each output is computed the same way whatever the number of rows, so
+// batched verification gives bit-identical rows to one-at-a-time decoding; and the same way on both instruction sets:
+// integer sums are exact whatever their order, and every float operation runs on 16-lane vectors (simd.h) in one
+// order, so both builds give the same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -32,9 +33,13 @@
 #include <tuple>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-constexpr int kMaxRows = 8;  // rows of activations per pass over a tile (accumulators stay in registers)
+using namespace qd;
+
+constexpr int kMaxRows = 8;  // rows of activations per pass over a tile (VNNI: accumulators stay in registers)
 constexpr int kTileN = 4;    // output rows per tile
 
 inline float bf16_to_float(uint16_t v) {
@@ -42,10 +47,6 @@ inline float bf16_to_float(uint16_t v) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
-}
-
-inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 inline uint16_t float_to_bf16(float f) {  // round to nearest even, as PyTorch does
@@ -64,20 +65,19 @@ constexpr float kOutlierRatio = 100.0f;
 // One row of K floats -> int8 codes q (round to nearest even of x / d, d = max |x| / 127), d, and the codes'
 // sums per group.
 void quantize_row(const float* x, int64_t K, int64_t group, int8_t* q, float* d, int32_t* sums) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-  const float dm = _mm512_reduce_max_ps(amax) / 127.0f;
+  F amax = fzero();
+  for (int64_t k = 0; k < K; k += 16) amax = fmax(amax, fabs(fload(x + k)));
+  const float dm = reduce_max(amax) / 127.0f;
   *d = dm;
-  const __m512 div = _mm512_set1_ps(dm == 0.0f ? 1.0f : dm);
+  const F div = fset(dm == 0.0f ? 1.0f : dm);
   for (int64_t g = 0; g < K / group; ++g) {
-    __m512i acc = _mm512_setzero_si512();
+    I acc = izero();
     for (int64_t k = g * group; k < (g + 1) * group; k += 16) {
-      __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + k), div));  // nearest even
-      v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-      acc = _mm512_add_epi32(acc, v);
-      _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(v));
+      const I v = imax(imin(to_int(fload(x + k) / div), iset(127)), iset(-127));  // nearest even
+      acc = acc + v;
+      istore_i8(q + k, v);
     }
-    sums[g] = _mm512_reduce_add_epi32(acc);
+    sums[g] = reduce_add(acc);
   }
 }
 
@@ -90,34 +90,25 @@ int64_t quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t group, in
   std::vector<float> row(K);
   int64_t levels = 0;
   for (int64_t m = 0; m < M; ++m) {
-    __m512 total = _mm512_setzero_ps();
+    F total = fzero();
     for (int64_t k = 0; k < K; k += 16) {
-      __m512 v = load_bf16x16(x + m * K + k);
-      _mm512_storeu_ps(row.data() + k, v);
-      total = _mm512_add_ps(total, _mm512_abs_ps(v));
+      const F v = fload_bf16(x + m * K + k);
+      fstore(row.data() + k, v);
+      total = total + fabs(v);
     }
     const int64_t first = levels++;
     quantize_row(row.data(), K, group, q + first * K, d + first, sums + first * (K / group));
     owner[first] = m;
-    if (d[first] * 127.0f > kOutlierRatio * (_mm512_reduce_add_ps(total) / static_cast<float>(K))) {
-      const __m512 d1 = _mm512_set1_ps(d[first]);
-      for (int64_t k = 0; k < K; k += 16) {  // the remainder x - d1 q1
-        __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + first * K + k))));
-        _mm512_storeu_ps(row.data() + k, _mm512_sub_ps(_mm512_loadu_ps(row.data() + k), _mm512_mul_ps(d1, q1)));
-      }
+    if (d[first] * 127.0f > kOutlierRatio * (reduce_add(total) / static_cast<float>(K))) {
+      const F d1 = fset(d[first]);
+      for (int64_t k = 0; k < K; k += 16)  // the remainder x - d1 q1
+        fstore(row.data() + k, fload(row.data() + k) - d1 * to_float(iload_i8(q + first * K + k)));
       const int64_t second = levels++;
       quantize_row(row.data(), K, group, q + second * K, d + second, sums + second * (K / group));
       owner[second] = m;
     }
   }
   return levels;
-}
-
-inline __m256i float_to_bf16x16(__m512 v) {  // round to nearest even (no NaN handling: finite inputs)
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
 }
 
 // out[m] = bf16(sum of m's levels (+ bias)): the levels' float results res (levels, N) combined, 16 at a time
@@ -129,12 +120,10 @@ void combine_levels(const float* res, const int64_t* owner, int64_t levels, int6
     uint16_t* o = out + owner[v] * N;
     int64_t n = 0;
     for (; n + 16 <= N; n += 16) {
-      __m512 y = _mm512_loadu_ps(res + v * N + n);
-      if (two) y = _mm512_add_ps(y, _mm512_loadu_ps(res + (v + 1) * N + n));
-      if (bias) y = _mm512_add_ps(y, load_bf16x16(bias + n));
-      __m256i h = float_to_bf16x16(y);
-      const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
-      _mm256_storeu_si256((__m256i*)(o + n), _mm256_mask_mov_epi16(h, nan, _mm256_set1_epi16(0x7fc0)));
+      F y = fload(res + v * N + n);
+      if (two) y = y + fload(res + (v + 1) * N + n);
+      if (bias) y = y + fload_bf16(bias + n);
+      fstore_bf16_nan(o + n, y);
     }
     for (; n < N; ++n) {
       float y = res[v * N + n];
@@ -145,6 +134,17 @@ void combine_levels(const float* res, const int64_t* owner, int64_t levels, int6
     v += two;
   }
 }
+
+// An int4 output: d[m] * (the float accumulators of its chunks + the lows' term, 16 groups at a time, the last ones
+// masked), the same on both instruction sets.
+inline float int4_output(F acc, const uint16_t* lows_n, const int32_t* sums_m, int64_t G, float d) {
+  F z = fzero();
+  for (int64_t g = 0; g < G; g += 16)
+    z = fmadd(fload_half_first(lows_n + g, G - g), to_float(iload_first(sums_m + g, G - g)), z);
+  return d * reduce_add(acc + z);
+}
+
+#if QD_AVX512
 
 // The sums of the 16 lanes of a, b, c and d, as 4 lanes: one transposing tree instead of four reductions.
 inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
@@ -248,25 +248,181 @@ void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, c
       }
     }
   }
-  for (int i = 0; i < nt; ++i) {
-    int64_t n = n0 + i;
-    const uint16_t* lo_n = lows + n * G;
-    for (int j = 0; j < MT; ++j) {
-      int64_t m = m0 + j;
-      const int32_t* sm = sums + m * G;
-      __m512 z = _mm512_setzero_ps();  // the lows' term, 16 groups at a time, the last ones masked
-      for (int64_t g = 0; g < G; g += 16) {
-        const __mmask16 mask = G - g >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (G - g)) - 1);
-        z = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, lo_n + g)),
-                            _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, sm + g)), z);
-      }
-      res[m * N + n] = d[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[i][j], z));
-    }
-  }
+  for (int i = 0; i < nt; ++i)
+    for (int j = 0; j < MT; ++j)
+      res[(m0 + j) * N + n0 + i] = int4_output(F{acc[i][j]}, lows + (n0 + i) * G, sums + (m0 + j) * G, G, d[m0 + j]);
 }
 
-template <typename F>
-void run_tiles(int64_t M, int64_t N, int64_t K, F tile) {
+#else  // AVX2: 16 registers of 8 lanes. A tile's rows and activation rows are taken in passes small enough for their
+       // accumulators to stay in registers (NT x MT <= 4), over blocks of K whose weights stay in L1 between passes;
+       // within a pass the tile is read as on AVX-512, one sequential stream.
+
+constexpr int64_t kBlockK = 2048;  // elements of K per block
+constexpr int64_t kAhead = 2;  // tiles ahead prefetched
+
+// Signed bytes times signed bytes without VNNI: vpmaddubsw takes unsigned times signed, so |x| times q with x's sign;
+// a pair of products is at most 2 x 127 x 127, which int16 holds (unsigned codes u = q + 128 would overflow it).
+inline __m256i dot_q8(__m256i acc, __m256i qw, __m256i x, __m256i xabs) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xabs, _mm256_sign_epi8(qw, x)),
+                                                 _mm256_set1_epi16(1)));
+}
+
+inline int32_t hsum8(__m256i a) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+// Tile rows r0 .. r0 + NT - 1 times activation rows m0 .. m0 + MT - 1 over K from k0 to k1, each output's integer sum
+// added to dots[i][j] (exact: any split of K gives the same total). q: codes, qabs: their absolute values.
+template <int NT, int MT>
+void int8_pass(const uint8_t* wt, const int8_t* q, const int8_t* qabs, int64_t K, int r0, int64_t m0, int64_t k0,
+               int64_t k1, bool prefetch, int32_t dots[kTileN][kMaxRows], int j0) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // u = q + 128 -> q
+  __m256i acc[NT][MT];
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = _mm256_setzero_si256();
+  for (int64_t k = k0; k < k1; k += 64) {
+    __m256i a0[MT], a1[MT];
+    for (int j = 0; j < MT; ++j) {
+      a0[j] = _mm256_loadu_si256((const __m256i*)(qabs + (m0 + j) * K + k));
+      a1[j] = _mm256_loadu_si256((const __m256i*)(qabs + (m0 + j) * K + k + 32));
+    }
+    if (prefetch)  // the next tile's same piece, into L2
+      for (int i = 0; i < kTileN; ++i)
+        _mm_prefetch((const char*)(wt + kAhead * kTileN * K + k * kTileN + i * 64), _MM_HINT_T1);
+    for (int i = 0; i < NT; ++i) {
+      const uint8_t* p = wt + k * kTileN + (r0 + i) * 64;
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)p), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32)), flip);
+      for (int j = 0; j < MT; ++j) {
+        const int8_t* x = q + (m0 + j) * K + k;
+        acc[i][j] = dot_q8(acc[i][j], w0, _mm256_loadu_si256((const __m256i*)x), a0[j]);
+        acc[i][j] = dot_q8(acc[i][j], w1, _mm256_loadu_si256((const __m256i*)(x + 32)), a1[j]);
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) dots[r0 + i][j0 + j] += hsum8(acc[i][j]);
+}
+
+// A tile (4 output rows from n0) times activation rows m0 .. m0 + mt - 1 (mt <= 8): one row in one pass of 4 tile
+// rows, pairs in two passes of 2.
+void int8_tile(const uint8_t* w, const float* scales, const int8_t* q, const int8_t* qabs, const float* d, float* res,
+               int64_t n0, int64_t m0, int mt, int64_t K, int64_t N, bool prefetch) {
+  const uint8_t* wt = w + n0 * K;
+  int32_t dots[kTileN][kMaxRows] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+    const int64_t k1 = std::min(K, k0 + kBlockK);
+    for (int j = 0; j < mt; j += 2) {
+      const bool first = prefetch && j == 0;
+      if (j + 1 == mt) {
+        int8_pass<4, 1>(wt, q, qabs, K, 0, m0 + j, k0, k1, first, dots, j);
+      } else {
+        int8_pass<2, 2>(wt, q, qabs, K, 0, m0 + j, k0, k1, first, dots, j);
+        int8_pass<2, 2>(wt, q, qabs, K, 2, m0 + j, k0, k1, false, dots, j);
+      }
+    }
+  }
+  for (int i = 0; i < kTileN; ++i)
+    for (int j = 0; j < mt; ++j) {
+      const int64_t n = n0 + i, m = m0 + j;
+      res[m * N + n] = d[m] * scales[n] * static_cast<float>(dots[i][j]);
+    }
+}
+
+// Each level's codes, per chunk of 128, in the order the nibbles face them: the low nibbles' x[32g .. 32g + 15] for
+// g = 0..3, then the high nibbles' x[32g + 16 .. 32g + 31] (VNNI's kernel shuffles them so in registers).
+void face_nibbles(const int8_t* q, int64_t levels, int64_t K, int8_t* out) {
+  for (int64_t v = 0; v < levels; ++v)
+    for (int64_t k = 0; k < K; k += 128)
+      for (int g = 0; g < 4; ++g) {
+        std::memcpy(out + v * K + k + 16 * g, q + v * K + k + 32 * g, 16);
+        std::memcpy(out + v * K + k + 64 + 16 * g, q + v * K + k + 32 * g + 16, 16);
+      }
+}
+
+// Tile rows r0 .. r0 + NT - 1 times activation rows m0 .. m0 + MT - 1 over K from k0 to k1, the float accumulators
+// carried in state[i][j] from block to block (each lane's chunks in order, as on AVX-512). Each 32-bit lane sums the
+// same 8 products as vpdpbusd's lane (pairs by vpmaddubsw, at most 2 x 15 x 127, then the low and high nibbles', then
+// pairs by vpmaddwd), and goes through the same float multiply-add. xq: the codes as face_nibbles orders them.
+template <int NT, int MT>
+void int4_pass(const uint8_t* wt, const uint16_t* st, const int8_t* xq, int64_t K, int r0, int64_t m0, int64_t k0,
+               int64_t k1, bool prefetch, F state[kTileN][kMaxRows], int j0) {
+  const int64_t G = K / 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i spread_lo = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // lanes 4g..4g+3: group g
+  const __m256i spread_hi = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+  F acc[NT][MT];
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) acc[i][j] = state[r0 + i][j0 + j];
+  for (int64_t k = k0; k < k1; k += 128) {
+    if (prefetch) {  // the next tile's same piece and scales, into L2
+      for (int i = 0; i < kTileN; ++i)
+        _mm_prefetch((const char*)(wt + kAhead * kTileN * (K / 2) + (k / 2) * kTileN + i * 64), _MM_HINT_T1);
+      _mm_prefetch((const char*)(st + kAhead * kTileN * G + (k / 32) * kTileN), _MM_HINT_T1);
+    }
+    for (int i = 0; i < NT; ++i) {
+      const uint8_t* p = wt + (k / 2) * kTileN + (r0 + i) * 64;
+      const __m256i p0 = _mm256_loadu_si256((const __m256i*)p), p1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+      const __m256i lo0 = _mm256_and_si256(p0, nibble), hi0 = _mm256_and_si256(_mm256_srli_epi16(p0, 4), nibble);
+      const __m256i lo1 = _mm256_and_si256(p1, nibble), hi1 = _mm256_and_si256(_mm256_srli_epi16(p1, 4), nibble);
+      const __m256 s4 = _mm256_castps128_ps256(
+          _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(st + (k / 32) * kTileN + (r0 + i) * 4))));
+      const __m256 s_lo = _mm256_permutevar8x32_ps(s4, spread_lo), s_hi = _mm256_permutevar8x32_ps(s4, spread_hi);
+      for (int j = 0; j < MT; ++j) {
+        const int8_t* x = xq + (m0 + j) * K + k;
+        const __m256i d0 = _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo0, _mm256_loadu_si256((const __m256i*)x)),
+            _mm256_maddubs_epi16(hi0, _mm256_loadu_si256((const __m256i*)(x + 64)))), ones);
+        const __m256i d1 = _mm256_madd_epi16(_mm256_add_epi16(
+            _mm256_maddubs_epi16(lo1, _mm256_loadu_si256((const __m256i*)(x + 32))),
+            _mm256_maddubs_epi16(hi1, _mm256_loadu_si256((const __m256i*)(x + 96)))), ones);
+        acc[i][j].lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), s_lo, acc[i][j].lo);
+        acc[i][j].hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), s_hi, acc[i][j].hi);
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int j = 0; j < MT; ++j) state[r0 + i][j0 + j] = acc[i][j];
+}
+
+// A tile (4 output rows from n0) times activation rows m0 .. m0 + mt - 1 (mt <= 8), scheduled as int8_tile is.
+void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, const int8_t* xq, const float* d,
+               const int32_t* sums, float* res, int64_t n0, int64_t m0, int mt, int64_t K, int64_t N, bool prefetch) {
+  const int64_t G = K / 32;
+  const uint8_t* wt = w + n0 * (K / 2);
+  const uint16_t* st = scales + n0 * G;
+  F state[kTileN][kMaxRows];
+  for (int i = 0; i < kTileN; ++i)
+    for (int j = 0; j < mt; ++j) state[i][j] = fzero();
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+    const int64_t k1 = std::min(K, k0 + kBlockK);
+    for (int j = 0; j < mt; j += 4) {
+      const bool first = prefetch && j == 0;
+      switch (std::min(4, mt - j)) {
+        case 1: int4_pass<4, 1>(wt, st, xq, K, 0, m0 + j, k0, k1, first, state, j); break;
+        case 2:
+          int4_pass<2, 2>(wt, st, xq, K, 0, m0 + j, k0, k1, first, state, j);
+          int4_pass<2, 2>(wt, st, xq, K, 2, m0 + j, k0, k1, false, state, j);
+          break;
+        case 3:
+          for (int i = 0; i < kTileN; ++i) int4_pass<1, 3>(wt, st, xq, K, i, m0 + j, k0, k1, first && i == 0, state, j);
+          break;
+        default:
+          for (int i = 0; i < kTileN; ++i) int4_pass<1, 4>(wt, st, xq, K, i, m0 + j, k0, k1, first && i == 0, state, j);
+      }
+    }
+  }
+  for (int i = 0; i < kTileN; ++i)
+    for (int j = 0; j < mt; ++j)
+      res[(m0 + j) * N + n0 + i] = int4_output(state[i][j], lows + (n0 + i) * G, sums + (m0 + j) * G, G, d[m0 + j]);
+}
+
+#endif
+
+template <typename Tile>
+void run_tiles(int64_t M, int64_t N, int64_t K, Tile tile) {
   const int64_t tiles = (N + kTileN - 1) / kTileN;
   // about 64 KiB of weights per task at least, so two threads split a layer in large pieces
   const int64_t grain = std::max<int64_t>(1, 65536 / (K * kTileN));
@@ -304,8 +460,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const float* sp = scales.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
-  const int32_t* smp = sums.data_ptr<int32_t>();
   float* op = res.data_ptr<float>();
+#if QD_AVX512
+  const int32_t* smp = sums.data_ptr<int32_t>();
   run_tiles(L, N, K, [&](int64_t n0, int64_t nt, int64_t m0, int mt, bool last) {
     switch (mt) {
       case 1: int8_rows<1>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last); break;
@@ -318,6 +475,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       default: int8_rows<8>(wp, sp, qp, dp, smp, op, n0, m0, K, N, last);
     }
   });
+#else
+  auto qabs = at::abs(q.narrow(0, 0, L));  // |codes| <= 127: vpmaddubsw's unsigned operand
+  const int8_t* ap = qabs.data_ptr<int8_t>();
+  run_tiles(L, N, K, [&](int64_t n0, int64_t, int64_t m0, int mt, bool last) {
+    int8_tile(wp, sp, qp, ap, dp, op, n0, m0, mt, K, N, last);
+  });
+#endif
   combine_levels(op, owner.data(), L, N, bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
                  reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
@@ -344,10 +508,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
   const uint16_t* lp = reinterpret_cast<const uint16_t*>(lows.data_ptr());
-  const int8_t* qp = q.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   const int32_t* smp = sums.data_ptr<int32_t>();
   float* op = res.data_ptr<float>();
+#if QD_AVX512
+  const int8_t* qp = q.data_ptr<int8_t>();
   run_tiles(L, N, K, [&](int64_t n0, int64_t nt, int64_t m0_, int mt_, bool last_) {
     for (int64_t m0 = m0_; m0 < m0_ + mt_; m0 += 4) {  // 4 rows at a time: float accumulators fill the registers
       const int mt = static_cast<int>(std::min<int64_t>(4, m0_ + mt_ - m0));
@@ -360,6 +525,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       }
     }
   });
+#else
+  auto faced = at::empty({L, K}, q.options());
+  face_nibbles(q.data_ptr<int8_t>(), L, K, faced.data_ptr<int8_t>());
+  const int8_t* qp = faced.data_ptr<int8_t>();
+  run_tiles(L, N, K, [&](int64_t n0, int64_t, int64_t m0, int mt, bool last) {
+    int4_tile(wp, sp, lp, qp, dp, smp, op, n0, m0, mt, K, N, last);
+  });
+#endif
   combine_levels(op, owner.data(), L, N, bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
                  reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
@@ -413,23 +586,6 @@ std::tuple<at::Tensor, at::Tensor> int4_fit(const at::Tensor& w, int64_t steps) 
   return {scale, lo};
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) as 2^n * p(f), p a degree-6 polynomial
-// of the fraction (relative error ~2e-7); below -87 it gives 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));  // in [-ln2/2, ln2/2]
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Attention of S new query rows over a KV cache, row i seeing positions 0 .. start + i (the last `window` of them
 // when window > 0: a sliding-window layer): every (row, head) computed alone, the same way whatever S is, so a
 // verification pass gives each row exactly what a one-token decoding step gives it. q (B, H, S, D) contiguous,
@@ -439,25 +595,13 @@ inline __m512 exp_nonpositive(__m512 x) {
 // The (head, row) pairs that share a key-value head are taken together, a tile of TILE positions at a time: the
 // tile is read from memory once (converted to float once) for all of them, not once per head and row, which is what
 // bounds a long context's step. Each pair's arithmetic is still its own and in the same order (its scores position
-// by position, its sum over positions in order), so the bits do not depend on which pairs share a tile.
-// Sixteen dot products' last step: lane l of the result is the sum of a[l]'s lanes, always in the same order (pairs
-// of lanes, then pairs of those, ...), whichever other vectors share the call.
-inline __m512 sum16(const __m512* a) {
-  __m512 s[8], u[4], w[2];
-  for (int m = 0; m < 8; ++m)
-    s[m] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * m], a[2 * m + 1]), _mm512_unpackhi_ps(a[2 * m], a[2 * m + 1]));
-  for (int m = 0; m < 4; ++m) {
-    const __m512d x = _mm512_castps_pd(s[2 * m]), y = _mm512_castps_pd(s[2 * m + 1]);
-    u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int m = 0; m < 2; ++m)
-    w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0x88),
-                         _mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
+// by position, each a 16-lane dot product summed by sum_lanes, its sum over positions in order), so the bits do not
+// depend on which pairs share a tile, nor on how many positions' scores are summed together (16 on AVX-512, 4 on
+// AVX2, whose 16 registers hold 4 positions' accumulators).
 constexpr int64_t TILE = 64;
 constexpr int64_t PAIRS_MAX = 32;
+constexpr int kPositions = QD_AVX512 ? 16 : 4;  // scores computed together
+constexpr int kChunks = QD_AVX512 ? 16 : 4;     // 16-lane chunks of a value row accumulated in registers together
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start,
                             int64_t window) {
@@ -500,8 +644,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
         lo = std::min(lo, firsts[j]), hi = std::max(hi, lasts[j]);
         scores[j].resize(lasts[j] - firsts[j] + 16);
         const uint16_t* qrow = qp + ((b * H + h) * S + i) * D;
-        for (int64_t c = 0; c < chunks; ++c)
-          _mm512_storeu_ps(&qs[j * D + 16 * c], _mm512_mul_ps(load_bf16x16(qrow + 16 * c), _mm512_set1_ps(scale)));
+        for (int64_t c = 0; c < chunks; ++c) fstore(&qs[j * D + 16 * c], fload_bf16(qrow + 16 * c) * fset(scale));
         maxes[j] = -INFINITY;
       }
       const uint16_t* kbase = kp + b * kb + g * kh;
@@ -510,24 +653,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
         const int64_t t1 = std::min(hi, t0 + TILE), blocks = (t1 - t0 + 15) / 16;
         for (int64_t t = t0; t < t0 + 16 * blocks; ++t)
           for (int64_t c = 0; c < chunks; ++c)
-            _mm512_storeu_ps(&tile[(t - t0) * D + 16 * c],
-                             t < t1 ? load_bf16x16(kbase + t * kt + 16 * c) : _mm512_setzero_ps());
+            fstore(&tile[(t - t0) * D + 16 * c], t < t1 ? fload_bf16(kbase + t * kt + 16 * c) : fzero());
         for (int64_t j = 0; j < n; ++j) {
           const int64_t from = std::max(t0, firsts[j]), to = std::min(t1, lasts[j]);
           const float* qj = &qs[j * D];
           float* sj = scores[j].data() - firsts[j];
           float mx = maxes[j];
-          for (int64_t t = t0 + (from - t0) / 16 * 16; t < to; t += 16) {  // 16 positions' scores at once
-            __m512 a[16];
-            for (int l = 0; l < 16; ++l) a[l] = _mm512_setzero_ps();
+          for (int64_t t = t0 + (from - t0) / kPositions * kPositions; t < to; t += kPositions) {
+            F a[kPositions];
+            for (int l = 0; l < kPositions; ++l) a[l] = fzero();
             const float* kt_ = &tile[(t - t0) * D];
             for (int64_t c = 0; c < chunks; ++c) {
-              const __m512 qc = _mm512_loadu_ps(qj + 16 * c);
-              for (int l = 0; l < 16; ++l) a[l] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kt_ + l * D + 16 * c), a[l]);
+              const F qc = fload(qj + 16 * c);
+              for (int l = 0; l < kPositions; ++l) a[l] = fmadd(qc, fload(kt_ + l * D + 16 * c), a[l]);
             }
             float got[16];
-            _mm512_storeu_ps(got, sum16(a));
-            for (int64_t u = std::max(t, from); u < std::min(t + 16, to); ++u) {
+            fstore(got, sum_lanes<kPositions>(a));
+            for (int64_t u = std::max(t, from); u < std::min(t + kPositions, to); ++u) {
               sj[u] = got[u - t];
               mx = std::max(mx, sj[u]);
             }
@@ -538,48 +680,49 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
       for (int64_t j = 0; j < n; ++j) {  // each pair's weights: exp(score - max), and their sum in order
         const int64_t L = lasts[j] - firsts[j];
         float* sj = scores[j].data();
-        const __m512 mx = _mm512_set1_ps(maxes[j]);
-        __m512 total = _mm512_setzero_ps();
+        const F mx = fset(maxes[j]);
+        F total = fzero();
         int64_t t = 0;
         for (; t + 16 <= L; t += 16) {
-          __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(&sj[t]), mx));
-          _mm512_storeu_ps(&sj[t], e);
-          total = _mm512_add_ps(total, e);
+          const F e = exp_nonpositive(fload(&sj[t]) - mx);
+          fstore(&sj[t], e);
+          total = total + e;
         }
         if (t < L) {
-          __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
-          __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sj[t]), mx));
-          e = _mm512_maskz_mov_ps(m, e);
-          _mm512_mask_storeu_ps(&sj[t], m, e);
-          total = _mm512_add_ps(total, e);
+          const F e = fkeep_first(exp_nonpositive(fload_first(&sj[t], L - t) - mx), L - t);
+          fstore_first(&sj[t], e, L - t);
+          total = total + e;
         }
-        invs[j] = 1.0f / _mm512_reduce_add_ps(total);
+        invs[j] = 1.0f / reduce_add(total);
         std::fill(&acc[j * D], &acc[j * D] + D, 0.0f);
       }
       for (int64_t u0 = lo; u0 < hi; u0 += TILE) {  // the weighted values, a tile at a time, each pair in order
         const int64_t u1 = std::min(hi, u0 + TILE);
         for (int64_t u = u0; u < u1; ++u)
           for (int64_t c = 0; c < chunks; ++c)
-            _mm512_storeu_ps(&tile[(u - u0) * D + 16 * c], load_bf16x16(vbase + u * vt + 16 * c));
+            fstore(&tile[(u - u0) * D + 16 * c], fload_bf16(vbase + u * vt + 16 * c));
         for (int64_t j = 0; j < n; ++j) {
           const int64_t from = std::max(u0, firsts[j]), to = std::min(u1, lasts[j]);
           if (from >= to) continue;
           const float* sj = scores[j].data() - firsts[j];
-          __m512 ov[16];
-          for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_loadu_ps(&acc[j * D + 16 * c]);
-          for (int64_t u = from; u < to; ++u) {
-            const __m512 p = _mm512_set1_ps(sj[u]);
-            const float* vu = &tile[(u - u0) * D];
-            for (int64_t c = 0; c < chunks; ++c) ov[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vu + 16 * c), ov[c]);
+          for (int64_t c0 = 0; c0 < chunks; c0 += kChunks) {
+            const int64_t cn = std::min<int64_t>(kChunks, chunks - c0);
+            F ov[kChunks];
+            for (int64_t c = 0; c < cn; ++c) ov[c] = fload(&acc[j * D + 16 * (c0 + c)]);
+            for (int64_t u = from; u < to; ++u) {
+              const F p = fset(sj[u]);
+              const float* vu = &tile[(u - u0) * D + 16 * c0];
+              for (int64_t c = 0; c < cn; ++c) ov[c] = fmadd(p, fload(vu + 16 * c), ov[c]);
+            }
+            for (int64_t c = 0; c < cn; ++c) fstore(&acc[j * D + 16 * (c0 + c)], ov[c]);
           }
-          for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(&acc[j * D + 16 * c], ov[c]);
         }
       }
       for (int64_t j = 0; j < n; ++j) {
         uint16_t* orow = op + ((b * H + heads_of[j]) * S + rows_of[j]) * D;
         for (int64_t c = 0; c < chunks; ++c) {
           float tmp[16];
-          _mm512_storeu_ps(tmp, _mm512_mul_ps(_mm512_loadu_ps(&acc[j * D + 16 * c]), _mm512_set1_ps(invs[j])));
+          fstore(tmp, fload(&acc[j * D + 16 * c]) * fset(invs[j]));
           for (int e = 0; e < 16; ++e) orow[16 * c + e] = float_to_bf16(tmp[e]);
         }
       }
@@ -591,10 +734,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys, const a
 
 // Small fused steps of a decode pass, each the same arithmetic as the PyTorch code it replaces
 // (models/transformer.py), one call instead of 5-10 small ops.
-
-inline __m512 round_bf16(__m512 v) {  // v rounded to bf16 and back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16x16(v)), 16));
-}
 
 // RMSNorm: w * bf16(x * rsqrt(mean(x^2) + eps)), x (rows, D) bf16, w (D) bf16.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -608,16 +747,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* row = xp + r * D;
-    __m512 ss = _mm512_setzero_ps();
+    F ss = fzero();
     for (int64_t k = 0; k < D; k += 16) {
-      __m512 v = load_bf16x16(row + k);
-      ss = _mm512_fmadd_ps(v, v, ss);
+      const F v = fload_bf16(row + k);
+      ss = fmadd(v, v, ss);
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + static_cast<float>(eps));
-    for (int64_t k = 0; k < D; k += 16) {
-      __m512 h = round_bf16(_mm512_mul_ps(load_bf16x16(row + k), _mm512_set1_ps(inv)));
-      _mm256_storeu_si256((__m256i*)(op + r * D + k), float_to_bf16x16(_mm512_mul_ps(load_bf16x16(wp + k), h)));
-    }
+    const float inv = 1.0f / std::sqrt(reduce_add(ss) / static_cast<float>(D) + static_cast<float>(eps));
+    for (int64_t k = 0; k < D; k += 16)
+      fstore_bf16(op + r * D + k, fload_bf16(wp + k) * fround_bf16(fload_bf16(row + k) * fset(inv)));
   }
   return out;
 }
@@ -625,22 +762,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // SiLU(gate) * up from the fused gate-and-up projection (rows, 2F): bf16(bf16(silu(g)) * u).
 at::Tensor silu_mul(const at::Tensor& gu) {
   TORCH_CHECK(gu.scalar_type() == at::kBFloat16 && gu.is_contiguous(), "contiguous bfloat16 expected");
-  const int64_t F = gu.size(-1) / 2, rows = gu.numel() / (2 * F);
-  TORCH_CHECK(F % 16 == 0, "F must be a multiple of 16");
+  const int64_t F_ = gu.size(-1) / 2, rows = gu.numel() / (2 * F_);
+  TORCH_CHECK(F_ % 16 == 0, "F must be a multiple of 16");
   std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = F;
+  shape.back() = F_;
   auto out = at::empty(shape, gu.options());
   const uint16_t* gp = reinterpret_cast<const uint16_t*>(gu.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const F one = fset(1.0f);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < F; k += 16) {
-      __m512 g = load_bf16x16(gp + r * 2 * F + k), u = load_bf16x16(gp + r * 2 * F + F + k);
-      __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));  // exp(-|g|)
-      __m512 one = _mm512_set1_ps(1.0f);
-      __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-      __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));  // sigmoid(g)
-      __m512 silu = round_bf16(_mm512_mul_ps(g, sig));
-      _mm256_storeu_si256((__m256i*)(op + r * F + k), float_to_bf16x16(_mm512_mul_ps(silu, u)));
+    for (int64_t k = 0; k < F_; k += 16) {
+      const F g = fload_bf16(gp + r * 2 * F_ + k), u = fload_bf16(gp + r * 2 * F_ + F_ + k);
+      const F e = exp_nonpositive(fzero() - fabs(g));  // exp(-|g|)
+      const F sig = fselect_negative(g, e, one) / (one + e);  // sigmoid(g)
+      fstore_bf16(op + r * F_ + k, fround_bf16(g * sig) * u);
     }
   return out;
 }
@@ -676,13 +811,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_rotary(const at::Tensor& qkv,
           continue;
         }
         for (int64_t i = 0; i < half; i += 16) {
-          __m512 x1 = load_bf16x16(x + i), x2 = load_bf16x16(x + half + i);
-          __m512 lo = _mm512_add_ps(_mm512_mul_ps(x1, _mm512_loadu_ps(c + i)),
-                                    _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(sn + i)));
-          __m512 hi = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_loadu_ps(c + half + i)),
-                                    _mm512_mul_ps(x1, _mm512_loadu_ps(sn + half + i)));
-          _mm256_storeu_si256((__m256i*)(dst + i), float_to_bf16x16(lo));
-          _mm256_storeu_si256((__m256i*)(dst + half + i), float_to_bf16x16(hi));
+          const F x1 = fload_bf16(x + i), x2 = fload_bf16(x + half + i);
+          fstore_bf16(dst + i, x1 * fload(c + i) + (fzero() - x2) * fload(sn + i));
+          fstore_bf16(dst + half + i, x2 * fload(c + half + i) + x1 * fload(sn + half + i));
         }
       }
     }
@@ -721,8 +852,6 @@ at::Tensor block_step(const at::Tensor& x, at::TensorList w, at::IntArrayRef kin
   at::Tensor gate_up = linear_of(rms_norm(h.contiguous(), w[1], eps), w, 10, kinds[2]);
   return at::add(h, linear_of(silu_mul(gate_up.contiguous()), w, 14, kinds[3]));
 }
-
-}  // namespace
 
 // One token of the gated delta rule (a Gated DeltaNet layer's recurrence, models/transformer.py) for every head:
 // S' = d S + k (beta (v - d S^T k))^T, out = S'^T q, in float32, S (B, H, K, V) read once into out_state, another
@@ -772,7 +901,19 @@ at::Tensor gated_delta_step(const at::Tensor& state, const at::Tensor& q, const 
   return out;
 }
 
-TORCH_LIBRARY(quickdraft_vnni, m) {
+}  // namespace
+
+// The library's name says which build it is (quant/vnni.py loads one or both): TORCH_LIBRARY pastes its argument
+// unexpanded, hence the indirection.
+#if QD_AVX512
+#define QD_LIBRARY quickdraft_vnni
+#else
+#define QD_LIBRARY quickdraft_avx2_int
+#endif
+#define QD_TORCH_LIBRARY(name, m) TORCH_LIBRARY(name, m)
+#define QD_TORCH_LIBRARY_IMPL(name, key, m) TORCH_LIBRARY_IMPL(name, key, m)
+
+QD_TORCH_LIBRARY(QD_LIBRARY, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("qkv_rotary(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
@@ -786,7 +927,7 @@ TORCH_LIBRARY(quickdraft_vnni, m) {
         "Tensor(a!) keys, Tensor(b!) values, int start) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quickdraft_vnni, CPU, m) {
+QD_TORCH_LIBRARY_IMPL(QD_LIBRARY, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("int4_linear", int4_linear);
   m.impl("int4_fit", int4_fit);

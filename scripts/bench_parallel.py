@@ -16,6 +16,15 @@ from the cache) and decode tok/s at once, and whether each answer at once equals
 
     .venv/bin/python scripts/bench_parallel.py --mixed [-n 128] [--cells 2]
 
+--agents N: N agents at once, each its own conversation (quickdraft/tools/conversation.py's agent script: the shared
+system prompt with tool definitions, then --turns turns, each a tool result of a few hundred tokens of its own and a
+question, the whole history resent; -n greedy tokens a turn), all N at once on conversations new to the server, then
+each agent again alone: quickdraft serve (the default pair, --parallel N) against llama-server -np N (its prompt cache
+on). The wall time of all N at once, time to first token per turn (median and p90), prompt tokens taken from the cache,
+and whether each agent's answers at once equal its answers alone.
+
+    .venv/bin/python scripts/bench_parallel.py --agents 4 [--turns 5] [-n 48]
+
 --cycling N: memory under many conversations: quickdraft serve (--parallel 4, --cache-ram as given) answers N
 distinct conversations (each a different stretch of a long text, ~400 prompt tokens), four at a time, then every one's
 second turn (its history resent), so the kept slots cycle through more conversations than --cache-ram holds. After
@@ -35,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from quickdraft.tools import llamacpp, prompts as bundled, remote  # noqa: E402
+from quickdraft.tools import conversation, llamacpp, prompts as bundled, remote  # noqa: E402
 from quickdraft.tools.servers import LlamaServer, ServerProcess  # noqa: E402
 from quickdraft.weights import hub  # noqa: E402
 from quickdraft.tools.runs import Figures, machine  # noqa: E402
@@ -121,6 +130,80 @@ def main_mixed(args) -> int:
     return 0
 
 
+def agent_steps(agent: int, turns: int) -> tuple[list[dict], list[list[dict]]]:
+    """Agent `agent`'s conversation: the agent script's opening (shared by every agent, as one framework's agents share
+    their system prompt), and its turns, each tool result its own."""
+    opening, steps = conversation.script("agent", turns)
+    return opening, [[{**m, "content": f"[agent {agent}, task {i}] " + m["content"]} for m in step]
+                     for i, step in enumerate(steps)]
+
+
+def agent_run(endpoint: remote.Endpoint, agent: int, turns: int, n: int) -> list[remote.Reply]:
+    """One agent's turns, each request its whole history, each answer joining it."""
+    messages, steps = agent_steps(agent, turns)
+    replies = []
+    for step in steps:
+        messages = messages + step
+        r = endpoint.complete(messages, n)
+        replies.append(r)
+        messages = messages + [{"role": "assistant", "content": r.text}]
+    return replies
+
+
+def agents(name: str, endpoint: remote.Endpoint, count: int, turns: int, n: int) -> dict:
+    """The agents all at once, each conversation new to the server (only the system prompt they share can be in its
+    cache), then each again alone, one after another: the figures of the run at once, and whether each answer at once
+    is the answer alone."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(count) as pool:
+        together = list(pool.map(lambda a: agent_run(endpoint, a, turns, n), range(count)))
+    wall = time.perf_counter() - t0
+    alone = [agent_run(endpoint, a, turns, n) for a in range(count)]
+    ttft = sorted(r.ttft_s for run in together for r in run)
+    same = sum(r.text == q.text for run, ref in zip(together, alone) for r, q in zip(run, ref))
+    out = {"wall_s": wall, "ttft_p50": ttft[len(ttft) // 2], "ttft_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))],
+           "cache_n": [[r.cache_n for r in run] for run in together], "same": same, "answers": len(ttft)}
+    print(f"bench_parallel --agents: {name}: all at once in {wall:.1f} s, TTFT p50 {out['ttft_p50']:.2f} s, p90 "
+          f"{out['ttft_p90']:.2f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def main_agents(args) -> int:
+    print(f"machine: {machine()}", flush=True)
+    count, target = args.agents, hub.model_path(hub.DEFAULT_TARGET)
+    results = {}
+    server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "8192", "--parallel", str(count), startup_timeout=600)
+    try:
+        endpoint = remote.Endpoint(server.base_url)
+        endpoint.check()
+        endpoint.complete("Hello", 4)  # warm-up
+        results["quickdraft (default)"] = agents("quickdraft (default)", endpoint, count, args.turns, args.n)
+    finally:
+        server.stop()
+    if not args.skip_llama:
+        name = f"llama-server -np {count}"
+        llama = LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", str(8192 * count), "-np", str(count))
+        try:
+            endpoint = remote.Endpoint(llama.url)
+            endpoint.check()
+            endpoint.complete("Hello", 4)
+            results[name] = agents(name, endpoint, count, args.turns, args.n)
+        finally:
+            llama.stop()
+    print(f"\n{count} agents x {args.turns} turns ({args.n} greedy tokens a turn, the whole history resent), all at "
+          "once on new conversations, then each again alone")
+    print(f"{'deployment':22} {'at once, s':>11} {'TTFT p50':>9} {'p90':>7} {'same as alone':>14}")
+    for name, r in results.items():
+        print(f"{name:22} {r['wall_s']:11.1f} {r['ttft_p50']:8.2f}s {r['ttft_p90']:6.2f}s {r['same']:>9}/{r['answers']}")
+        print(f"  {name}: prompt tokens from the cache, by agent and turn: {r['cache_n']}")
+    names = list(results)
+    if len(names) > 1:
+        ours, theirs = results[names[0]], results[names[1]]
+        print(f"at once: quickdraft in {ours['wall_s'] / theirs['wall_s']:.2f}x llama-server's wall time; TTFT p90 "
+              f"{ours['ttft_p90']:.2f} s against {theirs['ttft_p90']:.2f} s")
+    return 0
+
+
 def rss_bytes(pid: int) -> int:
     """A process's resident memory (Linux: /proc/PID/status VmRSS)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -198,6 +281,8 @@ def main() -> int:
     ap.add_argument("--streams", default="1,2,4,8")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--mixed", action="store_true", help="the mixed case (see above) instead")
+    ap.add_argument("--agents", type=int, default=0, metavar="N", help="N agents at once (see above)")
+    ap.add_argument("--turns", type=int, default=5, help="--agents: turns an agent (default: %(default)s)")
     ap.add_argument("--cycling", type=int, default=0, metavar="N", help="memory under N cycling conversations")
     ap.add_argument("--cache-ram", default="1G", help="--cycling: the server's --cache-ram (default: %(default)s)")
     args = ap.parse_args()
@@ -206,6 +291,9 @@ def main() -> int:
     if args.cycling:
         args.n = 16 if args.n == 256 else args.n  # (-n's default is the streams case's)
         return main_cycling(args)
+    if args.agents:
+        args.n = 48 if args.n == 256 else args.n
+        return main_agents(args)
     print(f"machine: {machine()}", flush=True)  # figures are this machine kind's
     counts = [int(x) for x in args.streams.split(",")]
     target, draft = (hub.model_path(a) for a in (hub.DEFAULT_TARGET, hub.DEFAULT_DRAFT))

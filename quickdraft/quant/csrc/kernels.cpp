@@ -254,8 +254,9 @@ void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, c
 }
 
 #else  // AVX2: 16 registers of 8 lanes. A tile's rows and activation rows are taken in passes small enough for their
-       // accumulators to stay in registers (NT x MT <= 4), over blocks of K whose weights stay in L1 between passes;
-       // within a pass the tile is read as on AVX-512, one sequential stream.
+       // accumulators to stay in registers (NT x MT <= 4), over blocks of K whose weights stay in L1 between passes.
+       // One activation row (a decoding step) is one pass over the 4 tile rows: the tile read as on AVX-512, one
+       // sequential stream, prefetched kAhead tiles ahead (one tile ahead measured 5-10% slower in a model's step).
 
 constexpr int64_t kBlockK = 2048;  // elements of K per block
 constexpr int64_t kAhead = 2;  // tiles ahead prefetched
@@ -288,7 +289,7 @@ void int8_pass(const uint8_t* wt, const int8_t* q, const int8_t* qabs, int64_t K
       a0[j] = _mm256_loadu_si256((const __m256i*)(qabs + (m0 + j) * K + k));
       a1[j] = _mm256_loadu_si256((const __m256i*)(qabs + (m0 + j) * K + k + 32));
     }
-    if (prefetch)  // the next tile's same piece, into L2
+    if (prefetch)  // the same piece kAhead tiles on, into L2
       for (int i = 0; i < kTileN; ++i)
         _mm_prefetch((const char*)(wt + kAhead * kTileN * K + k * kTileN + i * 64), _MM_HINT_T1);
     for (int i = 0; i < NT; ++i) {
@@ -357,7 +358,7 @@ void int4_pass(const uint8_t* wt, const uint16_t* st, const int8_t* xq, int64_t 
   for (int i = 0; i < NT; ++i)
     for (int j = 0; j < MT; ++j) acc[i][j] = state[r0 + i][j0 + j];
   for (int64_t k = k0; k < k1; k += 128) {
-    if (prefetch) {  // the next tile's same piece and scales, into L2
+    if (prefetch) {  // the same piece and scales kAhead tiles on, into L2
       for (int i = 0; i < kTileN; ++i)
         _mm_prefetch((const char*)(wt + kAhead * kTileN * (K / 2) + (k / 2) * kTileN + i * 64), _MM_HINT_T1);
       _mm_prefetch((const char*)(st + kAhead * kTileN * G + (k / 32) * kTileN), _MM_HINT_T1);
@@ -387,7 +388,8 @@ void int4_pass(const uint8_t* wt, const uint16_t* st, const int8_t* xq, int64_t 
     for (int j = 0; j < MT; ++j) state[r0 + i][j0 + j] = acc[i][j];
 }
 
-// A tile (4 output rows from n0) times activation rows m0 .. m0 + mt - 1 (mt <= 8), scheduled as int8_tile is.
+// A tile (4 output rows from n0) times activation rows m0 .. m0 + mt - 1 (mt <= 8): one row in one pass of the 4 tile
+// rows, two in two passes of 2, more (by 4) in a pass per tile row (8% faster on 5 rows than passes of pairs).
 void int4_tile(const uint8_t* w, const uint16_t* scales, const uint16_t* lows, const int8_t* xq, const float* d,
                const int32_t* sums, float* res, int64_t n0, int64_t m0, int mt, int64_t K, int64_t N, bool prefetch) {
   const int64_t G = K / 32;

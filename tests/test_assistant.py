@@ -103,8 +103,10 @@ def test_a_step_equals_transformers(target_dir, assistant_dir):
             errors = (float((logits - logits_want).abs().max()), float((drafter.hidden[0, -1] - hidden_want).abs().max()))
             print(f"assistant step against transformers: logits {errors[0]:.1e}, hidden {errors[1]:.1e}")
             # float32 summed in another order than transformers' (quickdraft's fixed-order kernel): some 100 ulps apart
-            assert errors[0] <= 2e-5 * max(1.0, float(logits_want.abs().max()))
-            assert errors[1] <= 2e-5 * max(1.0, float(hidden_want.abs().max()))
+            # per step, and the second step starts from the first's hidden state (transformers 5.25 gave 3.1e-5 there);
+            # a wrong mask, scale or layer is off by 1e-2 and more
+            assert errors[0] <= 1e-4 * max(1.0, float(logits_want.abs().max()))
+            assert errors[1] <= 1e-4 * max(1.0, float(hidden_want.abs().max()))
             assert int(logits.argmax()) == int(logits_want.argmax())
             token = int(logits.argmax())
 

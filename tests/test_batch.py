@@ -292,6 +292,35 @@ def test_a_long_prompt_passed_over_for_shorter_ones_goes_first_after_a_few_steps
         engine.release(short)
 
 
+@pytest.mark.parametrize("kind", ["none", "draft"])
+def test_requests_arriving_together_prefill_their_shared_beginning_once(pair, kind):
+    """Three requests under one system prompt (agents of one framework) start together, none of it in a kept slot:
+    the first prefills it, the others wait for it and copy it (keys and values, the draft's share) rather than
+    prefill it three times; each answer is its cold answer alone, greedy and seeded."""
+    target, draft = pair
+    enc = target.tokenizer.encode
+    system = enc("You are one of a team of careful agents. Answer briefly. " * 3)
+    assert len(system) > 2 * 64  # more than two prefill chunks
+    prompts = [system + enc(task) for task in ("Task: add 2 and 3.", "Task: name a colour.", "Task: say hello.")]
+    for params in (SamplingParams(max_tokens=12, stop_at_eos=False),
+                   SamplingParams(temperature=0.8, top_p=0.95, seed=3, max_tokens=12, stop_at_eos=False)):
+        engine = Engine(target, CTX, make_drafter(kind, target, draft), SpeculationConfig(draft_max=4), slots=4)
+        batch = Batch(engine, 3)
+        got: dict = {}
+        seqs = [batch.add(prompt, params) for prompt in prompts]
+        prefilled = 0
+        while batch.active:
+            batch.step(lambda q, e: got.setdefault(id(q), []).append(e))
+            prefilled += batch.last_rows
+        for q, prompt in zip(seqs, prompts):
+            cold = Engine(target, CTX, make_drafter(kind, target, draft), SpeculationConfig(draft_max=4))
+            want = [e.token for e in cold.generate(prompt, params, reuse=False) if e.token is not None]
+            assert [e.token for e in got[id(q)] if e.token is not None] == want
+        reused = sorted(q.timings.cache_n for q in seqs)  # (the shortest prompt went first)
+        assert reused[0] == 0 and reused[1] >= len(system), reused
+        assert prefilled < sum(len(p) for p in prompts) - len(system)  # the system prompt's rows ran once
+
+
 def test_unseeded_samples_in_a_batch_have_the_target_distribution(tmp_path):
     """Three sequences of one prompt stepped together, unseeded at T = 0.7, each verifying chains of 2 drafts in the
     batched pass (rejection sampling per sequence): the second and third tokens each emits are distributed as the

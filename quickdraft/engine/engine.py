@@ -28,7 +28,7 @@ from quickdraft.grammar import Grammar
 from quickdraft.models.transformer import ROWWISE_MAX
 from quickdraft.runtime import heap
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.runtime.slots import Slot, Slots
+from quickdraft.runtime.slots import MIN_REUSE, Slot, Slots, common_prefix
 from quickdraft.speculative.base import Drafter, KFor, Proposal
 from quickdraft.speculative.policy import HORIZON, AdaptivePolicy, BatchPlan
 from quickdraft.speculative.stats import SpeculationStats
@@ -282,16 +282,45 @@ class Engine:
             room = min(room, self.policy.prefill_rows(taken, self.max_rows))
         # the shortest first, but a prompt passed over STARVED steps in a row before any (short prompts arriving
         # every step would hold a long one back for ever)
+        sharing = set()  # waiting for a beginning another sequence prefills now (not passed over: no STARVED count)
         for s in sorted(prefilling, key=lambda s: (s.waited < STARVED, len(s.prompt) - s.prefilled)):
+            if self._shares(s, sequences, feeds):
+                sharing.add(s)
+                continue
             n = min(room, len(s.prompt) - s.prefilled)
             if n <= 0:
                 break
             feeds[s] = torch.tensor(s.prompt[s.prefilled:s.prefilled + n], device=self.target.device)
             room -= n
         for s in prefilling:
-            s.waited = 0 if s in feeds else s.waited + 1
+            s.waited = 0 if s in feeds or s in sharing else s.waited + 1
         order = [s for s in sequences if s in feeds]
         return Pass(order, [feeds[s] for s in order], [s.prefilling for s in order], alone, failed)
+
+    def _shares(self, s: Sequence, sequences: list[Sequence], feeds: dict) -> bool:
+        """Before a prefilling sequence takes rows: a beginning of its prompt that another sequence running now has in
+        its cache already (agents or chats under one system prompt, arriving together: none had it in a kept slot when
+        they were started) is copied from there (Slot.copy_prefix: keys and values, the drafter's share) rather than
+        computed again, bit for bit what its own prefill would write. True where it should wait a step instead: a
+        sequence ahead of it in this pass is prefilling that beginning now. Not for recurrent states (a running
+        sequence keeps none at the common prefix)."""
+        if s.slot.cache.recurrent:
+            return False
+        best, have = None, s.prefilled
+        for o in sequences:
+            if o is s or o.ended:
+                continue
+            common = min(common_prefix(s.prompt, o.prompt), len(s.prompt) - 1)
+            if common < s.prefilled + MIN_REUSE:
+                continue
+            if o.prefilled < common and o in feeds:
+                return True
+            if min(o.prefilled, common) > have:
+                best, have = o, min(o.prefilled, common)
+        if best is not None and have >= s.prefilled + MIN_REUSE and s.slot.copy_prefix(best.slot, have):
+            s.slot.tokens[:] = s.prompt[:have]  # (a running slot's own list is written when its sequence ends)
+            s.prefilled = s.timings.cache_n = have
+        return False
 
     def run(self, p: Pass) -> list[torch.Tensor]:
         """The pass: per sequence the logits of its rows (a prompt chunk's last row alone). A sequence alone runs its

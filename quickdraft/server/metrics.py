@@ -44,8 +44,8 @@ class Metrics:
         # the kept slots (runtime/slots.py), as vLLM counts its prefix cache: prompt tokens looked up and found
         self.cache_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the kept slots",
                                      registry=r)
-        self.cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens a kept slot held (not prefilled again)",
-                                  registry=r)
+        self.cache_hits = Counter(p + "prefix_cache_hits", "Prompt tokens taken from a cache (a kept slot, or a "
+                                  "request running beside it), not prefilled", registry=r)
         self.cache_requests = Counter(p + "prefix_cache_requests_reused", "Requests that reused a kept slot's tokens",
                                       registry=r)
         self.cache_evictions = Gauge(p + "prefix_cache_evictions", "Kept conversations given up for others: forgotten "

@@ -24,6 +24,7 @@ from quickdraft.engine import Engine, Event, Halt, Timings
 from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint
 from quickdraft.grammar import Grammar
+from quickdraft.runtime.slots import HostCopies
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.speculative.stats import SpeculationStats
 from quickdraft.weights import hub, machine, memory
@@ -65,14 +66,18 @@ class LLM:
         slots = self.engine.slots
         if cache_ram is not None and self.engine.cache.lazy:  # memory taken as the caches fill: the budget bounds them
             slots.count, slots.budget = max(cache_slots, KEPT_MAX), cache_ram
-        else:
-            slots.count = slot_count(cache_slots, cache_ram, slots.nbytes())
+        else:  # whole caches on a card (the memory plan fits their count): what they give up goes to host memory
+            slots.count = cache_slots
+            if cache_ram is not None:
+                slots.host = HostCopies(cache_ram)
 
     def cache_summary(self) -> str:
         """What the kept sequences may hold, in words (serve's start line)."""
         slots, context = self.engine.slots, self.context
         if slots.budget is None:
-            return f"{slots.count} kept sequences of up to {context} tokens"
+            host = (f", and {slots.host.budget / 2**30:.1f} GiB of host memory for those they give up"
+                    if slots.host is not None else "")
+            return f"{slots.count} kept sequences of up to {context} tokens{host}"
         per = self.engine.cache.position_bytes() + getattr(self.engine.drafter, "position_bytes", lambda: 0)()
         positions = slots.budget // max(per, 1)
         return (f"{slots.budget / 2**30:.1f} GiB for kept sequences: {positions} tokens in all, e.g. "
@@ -161,7 +166,8 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     speculation: how much to draft (SpeculationConfig: draft_max, adaptive k, ...). cache_slots: sequences kept
     for prefix reuse (a prompt that begins with what one holds prefills only the rest: a chat's history), each a KV
     cache of `context` positions for the target and its draft, made when first needed; cache_ram: at most this many
-    bytes for them ("2G" will do), fewer slots where they would take more. warn(QuickdraftError): what becomes of a
+    bytes ("2G" will do) for them on the CPU (as many conversations kept as fit, up to KEPT_MAX), and on a GPU for
+    the conversations its slots give up, copied to host memory and back when they return. warn(QuickdraftError): what becomes of a
     warning about the load (the memory plan's; default: printed to stderr). threads: the CPU threads (default: what
     this machine's kernels run fastest with: weights/machine.py); weights "auto" on such a CPU is the format they
     decode this model fastest in."""
@@ -229,11 +235,6 @@ def fit_context(target: str, draft: Draft, engine: EngineConfig, slots: int, war
 
 
 KEPT_MAX = 64  # the most sequences kept where the memory they take is what bounds them (--cache-ram on the CPU)
-
-
-def slot_count(slots: int, ram: int | None, slot_bytes: int) -> int:
-    """The kept sequences: `slots`, fewer where `ram` bytes hold fewer of slot_bytes each, at least one."""
-    return max(1, min(slots, ram // max(slot_bytes, 1))) if ram is not None else slots
 
 
 def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int | None = None, free: int | None = None,

@@ -110,6 +110,27 @@ def test_cuda_requests_batched_get_what_each_gets_alone(models):
     graphs_on(target)
 
 
+@kernels
+def test_cuda_a_conversation_given_up_to_host_memory_comes_back_exactly(models):
+    """One slot, two conversations with a draft: the first, cut by the second, is copied to pinned host memory
+    (slots.HostCopies) and copied back for its next turn, whose output is what an empty cache gives."""
+    from quickdraft.runtime.slots import HostCopies
+
+    target, draft = models
+    params = SamplingParams(max_tokens=16, stop_at_eos=False)
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256),
+                    SpeculationConfig(draft_max=4, adaptive=False), slots=1)
+    engine.slots.host = HostCopies(2**30)
+    a, b = PROMPT[:10] + [3] * 30, PROMPT[:10] + [4] * 30
+    answer = [e.token for e in engine.generate(a, params) if e.token is not None]
+    list(engine.generate(b, params))
+    again = a + answer + [5, 6]
+    events = list(engine.generate(again, params))
+    assert engine.slots.host.restored == 1 and events[-1].timings.cache_n >= len(a)
+    assert [e.token for e in events] == [e.token for e in Engine(target, 256).generate(again, params, reuse=False)]
+    graphs_on(target)
+
+
 def test_cuda_seeded_sampling_equals_plain(models):
     target, draft = models
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=40, stop_at_eos=False)

@@ -212,12 +212,49 @@ def test_the_memory_plan_counts_every_kept_sequence(tmp_path):
     assert four.used - one.used == 3 * sum(kv.values())
 
 
-def test_cache_ram_bounds_the_slots():
-    from quickdraft.api import slot_count
+@pytest.mark.parametrize("kind", ["plain", "draft"])
+def test_conversations_a_slot_gives_up_return_from_host_memory_and_a_damaged_copy_is_prefilled(pair, kind):
+    """A GPU's slots give the conversations they leave to host memory (slots.HostCopies; forced here on the CPU). Two
+    conversations through one slot: each one's second turn takes its first back from its copy, with the output an
+    empty cache gives. A copy damaged in memory fails its checksum and is prefilled, with that output again; a budget
+    too small for a copy keeps none."""
+    target, draft = pair
 
-    assert slot_count(4, None, 100) == 4
-    assert slot_count(4, 250, 100) == 2
-    assert slot_count(4, 50, 100) == 1  # the sequence being generated always has one
+    def engine(budget):
+        if kind == "plain":
+            e = Engine(target, 256, slots=1)
+        else:
+            e = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC, slots=1)
+        e.slots.host = slots_mod.HostCopies(budget)
+        return e, e.slots.host
+
+    a, b = (SYSTEM[:40] + [i] * 30 for i in (1, 2))  # two conversations, 40 tokens in common
+
+    def second(prompt, answer):
+        return prompt + answer + [5, 6]
+
+    cold = {p: generate(Engine(target, 256), list(p), GREEDY, reuse=False)[0] for p in map(tuple, (a, b))}
+    ours, host = engine(2**30)
+    for prompt in (a, b):
+        assert generate(ours, prompt, GREEDY)[0] == cold[tuple(prompt)]
+    assert host.stored == 1 and len(host.copies) == 1  # a's, cut by b
+    got, t = generate(ours, second(a, cold[tuple(a)]), GREEDY)
+    assert t.cache_n >= len(a) and host.restored == 1, t.cache_n  # its turn taken back (b's copied out)
+    assert got == generate(Engine(target, 256), second(a, cold[tuple(a)]), GREEDY, reuse=False)[0]
+
+    copy = next(c for c in host.copies if c.tokens[:len(b)] == b)
+    with torch.inference_mode():  # memory gone bad
+        for t in copy.tensors:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(0)) * 4)
+    got, t = generate(ours, second(b, cold[tuple(b)]), GREEDY)
+    assert host.damaged == 1 and t.cache_n == 0, t.cache_n  # dropped, not read: prefilled
+    assert got == generate(Engine(target, 256), second(b, cold[tuple(b)]), GREEDY, reuse=False)[0]
+
+    small, host = engine(1)
+    for prompt in (a, b):
+        generate(small, prompt, GREEDY)
+    _, t = generate(small, second(a, cold[tuple(a)]), GREEDY)
+    assert host.dropped == 2 and not host.copies and t.cache_n == 40  # a, then b: only their beginning is left
 
 
 def test_the_common_prefix(pair):

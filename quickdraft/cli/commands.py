@@ -453,16 +453,13 @@ def cmd_demo(args) -> int:
 CACHE_RAM = 8 * 2**30  # llama-server's --cache-ram default
 
 
-def default_cache_ram(device: str) -> str | None:
-    """serve's --cache-ram where none is given: on the CPU (whose caches take memory as they fill) as llama-server's
-    default, at most a quarter of the machine's memory, so that more conversations are kept than run at once (up to
-    api.KEPT_MAX); elsewhere none (a GPU's slots are whole caches the memory plan counts: --cache-slots)."""
+def default_cache_ram(device: str) -> str:
+    """serve's --cache-ram where none is given: llama-server's default, at most a quarter of the machine's memory. On
+    the CPU (whose caches take memory as they fill) so that more conversations are kept than run at once (up to
+    api.KEPT_MAX); on a GPU (whose slots are whole caches the memory plan counts: --cache-slots) for the
+    conversations the slots give up, kept in host memory."""
     import os
 
-    from quickdraft.weights.loader import resolve_device
-
-    if resolve_device(device).type != "cpu":
-        return None
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return f"{min(CACHE_RAM, ram // 4) // 2**20}M"
 

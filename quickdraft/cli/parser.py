@@ -237,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cache-ram", default=None, metavar="SIZE",
                     help="at most this much memory for the kept sequences (e.g. 2G, 512M). On the CPU a cache takes "
                          "memory as it fills, so as many conversations are kept as their tokens fit (up to 64; the "
-                         "least recently used dropped first), many short ones or a few long ones; on a GPU fewer "
-                         "slots than --cache-slots where they would take more (default: on the CPU 8G as "
-                         "llama-server's, at most a quarter of this machine's memory; on a GPU no bound but "
-                         "--cache-slots)")
+                         "least recently used dropped first), many short ones or a few long ones; on a GPU, whose "
+                         "--cache-slots slots are whole caches on the card, the conversations they give up are "
+                         "copied to this much host memory, and back when they return (default: 8G as "
+                         "llama-server's, at most a quarter of this machine's memory)")
     _common(sv)
 
     v = sub.add_parser("verify", help="prove that speculation changes nothing for a target and a draft",

@@ -297,6 +297,27 @@ class KVCache:
             self.features[:n].copy_(other.features[:n])
         self.length, self.offset = n, 0
 
+    def export_prefix(self, n: int) -> list[torch.Tensor]:
+        """Copies in host memory of its first n positions (keys and values, and hidden states where it keeps them):
+        what import_prefix takes back (runtime/slots.HostCopies). Pinned where the cache is on a GPU, so that taking
+        them back is one transfer each."""
+        parts = [t[:, :, :n] for t in self.tensors()] + [t[:n] for t in (self.hidden, self.features) if t is not None]
+        pin = self.shape[3].type == "cuda"
+        copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in parts]
+        for copy, part in zip(copies, parts):
+            copy.copy_(part)
+        return copies
+
+    def import_prefix(self, copies: list[torch.Tensor], n: int) -> None:
+        """Take back the first n positions export_prefix copied out of a cache of this model."""
+        parts = [t[:, :, :n] for t in self.tensors()] + [t[:n] for t in (self.hidden, self.features) if t is not None]
+        if len(parts) != len(copies) or any(p.shape != c.shape for p, c in zip(parts, copies)):
+            raise ValueError("the copy is not of this cache's layout")
+        self.reset()
+        for part, copy in zip(parts, copies):
+            part.copy_(copy, non_blocking=True)
+        self.length, self.offset = n, 0
+
 
 class Segments:
     """Several sequences' caches seen by one pass (Transformer.forward_segments): the pass's rows are theirs in order,

@@ -20,13 +20,21 @@ recently used conversations other than the one it continues, their memory given 
 that shares only its beginning (an agent's sub-agent, a second conversation under the same system prompt) would cut the
 slot's own conversation: while another slot is free or older, the common prefix is copied there instead (a copy of keys
 and values, far cheaper than prefilling them).
+
+On a GPU a slot is a whole cache in the card's memory, so few are kept; a conversation its slot gives up for another
+is copied to host memory (HostCopies, within --cache-ram, as llama-server's prompt cache keeps its prompts) and copied
+back into a slot when it returns, rather than prefilled again. Each copy carries a checksum of its bytes: a copy that
+no longer matches it (memory gone bad, a bug) is dropped and the prompt prefilled, never read into a cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
+
+import torch
 
 from quickdraft.runtime.kv_cache import KVCache
 
@@ -141,14 +149,96 @@ class Slot:
         self.cache.release()
 
 
+def checksum(t: torch.Tensor) -> int:
+    """CRC-32 of a host tensor's bytes."""
+    return zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+@dataclass(eq=False)
+class HostCopy:
+    """A conversation a slot gave up, in host memory: its tokens and the cache's positions at them
+    (KVCache.export_prefix), each with its checksum."""
+    tokens: list[int]
+    tensors: list[torch.Tensor]
+    sums: list[int]
+    used: int  # its slot's last use (a Slots clock tick)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def intact(self) -> bool:
+        return [checksum(t) for t in self.tensors] == self.sums
+
+
+class HostCopies:
+    """Conversations given up by slots whose caches are not in host memory (a GPU's), kept in host memory within
+    `budget` bytes, the least recently used dropped first. Not for recurrent states (a hybrid's slot keeps
+    checkpoints of its own)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.copies: list[HostCopy] = []
+        self.stored = 0  # conversations copied out
+        self.restored = 0  # copied back into a slot
+        self.damaged = 0  # found not to match their checksum, dropped: the prompt was prefilled
+        self.dropped = 0  # dropped to stay within the budget
+
+    def put(self, slot: Slot) -> None:
+        """Copy out what the slot holds before it is forgotten (nothing shorter than MIN_REUSE, nor a recurrent
+        state). A copy whose tokens begin what the slot holds is superseded by it."""
+        n = len(slot.tokens)
+        if n < MIN_REUSE or slot.cache.recurrent or n > slot.cache.length:
+            return
+        if n * slot.cache.position_bytes() > self.budget:  # (it alone would not fit)
+            self.dropped += 1
+            return
+        tokens = slot.tokens[:n]
+        self.copies = [c for c in self.copies if common_prefix(c.tokens, tokens) < len(c.tokens)]
+        tensors = slot.cache.export_prefix(n)
+        self.copies.append(HostCopy(tokens, tensors, [checksum(t) for t in tensors], slot.used))
+        self.stored += 1
+        self.copies.sort(key=lambda c: c.used)
+        while self.copies and self.nbytes() > self.budget:
+            self.copies.pop(0)
+            self.dropped += 1
+
+    def best(self, prompt: list[int]) -> tuple[HostCopy | None, int]:
+        """The copy holding the longest beginning of prompt, and how many of its tokens a slot may take (less one:
+        a prefill passes at least the prompt's last token)."""
+        best, n = None, 0
+        for c in self.copies:
+            m = min(common_prefix(c.tokens, prompt), len(prompt) - 1)
+            if m > n:
+                best, n = c, m
+        return best, n
+
+    def restore(self, copy: HostCopy, slot: Slot, n: int) -> bool:
+        """Copy its first n positions back into slot (forgotten first; its drafter catches up as a new sequence's
+        does). False where the copy is damaged: dropped, and the slot left empty for a prefill."""
+        self.copies.remove(copy)  # (in a slot now: copied out again when that slot gives it up)
+        slot.forget()
+        if not copy.intact():
+            self.damaged += 1
+            return False
+        slot.cache.import_prefix([t[:, :, :n] if t.dim() == 4 else t[:n] for t in copy.tensors], n)
+        slot.tokens[:] = copy.tokens[:n]
+        self.restored += 1
+        return True
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.copies)
+
+
 class Slots:
     """Up to `count` slots, each made by `make` when first needed."""
 
-    def __init__(self, make: Callable[[], Slot], count: int = 1, budget: int | None = None):
-        """budget: bytes the slots' memory may take (Slot.used_bytes), else no bound but `count`."""
+    def __init__(self, make: Callable[[], Slot], count: int = 1, budget: int | None = None,
+                 host: HostCopies | None = None):
+        """budget: bytes the slots' memory may take (Slot.used_bytes), else no bound but `count`. host: where the
+        conversations slots give up are copied to (a GPU's slots), else they are forgotten."""
         if count < 1:
             raise ValueError("at least one slot")
-        self.make, self.count, self.budget = make, count, budget
+        self.make, self.count, self.budget, self.host = make, count, budget, host
         self.dropped = 0  # conversations dropped to keep within the budget
         self.evicted = 0  # conversations forgotten, or overwritten by a copied beginning, for another conversation
         self.slots: list[Slot] = []
@@ -161,6 +251,13 @@ class Slots:
         idle = [s for s in self.slots if not s.busy]
         best = self._best(prompt, idle) if reuse else None
         n = best.reusable(prompt) if best is not None else 0
+        copy, m = self.host.best(prompt) if reuse and self.host is not None else (None, 0)
+        if copy is not None and m >= max(n + MIN_REUSE, MIN_REUSE):  # it returns: into a slot, rather than prefilled
+            slot = self._free(set(), self._kept_for(wanted, idle))
+            self.evicted += self._give_up(slot)
+            if self.host.restore(copy, slot, m):
+                return self._taken(slot, m, prompt)
+            return self._taken(slot, 0, prompt)  # (damaged: dropped; prefilled as a new conversation is)
         if best is not None and n >= MIN_REUSE:
             # a prompt that leaves best's last prompt (not merely its answer, which a client may send back tokenized
             # otherwise; nor a prompt sent again whole) is another conversation sharing a beginning: keep best's, and
@@ -170,16 +267,28 @@ class Slots:
                 kept = self._kept_for(wanted, idle)
                 other = self._free({best}, kept)
                 # best is cut rather than a slot a waiting request would reuse overwritten
-                held = bool(other.tokens)
-                if (other not in kept or best in kept) and other.copy_prefix(best, n):
-                    self.evicted += held
-                    return self._taken(other, n, prompt)
+                if other not in kept or best in kept:
+                    held = self._give_up(other, forget=False)
+                    if other.copy_prefix(best, n):
+                        self.evicted += held
+                        return self._taken(other, n, prompt)
+            if self.host is not None and common_prefix(best.tokens, prompt) < best.prompt_n:
+                self.host.put(best)  # another conversation cuts it: its own may return
             best.keep(n)
             return self._taken(best, n, prompt)
         slot = self._free(set(), self._kept_for(wanted, idle))
-        self.evicted += bool(slot.tokens)
-        slot.forget()
+        self.evicted += self._give_up(slot)
         return self._taken(slot, 0, prompt)
+
+    def _give_up(self, slot: Slot, forget: bool = True) -> bool:
+        """Before a slot takes another conversation: its own copied to host memory where there is one, then
+        forgotten. True where it held one."""
+        held = bool(slot.tokens)
+        if held and self.host is not None:
+            self.host.put(slot)
+        if forget:
+            slot.forget()
+        return held
 
     @staticmethod
     def _best(prompt: list[int], idle: list[Slot]) -> Slot | None:
@@ -229,6 +338,8 @@ class Slots:
             if need <= self.budget:
                 break
             before = victim.used_bytes()
+            if self.host is not None:
+                self.host.put(victim)
             victim.drop()
             need -= before - victim.used_bytes()
             self.dropped += 1

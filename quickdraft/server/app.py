@@ -115,6 +115,12 @@ def create_app(state: ServerState) -> FastAPI:
         slots = state.engine.slots
         state.metrics.cache_evictions.set(slots.evicted + slots.dropped)
         state.metrics.cache_bytes.set(slots.used_bytes())
+        if slots.host is not None:
+            m, host = state.metrics, slots.host
+            m.host_stored.set(host.stored)
+            m.host_restored.set(host.restored)
+            m.host_damaged.set(host.damaged)
+            m.host_bytes.set(host.nbytes())
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/slots")

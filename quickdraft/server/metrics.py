@@ -52,6 +52,15 @@ class Metrics:
                                      "for a new one, or dropped to stay within --cache-ram", registry=r)
         self.cache_bytes = Gauge(p + "prefix_cache_bytes", "Bytes the kept slots hold (--cache-ram bounds them)",
                                  registry=r)
+        # on a GPU: conversations its slots gave up, kept in host memory (runtime/slots.HostCopies)
+        self.host_stored = Gauge(p + "prefix_cache_host_stored", "Conversations copied from a slot to host memory",
+                                 registry=r)
+        self.host_restored = Gauge(p + "prefix_cache_host_restores", "Conversations copied back into a slot from "
+                                   "host memory rather than prefilled", registry=r)
+        self.host_damaged = Gauge(p + "prefix_cache_host_damaged", "Host copies that no longer matched their "
+                                  "checksum: dropped, the prompt prefilled", registry=r)
+        self.host_bytes = Gauge(p + "prefix_cache_host_bytes", "Bytes of the host copies (--cache-ram bounds them "
+                                "on a GPU)", registry=r)
 
     def record_generation(self, finish_reason: str, completion_n: int, timings: Timings, stats: SpeculationStats) -> None:
         self.finished.labels(finish_reason).inc()

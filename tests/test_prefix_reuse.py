@@ -212,19 +212,15 @@ def test_the_memory_plan_counts_every_kept_sequence(tmp_path):
     assert four.used - one.used == 3 * sum(kv.values())
 
 
-@pytest.mark.parametrize("kind", ["plain", "draft"])
-def test_conversations_a_slot_gives_up_return_from_host_memory_and_a_damaged_copy_is_prefilled(pair, kind):
+def test_conversations_a_slot_gives_up_return_from_host_memory_and_a_damaged_copy_is_prefilled(pair):
     """A GPU's slots give the conversations they leave to host memory (slots.HostCopies; forced here on the CPU). Two
-    conversations through one slot: each one's second turn takes its first back from its copy, with the output an
-    empty cache gives. A copy damaged in memory fails its checksum and is prefilled, with that output again; a budget
-    too small for a copy keeps none."""
+    conversations through one slot, with a draft model (which takes in a restored prompt as a new one): each one's
+    second turn takes its first back from its copy, with the output an empty cache gives. A copy damaged in memory
+    fails its checksum and is prefilled, with that output again; a budget too small for a copy keeps none."""
     target, draft = pair
 
     def engine(budget):
-        if kind == "plain":
-            e = Engine(target, 256, slots=1)
-        else:
-            e = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC, slots=1)
+        e = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC, slots=1)
         e.slots.host = slots_mod.HostCopies(budget)
         return e, e.slots.host
 

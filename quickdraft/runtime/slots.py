@@ -257,7 +257,7 @@ class Slots:
             self.evicted += self._give_up(slot)
             if self.host.restore(copy, slot, m):
                 return self._taken(slot, m, prompt)
-            return self._taken(slot, 0, prompt)  # (damaged: dropped; prefilled as a new conversation is)
+            return self.take(prompt, reuse, wanted)  # damaged, and dropped: the best of what is left
         if best is not None and n >= MIN_REUSE:
             # a prompt that leaves best's last prompt (not merely its answer, which a client may send back tokenized
             # otherwise; nor a prompt sent again whole) is another conversation sharing a beginning: keep best's, and

@@ -112,7 +112,7 @@ def test_cuda_requests_batched_get_what_each_gets_alone(models):
 
 @kernels
 def test_cuda_a_conversation_given_up_to_host_memory_comes_back_exactly(models):
-    """One slot, two conversations with a draft: the first, cut by the second, is copied to pinned host memory
+    """One slot, two conversations with a draft: the first, cut by the second, is copied to host memory
     (slots.HostCopies) and copied back for its next turn, whose output is what an empty cache gives."""
     from quickdraft.runtime.slots import HostCopies
 

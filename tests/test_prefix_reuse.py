@@ -216,7 +216,8 @@ def test_conversations_a_slot_gives_up_return_from_host_memory_and_a_damaged_cop
     """A GPU's slots give the conversations they leave to host memory (slots.HostCopies; forced here on the CPU). Two
     conversations through one slot, with a draft model (which takes in a restored prompt as a new one): each one's
     second turn takes its first back from its copy, with the output an empty cache gives. A copy damaged in memory
-    fails its checksum and is prefilled, with that output again; a budget too small for a copy keeps none."""
+    fails its checksum and is prefilled, with that output again. A budget with room for one copy gives it back all the
+    same (the slot's own copy does not push it out); one too small for a copy keeps none."""
     target, draft = pair
 
     def engine(budget):
@@ -245,6 +246,13 @@ def test_conversations_a_slot_gives_up_return_from_host_memory_and_a_damaged_cop
     got, t = generate(ours, second(b, cold[tuple(b)]), GREEDY)
     assert host.damaged == 1 and t.cache_n == 40, t.cache_n  # dropped, not read: only what a's copy shares with b
     assert got == generate(Engine(target, 256), second(b, cold[tuple(b)]), GREEDY, reuse=False)[0]
+
+    room_for_one, host = engine(copy.nbytes() * 3 // 2)  # giving b up leaves no room for a's copy beside it
+    for prompt in (a, b):
+        generate(room_for_one, prompt, GREEDY)
+    got, t = generate(room_for_one, second(a, cold[tuple(a)]), GREEDY)
+    assert host.restored == 1 and t.cache_n >= len(a) and [c.tokens[:len(b)] for c in host.copies] == [b]
+    assert got == generate(Engine(target, 256), second(a, cold[tuple(a)]), GREEDY, reuse=False)[0]
 
     small, host = engine(1)
     for prompt in (a, b):

@@ -306,21 +306,18 @@ class Engine:
         sequence keeps none at the common prefix)."""
         if s.slot.cache.recurrent:
             return False
+        shared = [(o, c) for o in sequences if o is not s and not o.ended
+                  for c in [min(common_prefix(s.prompt, o.prompt), len(s.prompt) - 1)] if c >= s.prefilled + MIN_REUSE]
         best, have = None, s.prefilled
-        for o in sequences:
-            if o is s or o.ended:
-                continue
-            common = min(common_prefix(s.prompt, o.prompt), len(s.prompt) - 1)
-            if common < s.prefilled + MIN_REUSE:
-                continue
-            if o.prefilled < common and o in feeds:
-                return True
+        for o, common in shared:
             if min(o.prefilled, common) > have:
                 best, have = o, min(o.prefilled, common)
         if best is not None and have >= s.prefilled + MIN_REUSE and s.slot.copy_prefix(best.slot, have):
             s.slot.tokens[:] = s.prompt[:have]  # (a running slot's own list is written when its sequence ends)
-            s.prefilled = s.timings.cache_n = have
-        return False
+            s.timings.cache_n += have - s.prefilled
+            s.prefilled = have
+        # more of it to come from one prefilling it in this pass
+        return any(o in feeds and o.prefilled < common and common >= s.prefilled + MIN_REUSE for o, common in shared)
 
     def run(self, p: Pass) -> list[torch.Tensor]:
         """The pass: per sequence the logits of its rows (a prompt chunk's last row alone). A sequence alone runs its

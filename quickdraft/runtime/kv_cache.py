@@ -299,14 +299,10 @@ class KVCache:
 
     def export_prefix(self, n: int) -> list[torch.Tensor]:
         """Copies in host memory of its first n positions (keys and values, and hidden states where it keeps them):
-        what import_prefix takes back (runtime/slots.HostCopies). Pinned where the cache is on a GPU, so that taking
-        them back is one transfer each."""
+        what import_prefix takes back (runtime/slots.HostCopies). Pageable, not pinned: PyTorch's pinned allocator
+        rounds each block up and keeps what is freed, which --cache-ram would not count."""
         parts = [t[:, :, :n] for t in self.tensors()] + [t[:n] for t in (self.hidden, self.features) if t is not None]
-        pin = self.shape[3].type == "cuda"
-        copies = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in parts]
-        for copy, part in zip(copies, parts):
-            copy.copy_(part)
-        return copies
+        return [part.to("cpu", copy=True) for part in parts]
 
     def import_prefix(self, copies: list[torch.Tensor], n: int) -> None:
         """Take back the first n positions export_prefix copied out of a cache of this model."""
@@ -315,7 +311,7 @@ class KVCache:
             raise ValueError("the copy is not of this cache's layout")
         self.reset()
         for part, copy in zip(parts, copies):
-            part.copy_(copy, non_blocking=True)
+            part.copy_(copy)  # (blocking: the copy may be freed as soon as this returns)
         self.length, self.offset = n, 0
 
 

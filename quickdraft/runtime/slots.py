@@ -23,7 +23,8 @@ and values, far cheaper than prefilling them).
 
 On a GPU a slot is a whole cache in the card's memory, so few are kept; a conversation its slot gives up for another
 is copied to host memory (HostCopies, within --cache-ram, as llama-server's prompt cache keeps its prompts) and copied
-back into a slot when it returns, rather than prefilled again. Each copy carries a checksum of its bytes: a copy that
+back into a slot when it returns, rather than prefilled again. Both copies, and the checksums, run on the engine's
+thread between steps (a pause of the running requests: the copy's bytes over the link, and CRC-32 at a few GB/s). Each copy carries a checksum of its bytes: a copy that
 no longer matches it (memory gone bad, a bug) is dropped and the prompt prefilled, never read into a cache.
 """
 
@@ -193,6 +194,11 @@ class HostCopies:
             self.dropped += 1
             return
         tokens = slot.tokens[:n]
+        longer = next((c for c in self.copies if common_prefix(c.tokens, tokens) == n), None)
+        if longer is not None:  # a copy holds all of it already (and more)
+            longer.used = max(longer.used, slot.used)
+            self.copies.sort(key=lambda c: c.used)
+            return
         self.copies = [c for c in self.copies if common_prefix(c.tokens, tokens) < len(c.tokens)]
         tensors = slot.cache.export_prefix(n)
         self.copies.append(HostCopy(tokens, tensors, [checksum(t) for t in tensors], slot.used))
@@ -212,10 +218,14 @@ class HostCopies:
                 best, n = c, m
         return best, n
 
+    def claim(self, copy: HostCopy) -> None:
+        """Take a copy out before its slot is chosen (giving that slot's own conversation up may drop the oldest
+        copies to fit: never this one). In a slot it is copied out again when that slot gives it up."""
+        self.copies.remove(copy)
+
     def restore(self, copy: HostCopy, slot: Slot, n: int) -> bool:
-        """Copy its first n positions back into slot (forgotten first; its drafter catches up as a new sequence's
-        does). False where the copy is damaged: dropped, and the slot left empty for a prefill."""
-        self.copies.remove(copy)  # (in a slot now: copied out again when that slot gives it up)
+        """Copy a claimed copy's first n positions back into slot (forgotten first; its drafter catches up as a new
+        sequence's does). False where the copy is damaged: the slot left empty, the copy gone."""
         slot.forget()
         if not copy.intact():
             self.damaged += 1
@@ -253,6 +263,7 @@ class Slots:
         n = best.reusable(prompt) if best is not None else 0
         copy, m = self.host.best(prompt) if reuse and self.host is not None else (None, 0)
         if copy is not None and m >= max(n + MIN_REUSE, MIN_REUSE):  # it returns: into a slot, rather than prefilled
+            self.host.claim(copy)
             slot = self._free(set(), self._kept_for(wanted, idle))
             self.evicted += self._give_up(slot)
             if self.host.restore(copy, slot, m):

@@ -297,21 +297,27 @@ class KVCache:
             self.features[:n].copy_(other.features[:n])
         self.length, self.offset = n, 0
 
+    def _by_position(self) -> list[tuple[torch.Tensor, int]]:
+        """Each tensor it holds per position, with its position dimension: keys and values, kept hidden states."""
+        return [(t, 2) for t in self.tensors()] + [(t, 0) for t in (self.hidden, self.features) if t is not None]
+
     def export_prefix(self, n: int) -> list[torch.Tensor]:
         """Copies in host memory of its first n positions (keys and values, and hidden states where it keeps them):
         what import_prefix takes back (runtime/slots.HostCopies). Pageable, not pinned: PyTorch's pinned allocator
         rounds each block up and keeps what is freed, which --cache-ram would not count."""
-        parts = [t[:, :, :n] for t in self.tensors()] + [t[:n] for t in (self.hidden, self.features) if t is not None]
-        return [part.to("cpu", copy=True) for part in parts]
+        return [t.narrow(dim, 0, n).to("cpu", copy=True) for t, dim in self._by_position()]
 
     def import_prefix(self, copies: list[torch.Tensor], n: int) -> None:
-        """Take back the first n positions export_prefix copied out of a cache of this model."""
-        parts = [t[:, :, :n] for t in self.tensors()] + [t[:n] for t in (self.hidden, self.features) if t is not None]
-        if len(parts) != len(copies) or any(p.shape != c.shape for p, c in zip(parts, copies)):
+        """Take back the first n positions of copies export_prefix made of a cache of this model (n or more)."""
+        parts = self._by_position()
+        if len(parts) != len(copies):
+            raise ValueError("the copy is not of this cache's layout")
+        pairs = [(t.narrow(dim, 0, n), c.narrow(dim, 0, n)) for (t, dim), c in zip(parts, copies)]
+        if any(mine.shape != theirs.shape for mine, theirs in pairs):
             raise ValueError("the copy is not of this cache's layout")
         self.reset()
-        for part, copy in zip(parts, copies):
-            part.copy_(copy)  # (blocking: the copy may be freed as soon as this returns)
+        for mine, theirs in pairs:
+            mine.copy_(theirs)  # (blocking: the copy may be freed as soon as this returns)
         self.length, self.offset = n, 0
 
 

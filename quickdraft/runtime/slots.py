@@ -24,8 +24,9 @@ and values, far cheaper than prefilling them).
 On a GPU a slot is a whole cache in the card's memory, so few are kept; a conversation its slot gives up for another
 is copied to host memory (HostCopies, within --cache-ram, as llama-server's prompt cache keeps its prompts) and copied
 back into a slot when it returns, rather than prefilled again. Both copies, and the checksums, run on the engine's
-thread between steps (a pause of the running requests: the copy's bytes over the link, and CRC-32 at a few GB/s). Each copy carries a checksum of its bytes: a copy that
-no longer matches it (memory gone bad, a bug) is dropped and the prompt prefilled, never read into a cache.
+thread between steps (a pause of the running requests: the copy's bytes over the link, and CRC-32 at a few GB/s).
+Each copy carries a checksum of its bytes: a copy that no longer matches it (memory gone bad, a bug) is dropped and
+the prompt prefilled, never read into a cache.
 """
 
 from __future__ import annotations
@@ -193,19 +194,17 @@ class HostCopies:
         if n * slot.cache.position_bytes() > self.budget:  # (it alone would not fit)
             self.dropped += 1
             return
-        tokens = slot.tokens[:n]
+        tokens = list(slot.tokens)
         longer = next((c for c in self.copies if common_prefix(c.tokens, tokens) == n), None)
         if longer is not None:  # a copy holds all of it already (and more)
             longer.used = max(longer.used, slot.used)
-            self.copies.sort(key=lambda c: c.used)
             return
         self.copies = [c for c in self.copies if common_prefix(c.tokens, tokens) < len(c.tokens)]
         tensors = slot.cache.export_prefix(n)
         self.copies.append(HostCopy(tokens, tensors, [checksum(t) for t in tensors], slot.used))
         self.stored += 1
-        self.copies.sort(key=lambda c: c.used)
         while self.copies and self.nbytes() > self.budget:
-            self.copies.pop(0)
+            self.copies.remove(min(self.copies, key=lambda c: c.used))
             self.dropped += 1
 
     def best(self, prompt: list[int]) -> tuple[HostCopy | None, int]:
@@ -230,7 +229,7 @@ class HostCopies:
         if not copy.intact():
             self.damaged += 1
             return False
-        slot.cache.import_prefix([t[:, :, :n] if t.dim() == 4 else t[:n] for t in copy.tensors], n)
+        slot.cache.import_prefix(copy.tensors, n)
         slot.tokens[:] = copy.tokens[:n]
         self.restored += 1
         return True
@@ -262,7 +261,7 @@ class Slots:
         best = self._best(prompt, idle) if reuse else None
         n = best.reusable(prompt) if best is not None else 0
         copy, m = self.host.best(prompt) if reuse and self.host is not None else (None, 0)
-        if copy is not None and m >= max(n + MIN_REUSE, MIN_REUSE):  # it returns: into a slot, rather than prefilled
+        if copy is not None and m >= n + MIN_REUSE:  # it returns: into a slot, rather than prefilled
             self.host.claim(copy)
             slot = self._free(set(), self._kept_for(wanted, idle))
             self.evicted += self._give_up(slot)

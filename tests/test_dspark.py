@@ -52,7 +52,9 @@ def reference_drafter(variant: str, hf_target, seed: int = 5, ids=(2, 4), width:
                       draft_vocab: int | None = None):
     """A random DFlash or DSpark drafter of 2 layers for hf_target, as the library builds it (eager attention), its
     norms randomised and weights scaled up for peaked guesses; the target's embedding table (and its head, over the
-    whole vocabulary), as the library loads them from the verifier."""
+    whole vocabulary), as the library loads them from the verifier. No verifier named: the library then takes the plain
+    final-norm convention (x * w), the tiny Qwen3 target's, without looking a name up on the Hub (a made-up name cost
+    23 s of retries offline, to reach the same convention)."""
     import transformers
 
     kind, mapped, options = VARIANTS[variant]
@@ -66,7 +68,7 @@ def reference_drafter(variant: str, hf_target, seed: int = 5, ids=(2, 4), width:
     layer._attn_implementation = "eager"
     speculators = SpeculatorsConfig(
         algorithm=kind, proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK - 1)],
-        default_proposal_method="greedy", verifier=VerifierConfig(name_or_path="target", architectures=[]))
+        default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[]))
     config_class, model_class = {"dspark": (DSparkSpeculatorConfig, DSparkDraftModel),
                                  "dflash2": (DFlash2SpeculatorConfig, DFlash2DraftModel),
                                  "dflash": (DFlashSpeculatorConfig, DFlashDraftModel)}[kind]

@@ -6,15 +6,13 @@ tests/test_llama_server.py, slow.)"""
 import http.server
 import json
 import shlex
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.tools import export, remote
-from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
+from tests.helpers import add_noise, cli, tiny_hf_model, write_gguf_from_hf  # cli: in this process
 from quickdraft.tools.servers import ServerProcess
 
 KEY = "remote-key"
@@ -54,8 +52,6 @@ def other(files):  # a different model: what a deployment that is not exact look
         yield s
 
 
-def cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "quickdraft", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_url_compares_deployments_with_their_own_figures(spec, plain):
@@ -101,7 +97,7 @@ def test_verify_url_shows_where_two_deployments_part(spec, other):
 
 
 def test_an_unreachable_url_is_one_line():
-    r = cli("bench", "--url", "http://127.0.0.1:9", "--runs", "1", timeout=60)
+    r = cli("bench", "--url", "http://127.0.0.1:9", "--runs", "1")
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "cannot reach http://127.0.0.1:9" in r.stderr
 
 
@@ -120,7 +116,7 @@ def test_a_server_that_is_not_openai_compatible_is_one_line():
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{httpd.server_port}"
-        r = cli("verify", "--url", url, "--reference-url", url, timeout=60)
+        r = cli("verify", "--url", url, "--reference-url", url)
         assert r.returncode == 1 and "does not answer as an OpenAI-compatible server" in r.stderr
         assert r.stderr.strip().count("\n") == 0
     finally:
@@ -128,12 +124,12 @@ def test_a_server_that_is_not_openai_compatible_is_one_line():
 
 
 def test_local_only_flags_are_refused_with_url():
-    r = cli("bench", "--url", "http://127.0.0.1:9", "--configs", "plain", "--roofline", timeout=60)
+    r = cli("bench", "--url", "http://127.0.0.1:9", "--configs", "plain", "--roofline")
     assert r.returncode == 1 and "--configs, --roofline measure local configurations" in r.stderr
 
 
 def test_the_key_is_sent_and_a_missing_one_is_named(spec):
-    r = cli("bench", "--url", spec.url, "--runs", "1", "-n", "4", "--prompts", "qa-en", timeout=120)
+    r = cli("bench", "--url", spec.url, "--runs", "1", "-n", "4", "--prompts", "qa-en")
     assert r.returncode == 1 and "refused the request (401): give its key with --api-key" in r.stderr
 
 
@@ -186,7 +182,7 @@ def test_a_tuned_tree_exports_its_chain_saying_so():
 def test_tune_export_from_a_written_profile(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(PROFILE))
-    r = cli("tune", "--export", "vllm", "--from", str(path), timeout=120)
+    r = cli("tune", "--export", "vllm", "--from", str(path))
     assert r.returncode == 0, r.stderr
     assert '"method": "draft_model"' in r.stdout and "vLLM 0.11" in r.stdout
 

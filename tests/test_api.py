@@ -97,4 +97,4 @@ def test_the_readme_example_runs_and_matches_the_command_line(real_model_path):
     assert shown.stdout.rstrip("\n") == "\n".join(text_lines).rstrip("\n")
     assert re.search(rf"spec\[ngram\+{re.escape(hub.DEFAULT_DRAFT)}\]: [1-9]\d*/[1-9]\d* drafts accepted", shown.stderr), \
         shown.stderr  # the acceptance on stderr (--json carries it as "spec": tests/test_cli.py); that the text is
-    # plain decoding's is tests/test_spec_real.py's and tests/test_commands_real.py's (verify on the default pair)
+    # plain decoding's is tests/test_spec_real.py's (its equality tests, and verify on the default pair)

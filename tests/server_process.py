@@ -62,3 +62,28 @@ class HealthWatch:
     @property
     def worst(self) -> float:
         return max(self.latencies, default=0.0)
+
+
+class Together:
+    """Several `quickdraft serve` processes (ServerProcess, each its argument list) started at once and stopped at
+    once: each start is mostly an interpreter importing torch and its model's load, which overlap on two cores as
+    they could not one after another."""
+
+    def __init__(self, *argument_lists: tuple, **options):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from quickdraft.tools.servers import ServerProcess
+
+        with ThreadPoolExecutor(len(argument_lists)) as pool:
+            futures = [pool.submit(ServerProcess, *args, **options) for args in argument_lists]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        self.servers = [f.result() for f in futures if f.exception() is None]
+        if failed:
+            self.stop()
+            raise failed[0]
+
+    def stop(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, len(self.servers))) as pool:
+            list(pool.map(lambda s: s.stop(), self.servers))

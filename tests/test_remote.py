@@ -13,7 +13,7 @@ import pytest
 from quickdraft.errors import QuickdraftError
 from quickdraft.tools import export, remote
 from tests.helpers import add_noise, cli, tiny_hf_model, write_gguf_from_hf  # cli: in this process
-from quickdraft.tools.servers import ServerProcess
+from tests.server_process import Together
 
 KEY = "remote-key"
 PROMPTS = {"code-en": "Write a function.", "qa-en": "Why is the sky blue?"}
@@ -29,29 +29,33 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def spec(files):  # the target with the noisy copy drafting: drafts kept and rejected
-    # at a fixed k: on models this small a drafter's catch-up costs many plain steps, and the adaptive policy may
-    # rightly draft nothing in 24 tokens, where these tests read the drafts' figures
+def deployments(files):
+    """The three deployments, started at once: the target with the noisy copy drafting (drafts kept and rejected),
+    the target alone, and the noisy copy alone (a different model: what a deployment that is not exact looks like to
+    verify). The speculative one at a fixed k: on models this small a drafter's catch-up costs many plain steps, and
+    the adaptive policy may rightly draft nothing in 24 tokens, where these tests read the drafts' figures."""
     target, noisy = files
-    with ServerProcess("-m", str(target), "--draft", str(noisy), "--ctx", "256", "--dtype", "bfloat16",
-                       "--draft-max", "3", "--fixed-k", "--api-key", KEY, startup_timeout=120) as s:
-        yield s
+    common = ("--ctx", "256", "--dtype", "bfloat16", "--api-key", KEY)
+    started = Together(("-m", str(target), "--draft", str(noisy), "--draft-max", "3", "--fixed-k", *common),
+                       ("-m", str(target), "--draft", "none", *common),
+                       ("-m", str(noisy), "--draft", "none", *common), startup_timeout=120)
+    yield started.servers
+    started.stop()
 
 
 @pytest.fixture(scope="module")
-def plain(files):
-    with ServerProcess("-m", str(files[0]), "--draft", "none", "--ctx", "256", "--dtype", "bfloat16",
-                       "--api-key", KEY, startup_timeout=120) as s:
-        yield s
+def spec(deployments):
+    return deployments[0]
 
 
 @pytest.fixture(scope="module")
-def other(files):  # a different model: what a deployment that is not exact looks like to verify
-    with ServerProcess("-m", str(files[1]), "--draft", "none", "--ctx", "256", "--dtype", "bfloat16",
-                       "--api-key", KEY, startup_timeout=120) as s:
-        yield s
+def plain(deployments):
+    return deployments[1]
 
 
+@pytest.fixture(scope="module")
+def other(deployments):
+    return deployments[2]
 
 
 def test_bench_url_compares_deployments_with_their_own_figures(spec, plain):

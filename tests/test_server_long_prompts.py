@@ -10,8 +10,7 @@ import time
 import httpx
 import pytest
 
-from quickdraft.tools.servers import ServerProcess
-from tests.server_process import metric
+from tests.server_process import Together, metric
 
 MODEL = "smollm2-135m"
 SENTENCE = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. "
@@ -37,10 +36,20 @@ def first_token_at(server, prompt: str, out: dict, key: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(real_model_path):
+def servers(real_model_path):
+    """The module's server and the last test's (kept conversations under --cache-ram, three at once), started at
+    once and stopped at once: their starts overlap (tests/server_process.Together)."""
     real_model_path(MODEL)
-    with ServerProcess("-m", MODEL, "--draft", "none", "--ctx", "4096", startup_timeout=300) as s:
-        yield s
+    started = Together(("-m", MODEL, "--draft", "none", "--ctx", "4096"),
+                       ("-m", MODEL, "--draft", "none", "--ctx", "4096", "--cache-ram", "190M", "--parallel", "3"),
+                       startup_timeout=300)
+    yield started.servers
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
 
 
 def test_a_short_request_behind_a_long_prompt_is_answered_first(server):
@@ -77,29 +86,27 @@ def test_a_client_that_leaves_during_a_prefill_stops_it_at_the_next_chunk(server
     assert ran < 16, f"{ran} passes ran for a request whose client left after 0.5 s"
 
 
-def test_conversations_keep_their_prefixes_in_the_memory_two_whole_contexts_took(real_model_path):
+def test_conversations_keep_their_prefixes_in_the_memory_two_whole_contexts_took(servers):
     """--cache-ram the size of two 4k-token caches held two kept sequences; caches that take memory as they fill
     hold the eight 550-token conversations of three clients, and every second turn reuses its first."""
-    real_model_path(MODEL)
-    with ServerProcess("-m", MODEL, "--draft", "none", "--ctx", "4096", "--cache-ram", "190M", "--parallel", "3",
-                       startup_timeout=300) as server:
-        assert any(line.startswith("cache: ") for line in server.printed)
-        turns: dict = {}
+    server = servers[1]
+    assert any(line.startswith("cache: ") for line in server.printed)
+    turns: dict = {}
 
-        def client(conversations: list[int]) -> None:
-            for c in conversations:
-                prompt = f"Conversation {c}. " + SENTENCE * 30
-                first = complete(server, prompt, 8)
-                turns[c] = (prompt + first["choices"][0]["text"], first["usage"]["prompt_tokens"])
-            for c in conversations:
-                history, n = turns[c]
-                again = complete(server, history + " And then?", 8)
-                turns[c] = (again["timings"]["cache_n"], n)
+    def client(conversations: list[int]) -> None:
+        for c in conversations:
+            prompt = f"Conversation {c}. " + SENTENCE * 30
+            first = complete(server, prompt, 8)
+            turns[c] = (prompt + first["choices"][0]["text"], first["usage"]["prompt_tokens"])
+        for c in conversations:
+            history, n = turns[c]
+            again = complete(server, history + " And then?", 8)
+            turns[c] = (again["timings"]["cache_n"], n)
 
-        threads = [threading.Thread(target=client, args=([i, i + 3, i + 6][:3 - (i == 2)],)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(turns) == 8
-        assert all(cache_n >= n for cache_n, n in turns.values()), turns
+    threads = [threading.Thread(target=client, args=([i, i + 3, i + 6][:3 - (i == 2)],)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(turns) == 8
+    assert all(cache_n >= n for cache_n, n in turns.values()), turns

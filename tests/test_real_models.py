@@ -84,13 +84,27 @@ def recorded():
     return load("transformers")
 
 
+@pytest.fixture(scope="module")
+def fp32_models(real_model_path):
+    """alias -> the real model in float32, its weights as the file has them (no runtime quantization: the loader
+    against the reference); one at a time, the last kept until the module ends (the windows test's Gemma 3)."""
+    loaded: dict = {}
+
+    def get(alias: str):
+        if alias not in loaded:
+            loaded.clear()
+            loaded[alias] = load_model(str(real_model_path(alias)), EngineConfig(
+                device="cpu", dtype="float32", weights="bf16", max_context=512), progress=False)
+        return loaded[alias]
+
+    yield get
+    loaded.clear()
+
+
 @pytest.fixture(scope="module", params=MODELS)
-def fp32(request, real_model_path):
-    """Each real model in float32, its weights as the file has them (no runtime quantization: the loader against the
-    reference), loaded once for its perplexity and its greedy tokens."""
-    path = real_model_path(request.param)
-    return request.param, load_model(str(path), EngineConfig(device="cpu", dtype="float32", weights="bf16",
-                                                             max_context=512), progress=False)
+def fp32(request, fp32_models):
+    """Each real model in float32, loaded once for its perplexity and its greedy tokens."""
+    return request.param, fp32_models(request.param)
 
 
 def check_perplexity(recorded, alias, lm, dtype):
@@ -146,7 +160,7 @@ def test_the_record_is_what_transformers_answers(recorded, real_model_path, alia
         assert hf_greedy(model, prompt_ids(tokenizer, case["prompt"]), case["n"]) == case["tokens"]
 
 
-def test_perplexity_uses_llama_perplexitys_windows(real_model_path):
+def test_perplexity_uses_llama_perplexitys_windows(fp32_models):
     """llama-perplexity (recorded: tests/reference/llama-perplexity.json) on the real Gemma 3 270M and a short text:
     the same windows (the text tokenized with BOS, then cut) give the same perplexity up to the two engines'
     arithmetic (llama.cpp multiplies Q4_K weights by 8-bit activations; here float32). Windows one token off, as
@@ -154,8 +168,8 @@ def test_perplexity_uses_llama_perplexitys_windows(real_model_path):
     from tests.reference_data import load, perplexity_text
 
     recorded = load("llama-perplexity")
-    lm = load_model(str(real_model_path(recorded["model"])), EngineConfig(device="cpu", dtype="float32",
-                    weights="bf16", max_context=recorded["ctx"]), progress=False)
+    lm = fp32_models(recorded["model"])  # the float32 load the other tests read (its 512 positions hold the windows)
+    assert lm.model.max_context >= recorded["ctx"]
     tokens = lm.tokenizer.encode(perplexity_text())
     ours = perplexity(lm.model, tokens, recorded["ctx"], lm.tokenizer.bos_id if lm.tokenizer.add_bos else None)
     print(f"perplexity {ours.ppl:.3f}, llama-perplexity {recorded['ppl']:.3f} ({recorded['llama.cpp'][:7]})")

@@ -37,10 +37,10 @@ def engine(paths):
 
 def test_an_exact_engine_passes(engine):
     torch.manual_seed(0)
-    report = verify(engine, PROMPTS, 24, 1.0, 4, 400, PROMPTS["a"])
+    report = verify(engine, PROMPTS, 24, 1.0, 4, 200, PROMPTS["a"])
     assert report.passed, report.to_dict()
     assert len(report.greedy) == 4 and all(c.identical for c in report.greedy)
-    assert report.distribution.rounds_exercised == 400 and report.distribution.dof >= 3
+    assert report.distribution.rounds_exercised == 200 and report.distribution.dof >= 3
 
 
 def test_a_broken_sampled_accept_rule_fails(engine, monkeypatch):
@@ -50,7 +50,7 @@ def test_a_broken_sampled_accept_rule_fails(engine, monkeypatch):
 
     monkeypatch.setattr(quickdraft.engine.verify, "accept_sampled", accept_everything)
     torch.manual_seed(0)
-    report = verify(engine, PROMPTS, 8, 1.0, 4, 400, PROMPTS["a"])
+    report = verify(engine, PROMPTS, 8, 1.0, 4, 200, PROMPTS["a"])
     assert all(c.identical for c in report.greedy)  # greedy does not use the sampled rule
     assert not report.distribution.passed and not report.passed
     assert report.distribution.p_value < 1e-3
@@ -74,7 +74,7 @@ def test_trees_pass_and_a_broken_tree_rule_fails(engine, monkeypatch):
 
     trees = Engine(engine.target, 128, engine.drafter, dataclasses.replace(engine.speculation, tree=3))
     torch.manual_seed(0)
-    report = verify(trees, PROMPTS, 16, 1.0, 4, 400, PROMPTS["a"])
+    report = verify(trees, PROMPTS, 16, 1.0, 4, 200, PROMPTS["a"])
     assert report.passed, report.to_dict()
 
     def trust_the_first(p_rows, q_rows, tokens, parents, generator):  # the chain's draft, whatever the target says
@@ -82,7 +82,7 @@ def test_trees_pass_and_a_broken_tree_rule_fails(engine, monkeypatch):
 
     monkeypatch.setattr(quickdraft.engine.verify, "accept_tree_sampled", trust_the_first)
     torch.manual_seed(0)
-    report = verify(trees, PROMPTS, 8, 1.0, 4, 400, PROMPTS["a"])
+    report = verify(trees, PROMPTS, 8, 1.0, 4, 200, PROMPTS["a"])
     assert not report.distribution.passed and report.distribution.p_value < 1e-3
 
 

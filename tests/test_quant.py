@@ -176,20 +176,24 @@ def test_fit_recovers_a_4bit_grid_min_max_misses(backend):
 
 
 @pytest.mark.skipif(not vnni.available(), reason="no VNNI kernel on this CPU")
-@pytest.mark.parametrize("start,rows,window,batch", [(0, 1, 0, 1), (20, 1, 0, 1), (37, 5, 0, 1), (3, 17, 0, 1),
-                                                     (37, 5, 8, 1), (3, 17, 4, 1), (150, 5, 0, 2), (150, 3, 70, 1)])
-def test_decode_attention_matches_sdpa_row_by_row(start, rows, window, batch):
+@pytest.mark.parametrize("start,rows,window,batch,d", [
+    (0, 1, 0, 1, 32), (20, 1, 0, 1, 32), (37, 5, 0, 1, 32), (3, 17, 0, 1, 32), (37, 5, 8, 1, 32), (3, 17, 4, 1, 32),
+    (150, 5, 0, 2, 32), (150, 3, 70, 1, 32), (37, 5, 0, 1, 128), (120, 64, 0, 1, 128), (100, 33, 50, 1, 128),
+    (61, 13, 9, 2, 64), (90, 7, 0, 1, 256), (45, 6, 0, 1, 80)])
+def test_decode_attention_matches_sdpa_row_by_row(start, rows, window, batch, d):
     """The CPU attention kernel against PyTorch's attention (in float32) row by row, over a cache view
     with room to spare (as the KV cache hands it), and each row equal to a one-row call: batch invariant, whichever
-    heads and rows share a tile of keys (several tiles of 64 positions; two sequences; 1 or 2 threads). With a
-    window, each row sees its last `window` positions (a sliding-window layer)."""
+    heads and rows share a tile of keys or a register block of scores or weighted values (several tiles; rows whose
+    spans differ by their position or window; head sizes whose value rows take one, two or a partial block of
+    chunks; two sequences; 1 or 2 threads). With a window, each row sees its last `window` positions (a
+    sliding-window layer)."""
     import torch.nn.functional as F
 
     torch.manual_seed(start + rows)
-    cache_k = torch.randn(batch, 2, 256, 32, dtype=torch.bfloat16)
-    cache_v = torch.randn(batch, 2, 256, 32, dtype=torch.bfloat16)
+    cache_k = torch.randn(batch, 2, 256, d, dtype=torch.bfloat16)
+    cache_v = torch.randn(batch, 2, 256, d, dtype=torch.bfloat16)
     keys, values = cache_k[:, :, :start + rows], cache_v[:, :, :start + rows]
-    q = torch.randn(batch, 6, rows, 32, dtype=torch.bfloat16) * 3
+    q = torch.randn(batch, 6, rows, d, dtype=torch.bfloat16) * 3
     got = vnni.ops().decode_attention(q, keys, values, start, window)
     for i in range(rows):
         seen = slice(max(0, start + i + 1 - window) if window else 0, start + i + 1)
@@ -232,7 +236,8 @@ def every_op_once():
                 out.append(("int4_linear", (x, vnni.tile(vnni.pack_int4(codes), 64), vnni.tile(s, 4), lo, bias)))
     for start, rows, window, batch, d, h, hkv in [(0, 1, 0, 1, 32, 6, 2), (37, 5, 0, 1, 128, 12, 2),
                                                   (3, 17, 4, 1, 64, 4, 1), (150, 5, 0, 2, 64, 8, 2),
-                                                  (150, 3, 70, 1, 256, 4, 1), (77, 1, 0, 1, 16, 2, 2)]:
+                                                  (150, 3, 70, 1, 256, 4, 1), (77, 1, 0, 1, 16, 2, 2),
+                                                  (120, 64, 40, 1, 128, 12, 2), (45, 6, 0, 1, 80, 6, 3)]:
         keys, values = (r(batch, hkv, start + rows + 11, d).bfloat16() for _ in range(2))
         q = r(batch, h, rows, d, scale=3).bfloat16()
         out.append(("decode_attention", (q, keys[:, :, :start + rows], values[:, :, :start + rows], start, window)))

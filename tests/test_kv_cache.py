@@ -63,3 +63,25 @@ def test_a_budget_counts_what_a_slot_holds_once_and_drops_the_least_recently_use
     assert c is a and b.tokens and slots.dropped == 0
     d = run(list(range(3000, 3200)))  # b's slot, 100 positions more: over the budget, so c (idle) is dropped
     assert d is b and not c.tokens and slots.dropped == 1 and slots.used_bytes() <= 250 * per
+
+
+def test_a_running_conversation_growing_past_the_budget_drops_an_idle_one():
+    """A running sequence's cache grows as it generates (beyond the prompt its slot was taken for): once a step takes
+    the slots past the budget, the least recently used idle conversation is dropped (Slots.fit, after every engine
+    step), never the running one; within the budget nothing is."""
+    from quickdraft.runtime.slots import Slot, Slots
+
+    def make():
+        return Slot(KVCache([(1, 4, 0), (1, 4, 1)], 256), None)
+
+    per = make().cache.position_bytes()
+    slots = Slots(make, 2, budget=250 * per)
+    a, _ = slots.take(list(range(100)))
+    a.cache.length, a.tokens, a.busy = 100, list(range(100)), False
+    b, _ = slots.take(list(range(1000, 1100)))  # running: its prompt's 100 positions, then 40 generated
+    b.cache.length = 140
+    slots.fit()
+    assert a.tokens and slots.dropped == 0  # 240 positions: within the budget
+    b.cache.length = 180
+    slots.fit()
+    assert not a.tokens and b.busy and slots.dropped == 1 and slots.used_bytes() == 180 * per

@@ -350,3 +350,26 @@ def test_a_finished_request_gives_the_heap_back(pair, monkeypatch):
     assert len(trims) == 2
     if sys.platform.startswith("linux"):
         assert heap._c(), "glibc's malloc_trim not found"
+
+
+def test_kept_conversations_stay_within_the_budget_while_a_request_generates(pair):
+    """serve --cache-ram on the CPU: a slot is taken for its prompt, and the positions its request then generates are
+    counted as they come (Engine.step ends with Slots.fit): an idle conversation is dropped once they take the slots
+    past the budget, and the answer is the one a cold engine gives."""
+    target, _ = pair
+    engine = Engine(target, 256, slots=2)
+    per = engine.cache.position_bytes()
+    engine.slots.count, engine.slots.budget = 2, 150 * per
+    first = list(SYSTEM[:60])
+    generate(engine, first, GREEDY)  # 80 positions kept, idle
+    long = SamplingParams(max_tokens=80, stop_at_eos=False)
+    peak = []
+    prompt = [(5 * i + 1) % 300 + 10 for i in range(30)]
+    events = []
+    for event in engine.generate(prompt, long, reuse=False):
+        events.append(event)
+        peak.append(engine.slots.used_bytes())
+    assert engine.slots.dropped == 1 and max(peak) <= engine.slots.budget + 64 * per  # (a step's positions at most)
+    assert engine.slots.used_bytes() <= engine.slots.budget
+    got = [e.token for e in events if e.token is not None]
+    assert got == generate(Engine(target, 256), prompt, long, reuse=False)[0]

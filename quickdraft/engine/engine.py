@@ -247,6 +247,7 @@ class Engine:
                 yield s, self.fail(s, e)
             return
         yield from self.conclude(p, logits)
+        self.slots.fit()  # the pass's new positions within --cache-ram: idle conversations dropped as running ones grow
 
     def plan(self, sequences: list[Sequence]) -> Pass:
         """Each sequence's rows for one pass: a decoding sequence's last token and what its drafter proposes (how many

@@ -337,12 +337,19 @@ class Slots:
         self._fit(slot, max(0, len(prompt) - slot.cache.held))
         return slot, n
 
-    def _fit(self, taken: Slot, new: int) -> None:
+    def fit(self) -> None:
+        """Within the budget as running sequences' caches grow (a step's new positions): the least recently used idle
+        slots dropped, as when a slot is taken."""
+        self._fit(None, 0)
+
+    def _fit(self, taken: Slot | None, new: int) -> None:
         """Within the budget once the taken slot holds `new` positions beyond what it held before: drop the least
         recently used idle slots holding memory until it is (what running ones hold is theirs)."""
         if self.budget is None:
             return
-        need = self.used_bytes() + new * taken.cache.position_bytes()
+        need = self.used_bytes() + (new * taken.cache.position_bytes() if taken is not None else 0)
+        if need <= self.budget:
+            return
         holding = (s for s in self.slots if not s.busy and (s.tokens or s.cache.held))
         for victim in sorted(holding, key=lambda s: s.used):
             if need <= self.budget:

@@ -373,3 +373,25 @@ def test_kept_conversations_stay_within_the_budget_while_a_request_generates(pai
     assert engine.slots.used_bytes() <= engine.slots.budget
     got = [e.token for e in events if e.token is not None]
     assert got == generate(Engine(target, 256), prompt, long, reuse=False)[0]
+
+
+def test_a_slot_dropped_during_a_step_serves_the_next_request(pair):
+    """A conversation dropped for the budget in the middle of a batched step (Slots.fit, under inference mode) gets
+    fresh cache tensors; the next request starts in that slot outside inference mode (Batch.add), as the server's
+    worker runs it, and writes into them: ordinary tensors, not inference ones, and the answer a cold engine gives."""
+    from quickdraft.engine import Batch
+
+    target, draft = pair
+    engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256), SPEC, slots=3)
+    per = engine.cache.position_bytes()
+    engine.slots.count, engine.slots.budget = 3, 150 * per
+    batch = Batch(engine, 2)
+    first, second = list(SYSTEM[:60]), [(5 * i + 1) % 300 + 10 for i in range(30)]
+    later = first[:40] + [7] * 20  # shares a beginning with the dropped conversation's slot
+    batch.run([{"prompt": first, "params": GREEDY}])
+    batch.run([{"prompt": second, "params": SamplingParams(max_tokens=80, stop_at_eos=False)}])
+    assert engine.slots.dropped >= 1
+    assert all(not t.is_inference() for s in engine.slots.slots for t in s.cache.k + s.cache.v)
+    (events,) = batch.run([{"prompt": later, "params": GREEDY}])
+    assert [e.token for e in events if e.token is not None] == generate(Engine(target, 256), later, GREEDY,
+                                                                       reuse=False)[0]

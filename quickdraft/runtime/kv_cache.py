@@ -122,13 +122,16 @@ class KVCache:
         batch, capacity, dtype, device = self.shape
         alloc = torch.empty if self.lazy else torch.zeros
         self.k, self.v = [], []
-        for i, (heads, dim, source) in enumerate(self.layout):
-            if source != i:
-                self.k.append(self.k[source])
-                self.v.append(self.v[source])
-                continue
-            self.k.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
-            self.v.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
+        # ordinary tensors whoever asks (a slot dropped for the budget in the middle of a step is released under
+        # inference mode): inference tensors could not be written outside it, where a request starts (Batch.add)
+        with torch.inference_mode(False):
+            for i, (heads, dim, source) in enumerate(self.layout):
+                if source != i:
+                    self.k.append(self.k[source])
+                    self.v.append(self.v[source])
+                    continue
+                self.k.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
+                self.v.append(alloc(batch, heads, capacity, dim, dtype=dtype, device=device))
         self.zeroed = 0 if self.lazy else capacity  # positions from which on the memory may hold anything
 
     @property

@@ -153,7 +153,7 @@ class LLM:
                           final.stats, grammar is not None)
 
 
-def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device: str = "auto", dtype: str = "auto",
+def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str | None = "auto", *, device: str = "auto", dtype: str = "auto",
          weights: str = "auto", context: int | None = None, speculation: SpeculationConfig | None = None,
          draft_device: str | None = None, draft_weights: str = "auto", cuda_graphs: bool = True,
          weight_cache: bool = True, progress: bool | None = None, cache_slots: int = 4,
@@ -161,7 +161,7 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     """Load a target and its draft.
 
     model: an alias (pulled on first use), a .gguf file or a Hugging Face directory. draft: a Draft or its
-    spelling (speculative/draft.py: "auto", "none", "ngram", a model, "ngram+MODEL"); draft_device and
+    spelling (speculative/draft.py: "auto", "none" (or None), "ngram", a model, "ngram+MODEL"); draft_device and
     draft_weights place a draft model given by spelling. device, dtype, weights, context: as EngineConfig's.
     speculation: how much to draft (SpeculationConfig: draft_max, adaptive k, ...). cache_slots: sequences kept
     for prefix reuse (a prompt that begins with what one holds prefills only the rest: a chat's history), each a KV
@@ -174,8 +174,8 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str = "auto", *, device
     engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context, cuda_graphs=cuda_graphs,
                           weight_cache=weight_cache, threads=threads)
     engine = for_this_machine(model, engine, progress)
-    if isinstance(draft, str):
-        draft = Draft.parse(draft, device=draft_device, weights=draft_weights)
+    if isinstance(draft, str) or draft is None:  # None is Python's "no draft": the same as "none"
+        draft = Draft.parse(draft or "none", device=draft_device, weights=draft_weights)
     if cache_slots < 1:
         raise QuickdraftError("{cache_slots} must be at least 1 (the sequence being generated)", "cache_slots")
     warn = warn or (lambda problem: print(f"warning: {problem}", file=sys.stderr))

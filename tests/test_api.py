@@ -72,6 +72,9 @@ def test_generate_defaults_to_auto_and_none_turns_it_off(tiny):
     auto, none = json.loads(cli(*common).stdout), json.loads(cli(*common, "--draft", "none").stdout)
     assert auto["tokens"] == none["tokens"] and auto["spec"] is None and none["spec"] is None
     assert cli(*common, "--draft", "auto").returncode == 0
+    llm = quickdraft.load(str(tiny), None, context=64, progress=False)  # Python's "none", as the CLI's dtype
+    assert llm.draft == Draft.parse("none")
+    assert llm.generate("hi", max_tokens=4, temperature=0, stop_at_eos=False).tokens == none["tokens"]
 
 
 def readme_example() -> str:

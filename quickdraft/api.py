@@ -153,10 +153,10 @@ class LLM:
                           final.stats, grammar is not None)
 
 
-def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str | None = "auto", *, device: str = "auto", dtype: str = "auto",
-         weights: str = "auto", context: int | None = None, speculation: SpeculationConfig | None = None,
-         draft_device: str | None = None, draft_weights: str = "auto", cuda_graphs: bool = True,
-         weight_cache: bool = True, progress: bool | None = None, cache_slots: int = 4,
+def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str | None = "auto", *, device: str = "auto",
+         dtype: str = "auto", weights: str = "auto", context: int | None = None,
+         speculation: SpeculationConfig | None = None, draft_device: str | None = None, draft_weights: str = "auto",
+         cuda_graphs: bool = True, weight_cache: bool = True, progress: bool | None = None, cache_slots: int = 4,
          cache_ram: int | str | None = None, warn=None, threads: int | None = None) -> LLM:
     """Load a target and its draft.
 

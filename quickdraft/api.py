@@ -175,7 +175,7 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str | None = "auto", *,
                           weight_cache=weight_cache, threads=threads)
     engine = for_this_machine(model, engine, progress)
     if isinstance(draft, str) or draft is None:  # None is Python's "no draft": the same as "none"
-        draft = Draft.parse(draft or "none", device=draft_device, weights=draft_weights)
+        draft = Draft.parse("none" if draft is None else draft, device=draft_device, weights=draft_weights)
     if cache_slots < 1:
         raise QuickdraftError("{cache_slots} must be at least 1 (the sequence being generated)", "cache_slots")
     warn = warn or (lambda problem: print(f"warning: {problem}", file=sys.stderr))

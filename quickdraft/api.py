@@ -160,17 +160,16 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str | None = "auto", *,
          cache_ram: int | str | None = None, warn=None, threads: int | None = None) -> LLM:
     """Load a target and its draft.
 
-    model: an alias (pulled on first use), a .gguf file or a Hugging Face directory. draft: a Draft or its
-    spelling (speculative/draft.py: "auto", "none" (or None), "ngram", a model, "ngram+MODEL"); draft_device and
-    draft_weights place a draft model given by spelling. device, dtype, weights, context: as EngineConfig's.
-    speculation: how much to draft (SpeculationConfig: draft_max, adaptive k, ...). cache_slots: sequences kept
-    for prefix reuse (a prompt that begins with what one holds prefills only the rest: a chat's history), each a KV
-    cache of `context` positions for the target and its draft, made when first needed; cache_ram: at most this many
-    bytes ("2G" will do) for them on the CPU (as many conversations kept as fit, up to KEPT_MAX), and on a GPU for
-    the conversations its slots give up, copied to host memory and back when they return. warn(QuickdraftError): what becomes of a
-    warning about the load (the memory plan's; default: printed to stderr). threads: the CPU threads (default: what
-    this machine's kernels run fastest with: weights/machine.py); weights "auto" on such a CPU is the format they
-    decode this model fastest in."""
+    model: an alias (pulled on first use), a .gguf file or a Hugging Face directory. draft: a Draft or its spelling
+    (speculative/draft.py: "auto", "none" (or None), "ngram", a model, "ngram+MODEL"); draft_device and draft_weights
+    place a draft model given by spelling. device, dtype, weights, context: as EngineConfig's. speculation: how much to
+    draft (SpeculationConfig: draft_max, adaptive k, ...). cache_slots: sequences kept for prefix reuse (a prompt that
+    begins with what one holds prefills only the rest: a chat's history), each a KV cache of `context` positions for the
+    target and its draft, made when first needed; cache_ram: at most this many bytes ("2G" will do) for them on the CPU
+    (as many conversations kept as fit, up to KEPT_MAX), and on a GPU for the conversations its slots give up, copied to
+    host memory and back when they return. warn(QuickdraftError): what becomes of a warning about the load (the memory
+    plan's; default: printed to stderr). threads: the CPU threads (default: what this machine's kernels run fastest
+    with: weights/machine.py); weights "auto" on such a CPU is the format they decode this model fastest in."""
     engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context, cuda_graphs=cuda_graphs,
                           weight_cache=weight_cache, threads=threads)
     engine = for_this_machine(model, engine, progress)
@@ -267,7 +266,7 @@ def fitting_slots(target: str, draft: Draft, engine: EngineConfig, slots: int,
         out = memory_plan(target, draft, engine, slots=n)
         if out.fits or n == 1:
             if n < slots and warn is not None:
-                warn(QuickdraftError(f"{slots} kept sequences do not fit on {out.device}: keeping {n} ({{cache_slots}})",
-                                     "cache_slots"))
+                warn(QuickdraftError(f"{slots} kept sequences do not fit on {out.device}: keeping {n} "
+                                     "({cache_slots})", "cache_slots"))
             return out, n
     raise AssertionError("unreachable")

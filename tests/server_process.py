@@ -67,15 +67,25 @@ class HealthWatch:
 class Together:
     """Several `quickdraft serve` processes (ServerProcess, each its argument list) started at once and stopped at
     once: each start is mostly an interpreter importing torch and its model's load, which overlap on two cores as
-    they could not one after another."""
+    they could not one after another. Together.of takes any servers' starts (each a callable giving an object with
+    stop(): llama-server's too)."""
 
     def __init__(self, *argument_lists: tuple, **options):
-        from concurrent.futures import ThreadPoolExecutor
-
         from quickdraft.tools.servers import ServerProcess
 
-        with ThreadPoolExecutor(len(argument_lists)) as pool:
-            futures = [pool.submit(ServerProcess, *args, **options) for args in argument_lists]
+        self._start([lambda args=args: ServerProcess(*args, **options) for args in argument_lists])
+
+    @classmethod
+    def of(cls, *starts) -> "Together":
+        together = cls.__new__(cls)
+        together._start(list(starts))
+        return together
+
+    def _start(self, starts: list) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(starts)) as pool:
+            futures = [pool.submit(start) for start in starts]
         failed = [f.exception() for f in futures if f.exception() is not None]
         self.servers = [f.result() for f in futures if f.exception() is None]
         if failed:

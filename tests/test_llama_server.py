@@ -12,7 +12,8 @@ import pytest
 
 from quickdraft.tools import remote
 from quickdraft.tools.prompts import PROMPTS as BUNDLED
-from quickdraft.tools.servers import LlamaServer
+from quickdraft.tools.servers import LlamaServer, ServerProcess
+from tests.server_process import Together
 
 pytestmark = pytest.mark.slow
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -58,23 +59,14 @@ def tuned(real_model_path, tmp_path_factory):
 def servers(binary, tuned, real_model_path):
     """llama-server plain, llama-server with the exported flags (as they are: it must accept them), and quickdraft serve
     with the same profile, started at once: their loads overlap on two cores as they could not one after another."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from quickdraft.tools.servers import ServerProcess
-
-    with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(LlamaServer, binary, "-m", str(real_model_path(TARGET))),
-                   pool.submit(LlamaServer, binary, *tuned[1]),
-                   pool.submit(ServerProcess, "-m", TARGET, "--profile", str(tuned[0]), "--ctx", "2048")]
-    started = [f.result() for f in futures if f.exception() is None]
+    target = str(real_model_path(TARGET))
+    started = Together.of(lambda: LlamaServer(binary, "-m", target),
+                          lambda: LlamaServer(binary, *tuned[1]),
+                          lambda: ServerProcess("-m", TARGET, "--profile", str(tuned[0]), "--ctx", "2048"))
     try:
-        for f in futures:
-            if f.exception() is not None:
-                raise f.exception()
-        yield started
+        yield started.servers
     finally:
-        for server in started:
-            server.stop()
+        started.stop()
 
 
 def test_bench_url_with_and_without_its_draft(servers):

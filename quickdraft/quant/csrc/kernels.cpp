@@ -608,6 +608,7 @@ constexpr int64_t PAIRS_MAX = 32;
 // chunk loaded once for the kPairs pairs. Weighted values: kValuePairs pairs x kChunks 16-lane chunks of a value row
 // (accumulators), each value chunk loaded once for the kValuePairs pairs. AVX2's 16 registers hold one pair's.
 constexpr int kPositions = 4;  // (score_block's max of a whole block reads 4)
+static_assert(kPositions == 4, "score_block's max of a whole block reads got[0..3]");
 constexpr int kPairs = QD_AVX512 ? 4 : 1;
 constexpr int kValuePairs = QD_AVX512 ? 3 : 1;
 constexpr int kChunks = QD_AVX512 ? 8 : 4;

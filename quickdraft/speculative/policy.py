@@ -20,6 +20,12 @@ from quickdraft.speculative import speed
 # drift. t_plain, timed once per REFRESH rounds while speculation wins, keeps fewer: its samples are far apart.
 WINDOW = 5
 PLAIN_WINDOW = 3
+# A pass's seconds move with the machine's (a neighbour's load, its clock: a quarter over a few seconds here), and a
+# choice compares a plain step timed at one moment with a verification, a drafted token or a catch-up timed at
+# another: each of those (RELATIVE's kinds) is kept as a share of the plain step of its moment, and its seconds are
+# that share of today's plain step. Timed apart, a verification taken in a fast spell against plain steps taken in a
+# slow one looked free (v(1) of 1.0 where a paired timing gave 1.15-1.4 on an AVX2 build) and lost rounds looked won.
+RELATIVE = ("verify", "tree", "draft", "feed")
 CATCH_UP_EMA = 0.1  # weight of a new round in a source's mean catch-up seconds per round (about the last 10)
 DECAY = 0.97  # per-round forgetting of acceptance counts (about the last 30 rounds matter)
 CARRY = 0.2  # a new generation keeps this share of the acceptance counts: a prior, not its text's own
@@ -91,7 +97,7 @@ class AdaptivePolicy:
         # (a draft model after n-gram rounds: one pass over their tokens); paid once per round, whatever its k
         self.t_catch_up: dict[str, float] = {}
         self.t_feed: dict[str, float] = {}  # source -> seconds per token of a catch-up pass (a drafter taking in tokens)
-        self.samples: dict = {}  # timing key -> its last samples (WINDOW of them; PLAIN_WINDOW for "plain")
+        self.samples: dict = {}  # timing key -> its last (seconds, plain step then) (WINDOW; PLAIN_WINDOW for "plain")
         self.places: dict = {}  # timing key -> the sequence's length at each of those samples
         self.place: dict = {}  # timing key -> the mean of those lengths
         self.position = 0  # the length of the sequence the next choice and timings are for (the engine sets it)
@@ -134,15 +140,32 @@ class AdaptivePolicy:
     # ---- measurements -----------------------------------------------------------------------
 
     def _timed(self, key, seconds: float) -> float | None:
-        """The median of key's last few samples, seconds the newest; None while only its warm-up was seen."""
+        """key's timing with `seconds` its newest sample (_value); None while only its warm-up was seen."""
         if not self._warm(key):
             return None
         window = self.samples.setdefault(key, deque(maxlen=PLAIN_WINDOW if key == "plain" else WINDOW))
-        window.append(seconds)
+        relative = key[0] in RELATIVE if isinstance(key, tuple) else False
+        window.append((seconds, self.plain_seconds() if relative else None))
         places = self.places.setdefault(key, deque(maxlen=window.maxlen))
         places.append(self.position)
         self.place[key] = statistics.fmean(places)
-        return statistics.median(window)
+        return self._value(key)
+
+    def _value(self, key) -> float:
+        """The median of key's last few samples: of a RELATIVE kind, the median of their shares of the plain step of
+        their moment, in seconds of a plain step now (at their mean place); else of their seconds (also while a sample
+        was taken before any plain step)."""
+        window = self.samples[key]
+        if self.t_plain and all(ref for _, ref in window):
+            return statistics.median(t / ref for t, ref in window) * self._plain_at(self.place[key])
+        return statistics.median(t for t, _ in window)
+
+    def _rescale(self) -> None:
+        """After a plain step moved t_plain: every RELATIVE timing, in seconds of a plain step now."""
+        for kind, table in (("verify", self.t_verify), ("tree", self.t_tree), ("draft", self.t_draft),
+                            ("feed", self.t_feed)):
+            for name in table:
+                table[name] = self._value((kind, name))
 
     def per_position(self) -> float:
         """Seconds a position of the sequence adds to a row's pass (its attention reading it): the slope between the
@@ -171,12 +194,21 @@ class AdaptivePolicy:
         """A plain step at the sequence's length now: t_plain, moved there."""
         return None if self.t_plain is None else self._moved("plain", 1, self.t_plain)
 
+    def _plain_at(self, position: float) -> float:
+        """A plain step at the sequence's length `position` (t_plain moved there)."""
+        now, self.position = self.position, position
+        try:
+            return self.plain_seconds()
+        finally:
+            self.position = now
+
     def record_plain(self, seconds: float) -> None:
         t = self._timed("plain", seconds)
         if t is not None:
             self.t_plain = t
             self.plain_at.append((self.position, seconds))
             self.t_position = self._slope()
+            self._rescale()
         self.plain_since_round += 1
         self.rounds_since_plain = 0
 

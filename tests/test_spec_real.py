@@ -69,8 +69,12 @@ def _tokens(engine, prompt):
 def test_greedy_speculative_equals_plain_on_real_pair(target, draft, prompts, plain, kind):
     # lookup alone and the draft model alone at a fixed k: whether the adaptive policy probes lookup again after early
     # rejections is a matter of timings (a loaded machine found none accepted in 96 tokens), and whether it starts the
-    # draft model on a short answer a matter of its catch-up's cost: the rounds are what this test needs
-    spec = SpeculationConfig(draft_max=8, adaptive=kind == "combined")
+    # draft model on a short answer a matter of its catch-up's cost: the rounds are what this test needs. The chain
+    # is adaptive with draft_min=1, never plain decoding (left free to, it once found no round worth drafting on the
+    # summary, 0 accepted, on a loaded machine); with no plain step timed it drafts draft_max, its source the first
+    # that has drafts each round
+    combined = kind == "combined"
+    spec = SpeculationConfig(draft_max=4 if combined else 8, adaptive=combined, draft_min=1 if combined else 0)
     drafter = {"draft-model": draft, "ngram": NgramDrafter(), "combined": CombinedDrafter(NgramDrafter(), draft)}[kind]
     engine = Engine(target, 1024, drafter, spec)
     accepted = {}

@@ -86,8 +86,8 @@ def test_verify_reports_what_llama_servers_speculation_does(servers):
     plain, spec, _ = servers
     prompts = {"qa-en": "What causes the seasons on Earth? Answer in a short paragraph.",
                "code-en": "Write a Python function that merges two sorted lists into one sorted list."}
-    itself = remote.verify(remote.Endpoint(plain.url), remote.Endpoint(plain.url), dict(list(prompts.items())[:1]), 48)
-    assert itself["identical"]  # plain against itself, on one prompt: the comparison itself is sound
+    itself = remote.verify(remote.Endpoint(plain.url), remote.Endpoint(plain.url), dict(list(prompts.items())[:1]), 24)
+    assert itself["identical"]  # plain against itself, on one prompt and 24 tokens: the comparison itself is sound
     result = remote.verify(remote.Endpoint(spec.url), remote.Endpoint(plain.url), prompts, 48)
     text = remote.verify_report(result)
     print(text)

@@ -144,7 +144,7 @@ class AdaptivePolicy:
         if not self._warm(key):
             return None
         window = self.samples.setdefault(key, deque(maxlen=PLAIN_WINDOW if key == "plain" else WINDOW))
-        relative = key[0] in RELATIVE if isinstance(key, tuple) else False
+        relative = isinstance(key, tuple) and key[0] in RELATIVE
         window.append((seconds, self.plain_seconds() if relative else None))
         places = self.places.setdefault(key, deque(maxlen=window.maxlen))
         places.append(self.position)
@@ -157,7 +157,8 @@ class AdaptivePolicy:
         was taken before any plain step)."""
         window = self.samples[key]
         if self.t_plain and all(ref for _, ref in window):
-            return statistics.median(t / ref for t, ref in window) * self._plain_at(self.place[key])
+            share = statistics.median(t / ref for t, ref in window)
+            return share * self._moved("plain", 1, self.t_plain, self.place[key])  # a plain step at their place
         return statistics.median(t for t, _ in window)
 
     def _rescale(self) -> None:
@@ -184,24 +185,18 @@ class AdaptivePolicy:
             return 0.0
         return max(0.0, (statistics.median(t for _, t in high) - statistics.median(t for _, t in low)) / apart)
 
-    def _moved(self, key, rows: int, seconds: float) -> float:
-        """A timing of `rows` rows, taken at the lengths its samples were, moved to the sequence's length now."""
+    def _moved(self, key, rows: int, seconds: float, position: float | None = None) -> float:
+        """A timing of `rows` rows, taken at the lengths its samples were, moved to the sequence's length `position`
+        (default: now)."""
         if key not in self.place or not self.t_position:
             return seconds
+        position = self.position if position is None else position
         # at least MOVED_MIN of what was measured: moved far down, a slope learned from noisy steps could reach 0
-        return max(seconds + rows * self.t_position * (self.position - self.place[key]), MOVED_MIN * seconds)
+        return max(seconds + rows * self.t_position * (position - self.place[key]), MOVED_MIN * seconds)
 
     def plain_seconds(self) -> float | None:
         """A plain step at the sequence's length now: t_plain, moved there."""
         return None if self.t_plain is None else self._moved("plain", 1, self.t_plain)
-
-    def _plain_at(self, position: float) -> float:
-        """A plain step at the sequence's length `position` (t_plain moved there)."""
-        now, self.position = self.position, position
-        try:
-            return self.plain_seconds()
-        finally:
-            self.position = now
 
     def record_plain(self, seconds: float) -> None:
         t = self._timed("plain", seconds)

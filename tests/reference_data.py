@@ -48,10 +48,9 @@ def _llama_version() -> dict:
 
 
 def llama_server() -> None:
-    import httpx
-
     from quickdraft.tools import llamacpp
     from quickdraft.tools.servers import LlamaServer
+    from tests import loopback
     from tests.helpers import PROMPT
     from tests.test_hybrid_gguf import build
 
@@ -66,7 +65,7 @@ def llama_server() -> None:
             llamacpp.convert(Path(tmp) / "hf", hybrid_file(name), "f32", *flags, pre=pre)
         server = LlamaServer(llamacpp.server_binary(), "-m", str(hybrid_file(name)), "--temp", "0")
         try:
-            reply = httpx.post(f"{server.url}/completion", json={
+            reply = loopback.post(f"{server.url}/completion", json={
                 "prompt": PROMPT, "n_predict": GREEDY_N, "temperature": 0, "top_k": 1, "return_tokens": True,
                 "cache_prompt": False, "ignore_eos": True}, timeout=300).json()
         finally:

@@ -10,6 +10,8 @@ import time
 
 import httpx
 
+from tests import loopback
+
 
 def event_loop_tasks(url: str, headers: dict) -> int:
     """asyncio tasks alive on the server's event loop (its /metrics gauge)."""
@@ -17,7 +19,7 @@ def event_loop_tasks(url: str, headers: dict) -> int:
 
 
 def metric(url: str, headers: dict, name: str) -> float:
-    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    text = loopback.get(url + "/metrics", headers=headers, timeout=30).text
     return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
 
 

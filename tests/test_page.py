@@ -12,9 +12,9 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests import loopback
 from quickdraft.tools.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -143,8 +143,8 @@ def test_the_page_loads_with_no_network_and_asks_for_the_key_once(page, server):
     wait(lambda: MODEL in page.find_element("id", "model").text, 30, "the model's name after a reload")
     assert not page.find_element("id", "key-dialog").is_displayed()
     # the page needs no key, the API still does
-    assert httpx.get(server.url + "/").status_code == 200
-    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert loopback.get(server.url + "/").status_code == 200
+    assert loopback.get(server.url + "/v1/models").status_code == 401
 
 
 def test_an_answer_streams_with_its_tokens_coloured_by_source(page, shots):

@@ -7,11 +7,11 @@ import socket
 import threading
 import time
 
-import httpx
 import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from tests import loopback
 from tests.helpers import gbnf_chain, lark_chain, ref_chain, tiny_hf_model, write_gguf_from_hf
 from quickdraft.tools.servers import ServerProcess
 
@@ -37,7 +37,7 @@ def server(tmp_path_factory):
 
 def post(server, body, route="/v1/completions", **kw):
     content = body if isinstance(body, bytes) else json.dumps(body)
-    return httpx.post(server.url + route, content=content, headers={**AUTH, "Content-Type": "application/json"},
+    return loopback.post(server.url + route, content=content, headers={**AUTH, "Content-Type": "application/json"},
                       timeout=120, **kw)
 
 
@@ -147,13 +147,13 @@ def test_a_queued_request_whose_client_left_frees_its_place_at_once(server):
 
 def test_requests_addressed_to_another_host_are_refused(server):
     """DNS rebinding: a page on a hostile domain resolving to 127.0.0.1 sends that domain as its Host."""
-    r = httpx.get(server.url + "/health", headers={"Host": "evil.example:8000"}, timeout=10)
+    r = loopback.get(server.url + "/health", headers={"Host": "evil.example:8000"}, timeout=10)
     assert r.status_code == 403 and "--allowed-host" in r.json()["error"]["message"]
-    assert httpx.post(server.url + "/v1/completions", headers={"Host": "evil.example", **AUTH},
+    assert loopback.post(server.url + "/v1/completions", headers={"Host": "evil.example", **AUTH},
                       json={"prompt": "x", "max_tokens": 1}, timeout=10).status_code == 403
     port = server.url.rsplit(":", 1)[1]
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
-        assert httpx.get(server.url + "/health", headers={"Host": host}, timeout=10).status_code == 200
+        assert loopback.get(server.url + "/health", headers={"Host": host}, timeout=10).status_code == 200
 
 
 def test_a_client_that_leaves_mid_body_is_not_an_error_of_ours(server):

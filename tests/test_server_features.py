@@ -6,11 +6,11 @@ chunk, tools refused) has a test here. The model is random: every valid call or 
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
+from tests import loopback
 from tests.helpers import add_noise, tiny_hf_model, write_gguf_from_hf
 from quickdraft.tools.servers import ServerProcess
 
@@ -51,7 +51,7 @@ def client(server):
 
 
 def post(server, route, body, headers=None):
-    return httpx.post(server.url + route, json=body, headers={**AUTH, **(headers or {})}, timeout=120)
+    return loopback.post(server.url + route, json=body, headers={**AUTH, **(headers or {})}, timeout=120)
 
 
 # ---- CORS ---------------------------------------------------------------------------------------------------
@@ -61,14 +61,14 @@ PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-He
 
 @pytest.mark.parametrize("origin", ["http://localhost:5173", "http://127.0.0.1:3000", "https://app.example.org"])
 def test_a_browser_preflight_is_answered_before_the_key_check(server, origin):
-    r = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": origin, **PREFLIGHT}, timeout=30)
+    r = loopback.options(server.url + "/v1/chat/completions", headers={"Origin": origin, **PREFLIGHT}, timeout=30)
     assert r.status_code == 200, r.text  # the old server: 401 (the key check) or 405
     assert r.headers["access-control-allow-origin"] == origin
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
 
 
 def test_an_origin_not_allowed_gets_no_cors_headers(server):
-    r = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **PREFLIGHT},
+    r = loopback.options(server.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **PREFLIGHT},
                       timeout=30)
     assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, {"Origin": "https://evil.example"})
@@ -77,7 +77,7 @@ def test_an_origin_not_allowed_gets_no_cors_headers(server):
 
 def test_a_cross_origin_request_still_needs_the_key(server):
     origin = {"Origin": "http://localhost:5173"}
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=origin, timeout=30)
+    r = loopback.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=origin, timeout=30)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == origin["Origin"]  # readable refusal
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, origin)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == origin["Origin"]
@@ -259,16 +259,16 @@ def test_the_server_still_serves(client):
 # ---- the chat page: its files without the key, the speculation trace it colours tokens by ---------------------
 
 def test_the_chat_page_is_served_without_the_key_and_fetches_nothing_elsewhere(server):
-    r = httpx.get(server.url + "/", timeout=30)
+    r = loopback.get(server.url + "/", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in r.headers["content-security-policy"]
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
-        f = httpx.get(f"{server.url}/page/{name}", timeout=30)
+        f = loopback.get(f"{server.url}/page/{name}", timeout=30)
         assert f.status_code == 200 and f.headers["content-type"].startswith(kind) and f"page/{name}" in r.text
         assert "http://" not in f.text and "https://" not in f.text  # no CDN, no font, no script from elsewhere
     for path in ("/page/../app.py", "/page/%2e%2e%2fapp.py", "/page/nothere.js"):
-        assert httpx.get(server.url + path, timeout=30).status_code in (401, 404)  # only the page's own files
-    assert httpx.get(server.url + "/v1/models", timeout=30).status_code == 401  # the API still needs it
+        assert loopback.get(server.url + path, timeout=30).status_code in (401, 404)  # only the page's own files
+    assert loopback.get(server.url + "/v1/models", timeout=30).status_code == 401  # the API still needs it
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -329,10 +329,10 @@ def test_the_api_pages_are_off_and_the_key_must_come_as_a_bearer_token(server):
     """FastAPI's /docs, /redoc and /openapi.json are not served (serve --api-docs turns them on: their pages load
     scripts from a public CDN); the key is accepted as "Bearer KEY" only, as OpenAI sends it."""
     for route in ("/docs", "/redoc", "/openapi.json"):
-        assert httpx.get(server.url + route, headers=AUTH, timeout=30).status_code == 404, route
-    bare = httpx.get(server.url + "/v1/models", headers={"Authorization": KEY}, timeout=30)
+        assert loopback.get(server.url + route, headers=AUTH, timeout=30).status_code == 404, route
+    bare = loopback.get(server.url + "/v1/models", headers={"Authorization": KEY}, timeout=30)
     assert bare.status_code == 401 and "Bearer" in bare.json()["error"]["message"]
-    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=30).status_code \
+    assert loopback.get(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=30).status_code \
         == 200
 
 
@@ -374,7 +374,7 @@ def test_requests_at_once_get_what_each_gets_alone(server):
         return r.json()["choices"][0]["text"]
 
     def rows_counted():
-        metrics = httpx.get(server.url + "/metrics", headers=AUTH, timeout=30).text
+        metrics = loopback.get(server.url + "/metrics", headers=AUTH, timeout=30).text
         return {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
                 if line.startswith("quickdraft_batch_rows_")}
 

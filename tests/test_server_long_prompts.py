@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from tests import loopback
 from tests.server_process import Together, metric
 
 MODEL = "smollm2-135m"
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 def complete(server, prompt: str, max_tokens: int, **extra) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
+    r = loopback.post(server.url + "/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -28,7 +29,7 @@ def complete(server, prompt: str, max_tokens: int, **extra) -> dict:
 def first_token_at(server, prompt: str, out: dict, key: str) -> None:
     """Stream a completion of prompt; out[key] = the time its first token arrived."""
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, "cache_prompt": False}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
+    with loopback.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and '"text"' in line:
                 out[key] = time.perf_counter()
@@ -75,7 +76,7 @@ def test_a_client_that_leaves_during_a_prefill_stops_it_at_the_next_chunk(server
     before = passes()
     body = {"prompt": LONG + "Once more: ", "max_tokens": 4, "temperature": 0, "cache_prompt": False}
     try:
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        loopback.post(server.url + "/v1/completions", json=body, timeout=0.5)
     except httpx.TimeoutException:
         pass  # the client is gone
     deadline = time.perf_counter() + 30

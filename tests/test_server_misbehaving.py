@@ -9,10 +9,10 @@ import socket
 import threading
 import time
 
-import httpx
 import psutil
 import pytest
 
+from tests import loopback
 from tests.helpers import gbnf_chain, tiny_hf_model, write_gguf_from_hf
 from quickdraft.tools.servers import ServerProcess
 from tests.server_process import HealthWatch, event_loop_tasks, metric, raw_socket, request_bytes
@@ -42,7 +42,7 @@ def rss(server) -> int:
 
 def post(server, body, route="/v1/completions", headers=None, **kw):
     content = body if isinstance(body, bytes) else json.dumps(body)
-    return httpx.post(server.url + route, content=content,
+    return loopback.post(server.url + route, content=content,
                       headers={**AUTH, "Content-Type": "application/json", **(headers or {})}, timeout=300, **kw)
 
 
@@ -300,7 +300,7 @@ def test_a_browser_body_that_is_not_declared_json_is_refused(server, content_typ
     """A page on another site can make the browser POST text/plain (or form data, or a Blob with no type) without a
     preflight: such a request must not start a completion. Browsers mark it (Origin, Sec-Fetch-Site)."""
     headers = {**AUTH, **BROWSER[browser], **({"Content-Type": content_type} if content_type else {})}
-    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
+    r = loopback.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
                    headers=headers, timeout=30)
     print(f"\n{browser}, Content-Type {content_type}: HTTP {r.status_code} {r.text[:150]}")
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"], r.text
@@ -313,7 +313,7 @@ def test_a_browser_body_that_is_not_declared_json_is_refused(server, content_typ
 def test_clients_that_are_not_browsers_need_no_content_type(server, content_type):
     """curl -d (form-urlencoded) and fetch or scripts without headers: no page's tool, answered as JSON."""
     headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
-    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
+    r = loopback.post(server.url + "/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
                    headers=headers, timeout=30)
     assert r.status_code == 200, r.text
 

@@ -6,11 +6,11 @@ accepted and rejected), with n-gram lookup in front.
 
 import time
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import loopback
 from quickdraft.tools.servers import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -158,7 +158,7 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(client, server):
 def test_a_client_that_disconnects_frees_the_engine_at_once(server, client):
     body = {"model": MODEL, "prompt": "Count from one to a thousand:", "max_tokens": 900, "ignore_eos": True,
             "stream": True, "temperature": 0}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+    with loopback.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i == 6:
                 break  # leave after a few tokens; 900 tokens would take half a minute or more

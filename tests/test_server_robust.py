@@ -9,10 +9,10 @@ import re
 import string
 import threading
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
+from tests import loopback
 from tests.helpers import tiny_hf_model, write_gguf_from_hf
 from quickdraft.tools.servers import ServerProcess
 
@@ -33,7 +33,7 @@ def server(tmp_path_factory):
 
 def post(server, route, body, **kw):
     content = body if isinstance(body, bytes) else json.dumps(body)
-    return httpx.post(server.url + route, content=content, headers={**AUTH, "Content-Type": "application/json"},
+    return loopback.post(server.url + route, content=content, headers={**AUTH, "Content-Type": "application/json"},
                       timeout=60, **kw)
 
 
@@ -44,7 +44,7 @@ def test_health_is_open_and_everything_else_needs_the_key(server):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert server.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert server.get(path, headers=AUTH).status_code == 200
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    r = loopback.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 401
 
 

@@ -13,6 +13,7 @@ import httpx
 import psutil
 import pytest
 
+from tests import loopback
 from tests.helpers import tiny_hf_model, write_gguf_from_hf
 from quickdraft.tools.servers import ServerProcess
 from tests.server_process import HealthWatch, event_loop_tasks, raw_socket, request_bytes
@@ -120,7 +121,7 @@ def client_loop(url: str, references: dict, deadline: float, seed: int, tally: T
 
 def settle(url: str) -> None:
     deadline = time.monotonic() + 30
-    while httpx.get(url + "/health", timeout=30).json() != {"status": "ok", "waiting": 0, "running": False}:
+    while loopback.get(url + "/health", timeout=30).json() != {"status": "ok", "waiting": 0, "running": False}:
         assert time.monotonic() < deadline, "the server did not settle"
         time.sleep(0.1)
 

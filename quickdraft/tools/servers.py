@@ -15,6 +15,8 @@ import time
 
 import httpx
 
+from quickdraft.tools.remote import tls
+
 
 class ServerProcess:
     def __init__(self, *args: str, startup_timeout: float = 300, cwd=None):
@@ -48,7 +50,7 @@ class ServerProcess:
         return self.proc.pid
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kw)
+        return httpx.get(self.url + path, timeout=30, **{"verify": tls(), **kw})
 
     def stderr(self) -> str:
         self.log.seek(0)
@@ -90,7 +92,7 @@ class LlamaServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=5, verify=tls()).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -26,6 +26,7 @@ import httpx
 
 from quickdraft.tools import conversation, llamacpp, remote
 from quickdraft.weights import hub
+from quickdraft.tools.remote import tls
 from quickdraft.tools.servers import LlamaServer, ServerProcess
 from quickdraft.tools.runs import Figures, machine
 
@@ -99,7 +100,7 @@ def prefill(args, target: Path) -> list[tuple[int, float, float, float]]:
         for n, ids in prompts.items():
             for run in range(args.runs + 1):
                 reply = httpx.post(f"{server.url}/completion", json={"prompt": ids, "n_predict": 1, "cache_prompt": False,
-                                                                     "temperature": 0}, timeout=900).json()
+                                                                     "temperature": 0}, timeout=900, verify=tls()).json()
                 if run:  # the first is a warm-up
                     figures.add(("llama-server", n), reply["timings"]["prompt_per_second"])
             print(f"bench_conversation: llama-server prefill {n}: {figures.median(('llama-server', n)):.1f} tok/s",

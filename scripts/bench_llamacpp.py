@@ -45,9 +45,11 @@ def server_decode(url: str, prompt: list[int], n: int) -> tuple[float, list[int]
     drafts it accepted (None without a draft)."""
     import httpx
 
+    from quickdraft.tools.remote import tls
+
     reply = httpx.post(f"{url}/completion", json={
         "prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "repeat_penalty": 1.0, "return_tokens": True,
-        "cache_prompt": False, "ignore_eos": True}, timeout=600).json()
+        "cache_prompt": False, "ignore_eos": True}, timeout=600, verify=tls()).json()
     t = reply["timings"]
     drafted = t.get("draft_n") or 0
     return t["predicted_per_second"], reply["tokens"], (t.get("draft_n_accepted", 0) / drafted if drafted else None)

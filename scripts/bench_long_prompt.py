@@ -16,6 +16,7 @@ import time
 
 import httpx
 
+from quickdraft.tools.remote import tls
 from quickdraft.tools.runs import Figures, machine
 from quickdraft.tools.servers import ServerProcess
 
@@ -23,13 +24,13 @@ SENTENCE = "The quick brown fox jumps over the lazy dog while the cat watches fr
 
 
 def running(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = httpx.get(url + "/metrics", timeout=30, verify=tls()).text
     return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("quickdraft_num_requests_running ")))
 
 
 def first_token(url: str, prompt: str, out: dict, key: str) -> None:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, "cache_prompt": False}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900, verify=tls()) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and '"text"' in line:
                 out[key] = time.perf_counter()
@@ -40,7 +41,7 @@ def hold(url: str, prompt: str, held: dict) -> None:
     """A streamed request of prompt, held open until held["response"] is closed."""
     body = {"prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True, "cache_prompt": False}
     try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900, verify=tls()) as r:
             held["response"] = r
             for _ in r.iter_lines():
                 pass
@@ -73,7 +74,7 @@ def main() -> int:
     with ServerProcess("-m", args.m, "--draft", args.draft, "--ctx", args.ctx) as server:
         url = server.url
         tokens = httpx.post(url + "/v1/completions", json={"prompt": SENTENCE * args.repeat, "max_tokens": 1},
-                            timeout=900).json()["usage"]["prompt_tokens"]
+                            timeout=900, verify=tls()).json()["usage"]["prompt_tokens"]
         figures = Figures()  # seconds by "short" (its first token) and "busy" (the engine after the client left)
         for i in range(args.tries):
             times: dict = {}
@@ -97,7 +98,7 @@ def main() -> int:
         for i in range(args.tries):
             body = {"prompt": f"Leave {i}. " + SENTENCE * args.repeat, "max_tokens": 4, "cache_prompt": False}
             try:
-                httpx.post(url + "/v1/completions", json=body, timeout=args.after)
+                httpx.post(url + "/v1/completions", json=body, timeout=args.after, verify=tls())
             except httpx.TimeoutException:
                 pass  # the client is gone
             figures.add("busy", wait_idle(url))

@@ -34,6 +34,7 @@ import httpx
 import quickdraft
 from quickdraft.config import SamplingParams, SpeculationConfig
 from quickdraft.tools import prompts as bundled
+from quickdraft.tools.remote import tls
 from quickdraft.tools.runs import Figures, machine, rotated
 from quickdraft.weights import hub
 
@@ -63,7 +64,7 @@ def _request(url: str, prompt: list[int], n: int, temperature: float) -> tuple[f
     reply = httpx.post(f"{url}/completion", json={
         "prompt": prompt, "n_predict": n, "temperature": temperature, "seed": SEED, "repeat_penalty": 1.0,
         "top_k": 1 if temperature == 0 else 40, "top_p": 1.0, "min_p": 0.0, "return_tokens": True,
-        "cache_prompt": True, "ignore_eos": True}, timeout=3600).json()
+        "cache_prompt": True, "ignore_eos": True}, timeout=3600, verify=tls()).json()
     t = reply["timings"]
     return t["predicted_per_second"], reply["tokens"], t["prompt_ms"] / 1000
 

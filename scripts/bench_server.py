@@ -14,6 +14,7 @@ import sys
 
 import httpx
 
+from quickdraft.tools.remote import tls
 from quickdraft.tools.servers import ServerProcess
 from quickdraft.tools.runs import Figures, machine, rotated
 
@@ -44,7 +45,7 @@ def main() -> int:
                 for config, spec in rotated([("off", {"draft_max": 0}), ("on", None)], run):
                     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
                             "temperature": 0, **({"speculative": spec} if spec else {})}
-                    r = httpx.post(url, json=body, timeout=600).json()
+                    r = httpx.post(url, json=body, timeout=600, verify=tls()).json()
                     if run:
                         results[config].append((r["timings"], r["choices"][0]["message"]["content"]))
                         figures.add((name, config, "tok/s"), r["timings"]["predicted_per_second"])

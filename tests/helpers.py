@@ -23,6 +23,20 @@ def tokens_of(engine, params, prompt=PROMPT):
     return [e.token for e in events if e.token is not None], events[-1]
 
 
+_PLAIN: dict = {}
+
+
+def plain_tokens(source, config, target, params, prompt=PROMPT) -> list[int]:
+    """Plain decoding's tokens of prompt on target (the model at `source` loaded with `config`), decoded once per
+    source, config, sampling, prompt and thread count: every drafter checked against it meets the same answer."""
+    from quickdraft.engine import Engine
+
+    key = (str(source), repr(config), repr(params), tuple(prompt), torch.get_num_threads())
+    if key not in _PLAIN:
+        _PLAIN[key] = tokens_of(Engine(target, 256), params, prompt)[0]
+    return _PLAIN[key]
+
+
 def run(*args, env=None):
     """`quickdraft ARGS` in a subprocess."""
     return subprocess.run([sys.executable, "-m", "quickdraft", *args], capture_output=True, text=True,

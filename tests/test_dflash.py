@@ -17,7 +17,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, in_a_batch, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.helpers import PROMPT, in_a_batch, plain_tokens, save_hf_dir, tiny_hf_model, tokens_of as run
 
 try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence fails the suite, never skips it
     import dflash.model as dflash_ref
@@ -206,11 +206,11 @@ def test_seeded_speculation_and_lookup_in_front_equal_plain(target_dir, drafter_
     spec = SpeculationConfig(draft_max=4, adaptive=False)
     for params in (SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=40, stop_at_eos=False),
                    SamplingParams(temperature=0.7, seed=11, max_tokens=40, stop_at_eos=False, repetition_penalty=1.2)):
-        plain, _ = run(Engine(target, 256), params)
+        plain = plain_tokens(tdir, config, target, params)
         ours, final = run(Engine(target, 256, build(target, path, config, spec), spec), params)
         assert ours == plain and final.stats.draft_n > 0
     greedy = SamplingParams(max_tokens=40, stop_at_eos=False)
-    plain, _ = run(Engine(target, 256), greedy)
+    plain = plain_tokens(tdir, config, target, greedy)
     combined = build(target, path, config, SpeculationConfig(), text=f"ngram+{path}")
     assert combined.reads_hidden and combined.per_round == ("dflash",)
     ours, final = run(Engine(target, 256, combined, SpeculationConfig()), greedy)

@@ -20,7 +20,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.weights.loader import load_model
-from tests.helpers import PROMPT, assert_resent_and_batched_equal_plain, save_hf_dir, tiny_hf_model, tokens_of as run
+from tests.helpers import (PROMPT, assert_resent_and_batched_equal_plain, plain_tokens, save_hf_dir, tiny_hf_model,
+                           tokens_of as run)
 
 try:  # the suite's setup installs it (scripts/setup-venv.sh test): its absence fails the suite, never skips it
     import speculators.models.dflash.core as dflash_core
@@ -242,7 +243,7 @@ def test_speculation_equals_plain(target_dir, drafter_dir, config):
              (SamplingParams(temperature=0.7, seed=11, max_tokens=40, stop_at_eos=False, repetition_penalty=1.2),
               SpeculationConfig(draft_max=4, adaptive=False, p_min=0.5))]
     for params, spec in cases:
-        plain, _ = run(Engine(target, 256), params)
+        plain = plain_tokens(tdir, config, target, params)
         ours, final = run(Engine(target, 256, build(target, path, config, spec), spec), params)
         assert ours == plain and final.stats.draft_n > 0
 

@@ -1,5 +1,6 @@
-"""httpx's one-call functions (get, post, options, stream) with one TLS context built once (quickdraft.tools.remote.tls):
-given none, each call builds its own from the CA bundle, 25-40 ms of CPU a request, and the server tests make hundreds."""
+"""httpx's one-call functions (get, post, options, stream) with one TLS context built once
+(quickdraft.tools.remote.tls): given none, each call builds its own from the CA bundle, 25-40 ms of CPU a request, and
+the server tests make hundreds."""
 
 from __future__ import annotations
 

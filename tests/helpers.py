@@ -26,14 +26,16 @@ def tokens_of(engine, params, prompt=PROMPT):
 _PLAIN: dict = {}
 
 
-def plain_tokens(source, config, target, params, prompt=PROMPT) -> list[int]:
-    """Plain decoding's tokens of prompt on target (the model at `source` loaded with `config`), decoded once per
-    source, config, sampling, prompt and thread count: every drafter checked against it meets the same answer."""
+def plain_tokens(target, params, prompt=PROMPT, answer=tokens_of) -> list:
+    """Plain decoding's answer (answer(engine, params, prompt)[0]: tokens_of's tokens by default) on target, decoded
+    once per model file, format, dtype, sampling, prompt and thread count: every drafter checked against it meets the
+    same answer."""
     from quickdraft.engine import Engine
 
-    key = (str(source), repr(config), repr(params), tuple(prompt), torch.get_num_threads())
+    key = (str(target.path), target.weights, str(target.model.dtype), repr(params), tuple(prompt),
+           torch.get_num_threads(), answer)
     if key not in _PLAIN:
-        _PLAIN[key] = tokens_of(Engine(target, 256), params, prompt)[0]
+        _PLAIN[key] = answer(Engine(target, 256), params, prompt)[0]
     return _PLAIN[key]
 
 

@@ -206,11 +206,11 @@ def test_seeded_speculation_and_lookup_in_front_equal_plain(target_dir, drafter_
     spec = SpeculationConfig(draft_max=4, adaptive=False)
     for params in (SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=40, stop_at_eos=False),
                    SamplingParams(temperature=0.7, seed=11, max_tokens=40, stop_at_eos=False, repetition_penalty=1.2)):
-        plain = plain_tokens(tdir, config, target, params)
+        plain = plain_tokens(target, params)
         ours, final = run(Engine(target, 256, build(target, path, config, spec), spec), params)
         assert ours == plain and final.stats.draft_n > 0
     greedy = SamplingParams(max_tokens=40, stop_at_eos=False)
-    plain = plain_tokens(tdir, config, target, greedy)
+    plain = plain_tokens(target, greedy)
     combined = build(target, path, config, SpeculationConfig(), text=f"ngram+{path}")
     assert combined.reads_hidden and combined.per_round == ("dflash",)
     ours, final = run(Engine(target, 256, combined, SpeculationConfig()), greedy)

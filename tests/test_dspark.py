@@ -243,7 +243,7 @@ def test_speculation_equals_plain(target_dir, drafter_dir, config):
              (SamplingParams(temperature=0.7, seed=11, max_tokens=40, stop_at_eos=False, repetition_penalty=1.2),
               SpeculationConfig(draft_max=4, adaptive=False, p_min=0.5))]
     for params, spec in cases:
-        plain = plain_tokens(tdir, config, target, params)
+        plain = plain_tokens(target, params)
         ours, final = run(Engine(target, 256, build(target, path, config, spec), spec), params)
         assert ours == plain and final.stats.draft_n > 0
 

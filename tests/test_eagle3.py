@@ -194,11 +194,11 @@ def test_speculation_equals_plain(target_dir, head_dir, config):
              (SamplingParams(temperature=0.7, seed=11, max_tokens=40, stop_at_eos=False, repetition_penalty=1.2),
               SpeculationConfig(draft_max=3, adaptive=False))]
     for params, spec in cases:
-        plain = plain_tokens(tdir, config, target, params)
+        plain = plain_tokens(target, params)
         ours, final = run(Engine(target, 256, build(target, path, config, spec), spec), params)
         assert ours == plain and final.stats.draft_n > 0 and "eagle3" in final.stats.sources
     greedy = SamplingParams(max_tokens=40, stop_at_eos=False)
-    plain = plain_tokens(tdir, config, target, greedy)
+    plain = plain_tokens(target, greedy)
     combined = build(target, path, config, SpeculationConfig(), text=f"ngram+{path}")
     assert combined.reads_hidden
     ours, _ = run(Engine(target, 256, combined, SpeculationConfig()), greedy)

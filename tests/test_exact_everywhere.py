@@ -21,7 +21,7 @@ from quickdraft.quant import avx2, vnni
 from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.weights.loader import load_model
 from tests import test_batch, test_prefix_reuse
-from tests.helpers import PROMPT, add_noise, byte_level_pair, drafter, save_hf_dir, tiny_hf_model
+from tests.helpers import PROMPT, add_noise, byte_level_pair, drafter, plain_tokens, save_hf_dir, tiny_hf_model
 
 # name: (compute dtype, threads, weights, the int kernels' build it needs (None: any))
 COMPUTE = {"float32-3-threads": ("float32", 3, "bf16", None), "bf16-4-threads": ("bfloat16", 4, "bf16", None),
@@ -82,16 +82,6 @@ def scored(engine, params, prompt=PROMPT):
     return [(e.token, e.logprob, e.top_logprobs) for e in events if e.token is not None], events[-1].stats
 
 
-_PLAIN = {}  # (target's id, params) -> (target, plain decoding's scored tokens): every drafter and chain meets the same
-
-
-def plain_of(target, params):
-    key = (id(target), repr(params))
-    if key not in _PLAIN:  # (the target is kept with its answer, so that its id stays its own)
-        _PLAIN[key] = target, scored(Engine(target, 256), params)[0]
-    return _PLAIN[key][1]
-
-
 @pytest.mark.parametrize("kind", ["draft", "ngram", "combined"])
 @pytest.mark.parametrize("case", list(SCORED))
 def test_speculation_gives_plain_decodings_logprobs(compute, kind, case):
@@ -103,7 +93,7 @@ def test_speculation_gives_plain_decodings_logprobs(compute, kind, case):
         if kind == "ngram" and name == "tree":
             continue  # lookup proposes chains alone
         params = SCORED[case] if name != "tree" else dataclasses.replace(SCORED[case], logprobs=None)
-        plain = plain_of(target, params)
+        plain = plain_tokens(target, params, answer=scored)
         ours, stats = scored(Engine(target, 256, drafter(kind, target, draft), spec), params)
         assert ours == plain, (kind, name)
         assert stats.rounds > 0 or (kind, case) == ("ngram", "seeded"), (kind, name)  # sampled text: no repeats

@@ -163,8 +163,8 @@ class AdaptivePolicy:
 
     def _rescale(self) -> None:
         """After a plain step moved t_plain: every RELATIVE timing, in seconds of a plain step now."""
-        for kind, table in (("verify", self.t_verify), ("tree", self.t_tree), ("draft", self.t_draft),
-                            ("feed", self.t_feed)):
+        for kind in RELATIVE:
+            table = getattr(self, f"t_{kind}")  # t_verify, t_tree, t_draft, t_feed
             for name in table:
                 if (kind, name) in self.samples:  # (a value set from outside, as tests do, has none: kept)
                     table[name] = self._value((kind, name))

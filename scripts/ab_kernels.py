@@ -77,8 +77,11 @@ def main() -> int:
         if (reason := vnni.BUILDS[isa].reason()) is not None:
             raise SystemExit(f"the {isa} kernels do not run here: {reason}")
     names = ["kernels.cpp", "simd.h"]
-    base = {n: subprocess.run(["git", "show", f"{args.base}:{CSRC / n}"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout for n in names}
+    shown = {n: subprocess.run(["git", "show", f"{args.base}:{CSRC / n}"], cwd=ROOT, capture_output=True, text=True)
+             for n in names}
+    if shown["kernels.cpp"].returncode != 0:
+        raise SystemExit(f"{args.base} has no {CSRC / 'kernels.cpp'}: {shown['kernels.cpp'].stderr.strip()}")
+    base = {n: r.stdout for n, r in shown.items() if r.returncode == 0}  # (simd.h came later than kernels.cpp)
     tree = {n: (ROOT / CSRC / n).read_text() for n in names}
     with tempfile.TemporaryDirectory(prefix="quickdraft-ab-") as tmp:
         ops = {"base": build("base", base, vnni.BUILDS[base_isa].flags, Path(tmp)),

@@ -1,9 +1,9 @@
 """A denser int4, measured before it was built (built later, and slower: docs/performance.md): each group's scale
 and low as 8-bit codes times a scale per block of 8 groups (256 weights), 4.625 bits a weight against today's 5 (an
-fp16 scale and low per 32). Prints the weights' squared
-error against a GGUF file's own (its Q4_K tensors dequantized), for today's fp16 grids and for the coded ones, with each
-block's scale chosen two ways: its largest value over 255 (or 127), and the largest divisor up to 255 (or 127) of which
-all 8 values are whole multiples and which is exact in fp16 (what a Q4_K block's d over a power of two is).
+fp16 scale and low per 32). Prints the weights' squared error against a GGUF file's own (its Q4_K tensors
+dequantized), for today's fp16 grids and for the coded ones, with each block's scale chosen two ways: its largest
+value over 255 (or 127), and the largest divisor up to 255 (or 127) of which all 8 values are whole multiples and which
+is exact in fp16 (what a Q4_K block's d over a power of two is).
 docs/performance.md ("On a CPU without AVX-512") has its figures.
 
     python scripts/check_int4_codes.py [--model qwen2.5-coder-1.5b] [--every 4]

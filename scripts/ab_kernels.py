@@ -2,8 +2,8 @@
 """Two versions of quickdraft's CPU kernels (csrc/kernels.cpp with csrc/simd.h) side by side in one process: the
 working tree's and a git revision's (or the same source built for two instruction sets: `--base-isa`), each built
 under an operator namespace of its own, their int4 and int8 linear layers called in turn on the same weights, rep
-after rep. A kernel change worth a few percent is lost in this kind of
-machine's drift between processes (±15% in an hour); calls alternating within one process share that drift.
+after rep. A kernel change worth a few percent is lost in this kind of machine's drift between processes (±15% in an
+hour); calls alternating within one process share that drift.
 
 For each layer shape, row count and format it prints the median time of each version over the reps, and the median
 and interquartile range of the per-rep ratio (this tree / the revision). Weights are random, quantized by this tree's

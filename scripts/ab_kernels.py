@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.quant import int4, vnni
+from quickdraft.quant import int4, int8, vnni
 from quickdraft.tools.runs import machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,13 +51,11 @@ def build(tag: str, sources: dict[str, str], flags: list[str], where: Path):
 
 
 def layer_operands(fmt: str, n: int, k: int) -> tuple:
-    w = torch.randn(n, k) * 0.02
-    if fmt == "int4":
-        q, s, lo = int4.quantize(w, torch.float16)
-        return vnni.tile(vnni.pack_int4(q), 64), vnni.tile(s, 4), lo
-    scales = w.abs().amax(-1) / 127
-    u = ((w / scales[:, None]).round().clamp(-127, 127) + 128).to(torch.uint8)
-    return vnni.tile(u, 64), scales
+    """A random (n, k) layer's weight operands as quickdraft's layer holds them: int4 (packed, scales, lows), int8
+    (codes, scales)."""
+    layer = (int4.Int4Linear if fmt == "int4" else int8.Int8Linear)(torch.randn(n, k) * 0.02, None)
+    operands, _ = layer.fused_operands()  # (int4: ..., bias; int8: codes, scales, unused, bias)
+    return tuple(operands[:3] if fmt == "int4" else operands[:2])
 
 
 def main() -> int:

@@ -242,8 +242,8 @@ def test_a_batch_keeps_a_row_for_each_sequence_and_a_newcomer(pair):
 def test_a_short_prompt_behind_a_long_one_is_prefilled_first_and_a_prefill_beside_streams_takes_its_share(pair):
     """A long prompt prefills a chunk a step; a short one added behind it is prefilled in the next step (the shortest
     first) and has its first token then; once it decodes, the long prompt's chunks beside it take no more rows than
-    the policy's prefill budget (its pass within SLOWDOWN of a decoding step); each gets what it gets alone."""
-    from quickdraft.speculative import policy as policies
+    the scheduler's prefill budget (its pass within SLOWDOWN of a decoding step); each gets what it gets alone."""
+    from quickdraft.engine import scheduler
 
     target, draft = pair
     enc = target.tokenizer.encode
@@ -263,8 +263,8 @@ def test_a_short_prompt_behind_a_long_one_is_prefilled_first_and_a_prefill_besid
         for _ in range(2):
             engine.policy.record_pass(rows, 1 + rows / 16)
     engine.policy.t_plain = 1.0
-    budget = engine.policy.prefill_rows(1, engine.max_rows)
-    assert budget == 15 and engine.policy.pass_seconds(1 + budget) <= policies.SLOWDOWN * engine.policy.t_plain
+    budget = engine.scheduler.budget(1)
+    assert budget == 15 and engine.policy.pass_seconds(1 + budget) <= scheduler.SLOWDOWN * engine.policy.t_plain
     batch.step(deliver)
     assert batch.last_rows == 1 + budget
     while batch.active:
@@ -277,7 +277,7 @@ def test_a_short_prompt_behind_a_long_one_is_prefilled_first_and_a_prefill_besid
 def test_a_long_prompt_passed_over_for_shorter_ones_goes_first_after_a_few_steps(pair):
     """Shortest first, but not for ever: short prompts that fill a step's rows every step would hold a long one back
     indefinitely; one passed over STARVED steps in a row is prefilled before them."""
-    from quickdraft.engine.engine import STARVED
+    from quickdraft.engine.scheduler import STARVED
 
     target, _ = pair
     enc = target.tokenizer.encode

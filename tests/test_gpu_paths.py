@@ -84,6 +84,7 @@ def test_drafts_read_back_once_a_round_where_they_stay_on_the_device(pair, monke
     target, draft = pair
     plain, _ = tokens_of(Engine(target, 256), params)
     monkeypatch.setattr(DraftModelDrafter, "_resident", lambda self, constraint, params: constraint is None)
+    monkeypatch.setattr(DraftModelDrafter, "batchable", False)  # as on a GPU: each round proposes whole
     drafter = DraftModelDrafter(draft, target.config.vocab_size, 256, p_min=0.5)
     reads = []
     propose = drafter.propose

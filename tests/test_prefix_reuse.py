@@ -195,7 +195,7 @@ def test_a_generation_that_fails_leaves_nothing_to_reuse(pair, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a drafter bug")
 
-    monkeypatch.setattr(drafter, "propose", broken)
+    monkeypatch.setattr(drafter, "propose_steps", broken)  # (the round's drafting: engine/round.py)
     with pytest.raises(RuntimeError, match="a drafter bug"):
         generate(engine, SYSTEM + [5, 6], GREEDY)
     assert engine.last.tokens == [] and engine.cache.length == 0

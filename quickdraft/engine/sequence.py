@@ -1,4 +1,4 @@
-"""A sequence is an object (DESIGN): everything one generation owns, from its prompt to its detokenizer."""
+"""A sequence is an object: everything one generation owns, from its prompt to its detokenizer."""
 
 from __future__ import annotations
 
@@ -105,6 +105,12 @@ class Sequence:
     @property
     def generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
+
+    @property
+    def copyable(self) -> bool:
+        """A beginning of its prompt may be copied into its cache from another running sequence's (engine/scheduler.py):
+        not a recurrent state's (a running sequence keeps none at the common prefix)."""
+        return not self.slot.cache.recurrent
 
     @property
     def prefilling(self) -> bool:

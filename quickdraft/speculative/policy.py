@@ -12,6 +12,7 @@ from collections import deque
 
 from quickdraft.config import SpeculationConfig
 from quickdraft.speculative import speed
+from quickdraft.speculative.base import KFor
 
 # A timing is the median of its last WINDOW samples (t_plain's: PLAIN_WINDOW). On a shared machine a step now and
 # then takes two or three times as long (the process was preempted), and the machine's speed drifts by a quarter
@@ -72,11 +73,6 @@ PROBE_CATCH_UP = 4.0
 # tried again after TREE_PROBE chain rounds.
 TREE_EMA = 0.1
 TREE_PROBE = 32
-# A prompt prefilled beside decoding sequences takes at most the rows that keep their step within SLOWDOWN of a step
-# without it (vLLM's chunked-prefill budget, llama.cpp's n_ubatch, chosen from measured pass costs), and at least
-# PREFILL_MIN rows: the prompt goes on, the streams keep half their speed or more.
-SLOWDOWN = 2.0
-PREFILL_MIN = 4
 # A row's attention costs in proportion to the positions it reads: a timing taken at one length of the sequence is
 # moved to another by rows x (the seconds a position adds to a row) x (the difference), that cost learned from plain
 # steps taken SPREAD positions apart or more (PLACES of them kept). A verification of k + 1 rows timed on a short
@@ -395,17 +391,6 @@ class AdaptivePolicy:
         r0, t0 = below[-1] if below else above[0]
         return max(t0 + slope * (rows - r0), 1e-9)
 
-    def prefill_rows(self, rows: int, max_rows: int) -> int:
-        """The rows of prompt a pass beside `rows` decoding rows may take (max_rows in all): the most whose pass is
-        estimated within SLOWDOWN of one without them, at least PREFILL_MIN; all that is left before any pass was
-        timed."""
-        room = max_rows - rows
-        now = self.pass_seconds(rows) if rows > 1 or rows in self.t_pass else self.t_plain
-        if now is None or not self.t_pass:
-            return room
-        fits = [r for r in range(1, room + 1) if (self.pass_seconds(rows + r) or 0.0) <= SLOWDOWN * now]
-        return max(min(PREFILL_MIN, room), max(fits, default=0))
-
     def k_in_batch(self, source: str, cfg: SpeculationConfig, plan: "BatchPlan", limit: int,
                    own: "Acceptance | None" = None, lag: int = 0, horizon: int | None = None) -> int:
         """The k for one sequence of a batched step, given what the sequences planned before it draft (plan): the
@@ -438,6 +423,11 @@ class AdaptivePolicy:
         return best if not start or self.pays_back(source, best, lag * waiting, horizon) else 0
 
     # ---- the decision -----------------------------------------------------------------------
+
+    def step(self, decoding: int, prefilling: bool, max_rows: int, shared: frozenset = frozenset()) -> "StepPlan":
+        """The plan of one engine step (StepPlan): `decoding` sequences decode, a prompt prefills beside them where
+        `prefilling`, in passes of at most max_rows rows; shared: the sources whose passes run as one (BatchPlan)."""
+        return StepPlan(self, decoding, prefilling, max_rows, shared)
 
     def k_for(self, source: str, cfg: SpeculationConfig | None = None, lag: int = 0, horizon: int | None = None) -> int:
         """The k to draft now from `source`; cfg (e.g. one request's settings) bounds it instead of self.cfg. lag: the
@@ -588,3 +578,73 @@ class Acceptance:
         tried, acc = self.tried.get(source, []), self.accepted.get(source, [])
         return [(acc[i] + OWN_PRIOR * p) / (tried[i] + OWN_PRIOR) if i < len(tried) else p
                 for i, p in enumerate(pooled)]
+
+
+class StepPlan:
+    """The policy's side of one engine step: each decoding sequence's k and tree chosen, and what its round cost and
+    kept recorded. A sequence alone in its step follows the rules for one sequence (AdaptivePolicy.k_for, its rounds
+    timing verifications and plain steps); several plan their rows together (BatchPlan: the step's expected tokens
+    per second), their pass timed by its rows. The engine asks the same questions either way."""
+
+    def __init__(self, policy: AdaptivePolicy, decoding: int, prefilling: bool, max_rows: int,
+                 shared: frozenset = frozenset()):
+        """decoding: the step's decoding sequences; prefilling: whether a prompt's chunk shares the pass; shared: the
+        sources whose draft passes run as one for every sequence (BatchPlan)."""
+        self.policy = policy
+        self.alone = decoding == 1 and not prefilling
+        self.batch = None if self.alone else BatchPlan(policy, decoding + prefilling, decoding, max_rows, shared)
+
+    def k_for(self, index: int, s, budget: int, lag, horizon: int | None) -> "KFor":
+        """The KFor of the sequence `s` planned `index`-th (its speculation settings, its acceptance so far, its
+        length): at most budget; lag(source): what that source's drafter must take in first; horizon: the tokens
+        still to come."""
+        policy, position = self.policy, len(s.tokens)
+        if self.batch is not None:
+            choose = self.batch.k_for(index, s.speculation, budget, s.acceptance, lag, horizon)
+        else:
+            def choose(source: str) -> int:
+                return max(0, min(policy.k_for(source, s.speculation, lag(source), horizon), budget))
+
+        def at_position(source: str) -> int:
+            policy.position = position  # the length its choice is for
+            return choose(source)
+        return at_position
+
+    def branches(self, index: int, source: str, k: int, width: int, cfg: SpeculationConfig) -> int:
+        """Candidates beside a chain of k drafts (1: the chain alone), at most width."""
+        width = min(self.policy.branches(source, k, cfg, probe=self.batch is None), width)
+        return self.batch.branches(source, width, cfg) if self.batch is not None and width > 1 else width
+
+    def drafted(self, index: int, proposal) -> None:
+        """A round's proposal is known: a tree's alternatives take rows the next sequences' plans count."""
+        if self.batch is not None and proposal.parents is not None:
+            self.batch.extra[index] = len(proposal.tokens) - proposal.chain
+
+    def record_plain(self, seconds: float, position: int) -> None:
+        """A plain step took `seconds` (its pass's share and any drafting it did) at the sequence's length."""
+        if self.alone:
+            self.policy.position = position
+            self.policy.record_plain(seconds)
+
+    def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                     catch_up_s: float, position: int, tree_rows: int | None = None, tree_kept: int | None = None,
+                     tree_possible: bool = False) -> None:
+        """A round of `drafted` drafts (a tree's: its chain's; tree_rows its drafted rows, tree_kept the alternatives
+        kept) kept `accepted`; draft_s its drafting, verify_s its pass (a sequence alone: the step's pass is its
+        verification), catch_up_s what of its catch-up is its own cost (record_catch_up). tree_possible: a chain round
+        where a tree could have run."""
+        policy = self.policy
+        policy.position = position
+        if self.alone:
+            policy.record_round(source, drafted, accepted, draft_s, verify_s, catch_up_s, rows=tree_rows)
+        else:
+            policy.record_drafts(source, drafted, accepted, draft_s)
+        if tree_kept is not None:
+            policy.record_tree(source, tree_kept)
+        elif tree_possible and self.alone:
+            policy.record_tree(source, None)
+
+    def record_pass(self, rows: int, seconds: float, sequences: int) -> None:
+        """The step's target pass: `rows` rows of `sequences` sequences took `seconds` (several: a batched pass)."""
+        if sequences > 1:
+            self.policy.record_pass(rows, seconds)

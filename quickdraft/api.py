@@ -26,6 +26,7 @@ from quickdraft.constraint import Constraint
 from quickdraft.grammar import Grammar
 from quickdraft.runtime.slots import HostCopies
 from quickdraft.speculative.draft import Draft, DraftBuilder
+from quickdraft.speculative.policy import Prior
 from quickdraft.speculative.stats import SpeculationStats
 from quickdraft.weights import hub, machine, memory
 from quickdraft.weights.loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -103,8 +104,11 @@ class LLM:
         return self.drafts.drafter(draft, speculation or self.engine.speculation)
 
     def engine_for(self, draft: Draft | str, speculation: SpeculationConfig = SpeculationConfig()) -> Engine:
-        """An engine over this target (its own KV cache and policy, one slot) drafting with `draft`."""
-        return Engine(self.target, self.target.model.max_context, self.drafter(draft, speculation), speculation)
+        """An engine over this target (its own KV cache and policy, one slot) drafting with `draft`, its policy
+        starting from this machine's prices (prior)."""
+        drafter = self.drafter(draft, speculation)
+        return Engine(self.target, self.target.model.max_context, drafter, speculation,
+                      prior=prior(self.target, drafter))
 
     # ---- prompts ------------------------------------------------------------------------------------------
 
@@ -151,6 +155,28 @@ class LLM:
                 final = event
         return Completion(self.target.name, "".join(pieces), tokens, len(ids), final.finish_reason, final.timings,
                           final.stats, grammar is not None)
+
+
+def prior(target: LoadedModel, drafter) -> Prior | None:
+    """What the target's passes and each draft model's cost on this machine before any is timed (policy.Prior): its
+    kernels' measured seconds per weight (weights/machine.py) times each model's weights; lookup drafts cost nothing.
+    None where quickdraft's CPU kernels do not run the target (a GPU, float32): the policy then times everything."""
+    if target.device.type != "cpu":
+        return None
+    found = machine.figures(hub.cache_dir())
+    weights = machine.weight_seconds(target.model, found) if found is not None else None
+    if weights is None:
+        return None
+    drafts, free = {}, set()
+    for member in getattr(drafter, "members", [drafter] if drafter is not None else []):
+        models = member.models
+        if not models and member.kind == "ngram":
+            free.update(member.sources)
+        elif len(models) == 1 and len(member.sources) == 1 and models[0].device.type == "cpu":
+            seconds = machine.weight_seconds(models[0].model, found)
+            if seconds is not None:
+                drafts[member.sources[0]] = (seconds, models[0].config.n_layers)
+    return Prior(weights, target.config.n_layers, drafts, frozenset(free))
 
 
 def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str | None = "auto", *, device: str = "auto",

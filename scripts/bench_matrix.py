@@ -10,12 +10,16 @@ catch-up is in it), the median of --runs, configurations taken in turn (rotated 
 with the prompt cached (its cold prefill is the warm-up's: the TTFT column). Ratios: the default against llama-server
 plain and against quickdraft's own drafting off; "same": the default's output equals drafting off's, token for token.
 
+--fresh runs each of quickdraft's cells as a user of the command line does: a fresh `quickdraft generate --chat` process
+per request (its policy starting from this machine's calibrated prices, not from a warm engine's timings), the prompt
+as the user's message; llama-server's columns are left out.
+
 --isa avx2 measures what a CPU without AVX-512 runs, on this one: quickdraft's AVX2 kernels (QUICKDRAFT_ISA=avx2, with
 PyTorch's and oneDNN's own ops held to AVX2: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) beside a llama-server built for
 AVX2 + FMA only (quickdraft/tools/llamacpp.py ISAS).
 
 Usage: python scripts/bench_matrix.py [--prompts code-en,long-1k,review-5k] [-n 128] [--runs 2] [--profile FILE]
-       [--weights int4,int8] [--no-llama] [--isa native|avx2] [--json FILE]
+       [--weights int4,int8] [--no-llama] [--fresh] [--isa native|avx2] [--json FILE]
        (llama-server is built on first use: about 10 minutes)
 """
 
@@ -25,7 +29,9 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +54,20 @@ def ours(engine, prompt: list[int], n: int, temperature: float) -> tuple[float, 
     events = list(engine.generate(prompt, params))
     t = events[-1].timings
     return t.decode_tok_s, [e.token for e in events if e.token is not None], t.ttft_s
+
+
+def fresh(draft: str, text: str, n: int, temperature: float) -> tuple[float, list[int], float]:
+    """decode tok/s, the tokens, TTFT of one request in a fresh `quickdraft generate --chat` process."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        command = [str(Path(sys.executable).parent / "quickdraft"), "generate", "--chat", "--prompt-file", f.name,
+                   "-n", str(n), "--temp", str(temperature), "--seed", str(SEED), "--ignore-eos", "--json",
+                   "--draft", draft]
+        out = subprocess.run(command, capture_output=True, text=True, check=True)
+    reply = json.loads(out.stdout)
+    t = reply["timings"]
+    return t["decode_tok_s"], reply["tokens"], t["ttft_s"]
 
 
 def theirs(server, prompt: list[int], n: int, temperature: float) -> tuple[float, list[int], float]:
@@ -78,6 +98,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--profile", type=Path, help="a profile `quickdraft tune` wrote: its configuration as a column")
     ap.add_argument("--no-llama", action="store_true", help="quickdraft's columns alone")
+    ap.add_argument("--fresh", action="store_true", help="each quickdraft request in a fresh `quickdraft generate` "
+                                                         "process (llama-server's columns left out)")
     ap.add_argument("--weights", help="also the target in these formats (comma-separated), drafting off and default")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="avx2: both engines as a CPU without AVX-512 runs them")
@@ -91,6 +113,8 @@ def main() -> int:
 
     llm = quickdraft.load(hub.DEFAULT_TARGET, "none", context=args.ctx, progress=False)
     engines = {"quickdraft plain": llm.engine, "quickdraft default": llm.engine_for("auto", SpeculationConfig())}
+    if args.fresh:  # (the loaded engines only encode and name the machine's path)
+        args.no_llama, engines = True, {"quickdraft plain": "none", "quickdraft default": "auto"}
     for fmt in args.weights.split(",") if args.weights else ():  # other formats of the target beside the default's
         other = quickdraft.load(hub.DEFAULT_TARGET, "none", context=args.ctx, weights=fmt, progress=False)
         engines[f"quickdraft plain {fmt}"] = other.engine
@@ -120,14 +144,23 @@ def main() -> int:
 
     print(f"machine: {machine()}; {hub.DEFAULT_TARGET} (quickdraft: {llm.target.weights}, {cpu_path(llm.target)[0]}; "
           f"llama-server: its {args.isa} build) with {hub.DEFAULT_DRAFT}; {args.n} tokens a request, medians of "
-          f"{args.runs}", flush=True)
+          f"{args.runs}" + ("; each quickdraft request a fresh process, the prompt as a chat message" if args.fresh else ""),
+          flush=True)
+
+    def run_ours(c, prompt, name, n, temperature):
+        if args.fresh:
+            return fresh(engines[c], bundled.text(name), n, temperature)
+        return ours(engines[c], prompt, n, temperature)
+
     figures, ttft, rows = Figures(), {}, []
     try:
         for name in names:
             prompt = bundled.encoded(llm.tokenizer, [name])[name]
             for c in columns:  # warm-up, and the prompt's cold prefill
-                run = (lambda *a: theirs(servers[c], *a)) if c in servers else (lambda *a: ours(engines[c], *a))
-                ttft[name, c] = run(prompt, 8, 0.0)[2]
+                if c in servers:
+                    ttft[name, c] = theirs(servers[c], prompt, 8, 0.0)[2]
+                elif not args.fresh:  # (a fresh process's request is its own cold prefill: its TTFT)
+                    ttft[name, c] = ours(engines[c], prompt, 8, 0.0)[2]
             for temperature in temperatures:
                 outputs = {}
                 for r in range(args.runs):
@@ -135,7 +168,8 @@ def main() -> int:
                         if c in servers:
                             tok_s, tokens, _ = theirs(servers[c], prompt, args.n, temperature)
                         else:
-                            tok_s, tokens, _ = ours(engines[c], prompt, args.n, temperature)
+                            tok_s, tokens, first = run_ours(c, prompt, name, args.n, temperature)
+                            ttft.setdefault((name, c), first)
                         figures.add((name, temperature, c), tok_s)
                         outputs.setdefault(c, []).append(tokens)
                 row = {"prompt": name, "tokens": len(prompt), "temperature": temperature,

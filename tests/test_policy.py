@@ -33,12 +33,21 @@ def test_plain_decoding_when_verification_is_costly():
     assert policy.k_for("draft") == 0
 
 
-def test_probes_after_a_run_of_plain_steps():
-    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
-    for _ in range(policy.cfg.probe_every):
-        assert policy.k_for("draft") == 0
-        policy.record_plain(1.0)
-    assert policy.k_for("draft") > 0
+def test_probes_after_a_run_of_plain_steps_as_long_as_its_expected_loss_allows():
+    """A probe is a round expected to lose: it waits probe_every plain steps, and more where its loss (drafts and
+    verification against the plain steps its tokens would take) would cost more than PROBE_SHARE of them."""
+    from quickdraft.speculative.policy import PROBE_SHARE
+
+    cheap = trained(acceptance=0.1, verify_slope=0.15, draft_cost=0.05)  # a probe costs a fraction of a step
+    dear = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)  # 2 drafts: 2.2 steps for 1.75 tokens
+    assert cheap._probe_wait("draft", 0) < cheap.cfg.probe_every
+    assert dear._probe_wait("draft", 0) == int((0.8 + 2.2 - 1.75) / PROBE_SHARE)
+    for policy in (cheap, dear):
+        wait = max(policy.cfg.probe_every, policy._probe_wait("draft", 0))
+        for _ in range(wait):
+            assert policy.k_for("draft") == 0
+            policy.record_plain(1.0)
+        assert policy.k_for("draft") > 0
 
 
 def test_first_plain_step_then_probe_of_an_unseen_source():
@@ -71,7 +80,7 @@ def test_probes_back_off_while_plain_keeps_winning_and_are_short():
     to lose), up to PROBE_MAX; a probe drafts at most PROBE_SHORT tokens; once speculation wins the wait resets."""
     from quickdraft.speculative.policy import PROBE_MAX, PROBE_SHORT
 
-    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
+    policy = trained(acceptance=0.1, verify_slope=0.15, draft_cost=0.05)  # a probe's loss allows one in 16 steps
     waits, since = [], 0
     for _ in range(2000):
         k = policy.k_for("draft")
@@ -79,13 +88,13 @@ def test_probes_back_off_while_plain_keeps_winning_and_are_short():
             assert k <= PROBE_SHORT
             waits.append(since)
             since = 0
-            policy.record_round("draft", k, 0, 0.4 * k, 1 + 0.6 * k)  # rejected: plain still wins
+            policy.record_round("draft", k, 0, 0.05 * k, 1 + 0.15 * k)  # rejected: plain still wins
         else:
             since += 1
             policy.record_plain(1.0)
     assert waits[:5] == [16, 32, 64, 128, 256] and set(waits[5:]) == {PROBE_MAX}
     policy.begin()  # a new generation: its text may draft better; probing starts over
-    assert policy.plain_since_round >= 16 and policy.k_for("draft") > 0
+    assert policy.since["draft"] >= 16 and policy.k_for("draft") > 0
     for i in range(len(policy.tried["draft"])):  # drafts now always accepted: speculation wins
         policy.tried["draft"][i], policy.accepted["draft"][i] = 200, 200
     policy.t_draft["draft"] = 0.01
@@ -193,8 +202,9 @@ def test_where_speculation_wins_narrowly_plain_steps_are_timed_more_often():
 
 def test_a_probe_that_wins_keeps_the_next_one_close():
     """A probe whose drafts beat plain steps (an estimate turned speculation off where it pays) is followed by the
-    next after probe_every plain steps again; one that loses doubles the wait."""
-    policy = trained(acceptance=0.5, verify_slope=0.6, draft_cost=0.4)
+    next after probe_every plain steps again; one that loses doubles the wait (probes cheap enough that their loss
+    allows one every probe_every steps)."""
+    policy = trained(acceptance=0.1, verify_slope=0.15, draft_cost=0.05)
 
     def wait_for_probe() -> int:
         steps = 0
@@ -205,7 +215,7 @@ def test_a_probe_that_wins_keeps_the_next_one_close():
 
     every = policy.cfg.probe_every
     assert wait_for_probe() == every
-    policy.record_round("draft", 2, 0, 0.8, 2.2)  # lost: 1 token in 3 seconds
+    policy.record_round("draft", 2, 0, 0.1, 1.3)  # lost: 1 token in 1.4 seconds
     assert wait_for_probe() == 2 * every
     policy.record_round("draft", 2, 2, 0.1, 1.1)  # won: 3 tokens in 1.2 seconds
     assert wait_for_probe() == every
@@ -314,9 +324,13 @@ def test_a_drafter_is_started_only_where_its_catch_up_pays_back():
 def test_a_verification_timed_on_a_short_prompt_is_moved_to_a_long_ones_length():
     """A row's attention grows with the positions it reads: plain steps at two lengths far apart give what a position
     costs a row, and a verification of k + 1 rows timed on a short prompt is counted at the long one as k + 1 rows
-    reading the longer context. The draft that paid on the short prompt (60% accepted; t_plain 1, k = 4 verified in 1.2) is
-    predicted to lose at 10,000 positions, where a plain step costs 3 (each row 2 more), and is not started there."""
-    policy = trained(acceptance=0.6, verify_slope=0.05, draft_cost=0.05)
+    reading the longer context, at the attention kernel's price of rows (it reads the positions once for all of them:
+    attention_rows). The draft that paid on the short prompt (40% accepted; t_plain 1, k = 4 verified in 1.2) is
+    predicted to lose at 10,000 positions, where a plain step costs 3 (each row's reading 2 more), and is not started
+    there."""
+    from quickdraft.speculative.policy import attention_rows
+
+    policy = trained(acceptance=0.4, verify_slope=0.05, draft_cost=0.05)
     policy.position = 100
     for _ in range(6):
         policy.record_plain(1.0)
@@ -327,7 +341,8 @@ def test_a_verification_timed_on_a_short_prompt_is_moved_to_a_long_ones_length()
         policy.record_plain(3.0)  # a plain step there: its one row reads 10,000 more positions
     assert policy.per_position() == pytest.approx(2.0 / 10_000, rel=0.02)
     assert policy.plain_seconds() == pytest.approx(3.0, rel=0.02)
-    assert policy.verify_seconds(4) == pytest.approx(short_verify + 5 * 2.0, rel=0.02)
+    assert policy.verify_seconds(4) == pytest.approx(short_verify + attention_rows(5) * 2.0, rel=0.02)
+    assert attention_rows(5) < 5
     assert all(policy.predicted_rate("draft", k) < policy.predicted_rate("draft", 0) for k in range(1, 7))
     assert policy.k_for("draft", lag=1000, horizon=128) == 0  # its catch-up is not started
     policy.position = 0  # back to where the verifications were timed: their timings stand (as shares of a plain step
@@ -342,7 +357,7 @@ def test_a_probe_that_would_start_a_drafter_on_a_long_prompt_is_weighed_as_a_sta
         policy = trained(acceptance=0.2, verify_slope=0.3, draft_cost=0.3)
         for _ in range(3):
             policy.record_catch_up("draft", 100, 100 * 0.02)
-        for _ in range(40):  # plain steps: a probe is due
+        for _ in range(160):  # plain steps: a probe whose catch-up is a few steps is due
             policy.record_plain(1.0)
         return policy
 

@@ -403,6 +403,10 @@ def cmd_doctor(args) -> int:
     from quickdraft.speculative.draft import NONE
 
     apply_profile(args)
+    if args.measure:  # before the load, whose defaults they choose
+        from quickdraft.weights import hub, machine
+
+        machine.figures(hub.cache_dir(), machine.say_on_stderr, again=True)
     draft = draft_of(args)
     available = int(args.device_memory * 2**30) if args.device_memory else None
     args.cache_slots = max(args.cache_slots, args.parallel)  # as serve: each running request holds a slot
@@ -454,14 +458,13 @@ CACHE_RAM = 8 * 2**30  # llama-server's --cache-ram default
 
 
 def default_cache_ram(device: str) -> str:
-    """serve's --cache-ram where none is given: llama-server's default, at most a quarter of the machine's memory. On
-    the CPU (whose caches take memory as they fill) so that more conversations are kept than run at once (up to
-    api.KEPT_MAX); on a GPU (whose slots are whole caches the memory plan counts: --cache-slots) for the
-    conversations the slots give up, kept in host memory."""
-    import os
+    """serve's --cache-ram where none is given: llama-server's default, at most a quarter of the memory this process
+    may use (a container's limit where it has one). On the CPU (whose caches take memory as they fill) so that more
+    conversations are kept than run at once (up to api.KEPT_MAX); on a GPU (whose slots are whole caches the memory
+    plan counts: --cache-slots) for the conversations the slots give up, kept in host memory."""
+    from quickdraft.weights.memory import host_memory
 
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{min(CACHE_RAM, ram // 4) // 2**20}M"
+    return f"{min(CACHE_RAM, host_memory() // 4) // 2**20}M"
 
 
 def cmd_serve(args) -> int:

@@ -377,6 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--parallel", "-np", type=int, default=4, metavar="N",
                     help="plan for N requests generating at once, as `serve --parallel N` runs them: each holds a "
                          "cache slot (default: %(default)s)")
+    dr.add_argument("--measure", action="store_true",
+                    help="measure this machine's kernels again (a few seconds) and keep the new figures: they choose "
+                         "the threads, a 4-bit target's format and the prices speculation starts from (measured "
+                         "once per machine otherwise, at a moment that may have been busy)")
     dr.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     _common(dr)
 

@@ -31,7 +31,7 @@ from quickdraft.runtime import heap
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import Slot, Slots
 from quickdraft.speculative.base import Drafter
-from quickdraft.speculative.policy import AdaptivePolicy, StepPlan
+from quickdraft.speculative.policy import AdaptivePolicy, Prior, StepPlan
 from quickdraft.speculative.stats import SpeculationStats
 
 if TYPE_CHECKING:  # the engine runs whatever model it is given; it does not load one
@@ -68,8 +68,9 @@ class Engine:
     """
 
     def __init__(self, target: LoadedModel, context: int | None = None, drafter: Drafter | None = None,
-                 speculation: SpeculationConfig = SpeculationConfig(), slots: int = 1):
-        """slots: how many sequences to keep for reuse (each a KV cache of `context` positions, and its drafter's)."""
+                 speculation: SpeculationConfig = SpeculationConfig(), slots: int = 1, prior: Prior | None = None):
+        """slots: how many sequences to keep for reuse (each a KV cache of `context` positions, and its drafter's);
+        prior: what passes cost on this machine before any is timed (the policy's starting prices: api.prior)."""
         self.target = target
         self.capacity = context or target.model.max_context
         self.drafter = drafter  # speaks for the first slot; each further slot drafts with a fork of it
@@ -84,7 +85,7 @@ class Engine:
         self.max_draft = min(reach) if reach else None
         self.max_rows = target.chunk  # a pass is row-wise: its rows in all, as a prefill chunk's
         self.speculation = speculation
-        self.policy = AdaptivePolicy(speculation)  # its timings describe this machine: kept across generations
+        self.policy = AdaptivePolicy(speculation, prior)  # its timings describe this machine: kept across generations
         self.policy.per_round.update(drafter.per_round if drafter is not None else ())
         self.grammars = GrammarCompiler(target.tokenizer, target.config.vocab_size)
         self.scheduler = Scheduler(self.max_rows, self.policy)

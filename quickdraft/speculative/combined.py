@@ -45,7 +45,7 @@ class ChainDrafter(Drafter):
 
     @property
     def models(self) -> tuple:
-        return tuple(dict.fromkeys(model for m in self.members for model in m.models))
+        return tuple({id(model): model for m in self.members for model in m.models}.values())  # (not hashable)
 
     @property
     def reads_hidden(self) -> bool:

@@ -123,10 +123,15 @@ class DraftModelDrafter(Drafter):
         self.tokens, self.matched, self.dropped = [], 0, 0
 
     def lag(self, seq: list[int], source: str) -> int:
+        """What a round now would feed it first: the tokens it has not seen (at most its sinks and window), or after
+        PROBE_AFTER plain steps a probe's window of them (_propose_steps)."""
         if source != "draft":
             return 0
         behind = max(0, len(seq) - 1 - len(self.tokens))
-        return min(behind, SINKS + self.window) if self.window else behind
+        behind = min(behind, SINKS + self.window) if self.window else behind
+        if self.skipped >= PROBE_AFTER and behind > PROBE_WINDOW and self.cache.max_draft is None:
+            return PROBE_WINDOW
+        return behind
 
     @torch.inference_mode()
     def begin(self, prompt: list[int], prefill: bool = True) -> None:

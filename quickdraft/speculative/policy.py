@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 from quickdraft.config import SpeculationConfig
 from quickdraft.speculative import speed
@@ -40,6 +42,14 @@ PROBE_K = 4  # the first round of a source not yet measured
 # (code-zh, int4 pair: 1.2x) came back only after several doubled waits.
 PROBE_MAX = 256
 PROBE_SHORT = 2
+# A probe is expected to lose (where it is due, plain decoding is predicted to win): the steps between a source's probes
+# are at least what its probe is expected to lose (its catch-up, drafts and verification against the plain steps its
+# tokens would have taken) over PROBE_SHARE of a plain step, so that probing costs at most that share of the time, and
+# at most PROBE_LIMIT steps, so that a source judged unprofitable is always tried again. (A draft model's probe on a
+# 2-core AVX2 CPU, a 32-token window and two drafts, loses about 7 plain steps: one in 350 steps, where a probe every
+# 16 to 256 steps cost 3-6% of plain decoding's speed there.)
+PROBE_SHARE = 0.02
+PROBE_LIMIT = 1024
 # While speculation wins, one plain step after this many rounds in a row times a plain step again: t_plain is
 # measured only on plain steps, and a stale one (taken while the machine was slower, or before its caches were
 # warm) can hold the policy speculating where plain decoding has become faster. One plain step in 64 rounds
@@ -63,6 +73,7 @@ PREFILL_ROW = 0.2
 # other text, and a catch-up spent on a text that drafts badly is lost whole.
 HORIZON = 512
 FEED_MIN = 16
+CHUNK = 64  # the rows of a catch-up pass (a draft model takes in what it missed in passes of up to this many)
 CATCH_UP_FREE = 2
 START_MARGIN = 2.0
 START = 64
@@ -80,11 +91,33 @@ TREE_PROBE = 32
 SPREAD = 2048
 PLACES = 256
 MOVED_MIN = 0.25
+# The attention kernel reads each tile of keys and values once for all the rows of a pass: one row more adds
+# ATTENTION_ROW of a row's reading of the positions, not a whole one (a verification's five rows over 12k positions
+# took 4.74 ms against one row's 1.25 in one layer: 3.8x, docs/performance.md).
+ATTENTION_ROW = 0.7
+# Before a kind of pass is timed its price comes from this machine's calibration (Prior): its kernels' seconds per
+# weight at one and five rows (weights/machine.py) times the model's weights, and what a step costs beyond its weights
+# (attention, norms, rotary, the Python around the kernels) measured as the plain step less its weights. That other
+# cost grows by OTHER_ROW of itself with each row of a pass (0.38-0.44 measured on a 2-core AMD Zen 3, AVX2, the int4
+# default target at 100 positions) and is a model's per layer (the 0.5B draft's 24 layers took 12.8 ms of it, the 1.5B
+# target's 28 14.5 ms: 0.53 and 0.52 ms a layer).
+OTHER_ROW = 0.45
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What passes cost on this machine before any is timed: a cold process starts from the machine's own calibration
+    instead of constants from elsewhere (api.prior builds it from weights/machine.py's figures)."""
+    target: Callable[[int], float]  # seconds of the target's linear weights in a pass of r rows
+    layers: int  # the target's decoder layers
+    drafts: dict = field(default_factory=dict)  # source -> (its model's weight seconds by rows, its layers)
+    free: frozenset = frozenset()  # sources whose drafting costs nothing (lookup)
 
 
 class AdaptivePolicy:
-    def __init__(self, cfg: SpeculationConfig):
+    def __init__(self, cfg: SpeculationConfig, prior: Prior | None = None):
         self.cfg = cfg
+        self.prior = prior  # the machine's calibrated prices, until the timings measured here replace them
         self.t_plain: float | None = None
         self.t_verify: dict[int, float] = {}  # k -> seconds to verify k drafts (k + 1 tokens)
         self.t_draft: dict[str, float] = {}  # source -> seconds per drafted token (per round: per_round)
@@ -102,7 +135,7 @@ class AdaptivePolicy:
         self.resuming: set = set()  # sources that plain decoding was chosen over: their next round is a switch
         self.tried: dict[str, list[float]] = {}  # source -> decayed count of rounds reaching position i
         self.accepted: dict[str, list[float]] = {}
-        self.plain_since_round = 0
+        self.since: dict[str, int] = {}  # source -> steps since its last round (its probes wait for a number of them)
         self.rounds_since_plain = 0
         self.probe_after: dict[str, int] = {}  # source -> plain steps before its next probe (backing off)
         self.warmed: set = set()  # timings seen once: the first of each kind pays one-off kernel setup
@@ -188,7 +221,8 @@ class AdaptivePolicy:
             return seconds
         position = self.position if position is None else position
         # at least MOVED_MIN of what was measured: moved far down, a slope learned from noisy steps could reach 0
-        return max(seconds + rows * self.t_position * (position - self.place[key]), MOVED_MIN * seconds)
+        return max(seconds + attention_rows(rows) * self.t_position * (position - self.place[key]),
+                   MOVED_MIN * seconds)
 
     def plain_seconds(self) -> float | None:
         """A plain step at the sequence's length now: t_plain, moved there."""
@@ -201,20 +235,29 @@ class AdaptivePolicy:
             self.plain_at.append((self.position, seconds))
             self.t_position = self._slope()
             self._rescale()
-        self.plain_since_round += 1
+        self._tick()
         self.rounds_since_plain = 0
+
+    def _tick(self, drafted: str | None = None) -> None:
+        """A step went by: every source waits one more step, but the one that drafted in it."""
+        for source in self.since:
+            self.since[source] += 1
+        if drafted is not None:
+            self.since[drafted] = 0
 
     def record_pass(self, rows: int, seconds: float) -> None:
         """A batched pass (engine.Batch) of `rows` rows over several sequences took `seconds`."""
         t = self._timed(("pass", rows), seconds)
         if t is not None:
             self.t_pass[rows] = t
+        self._tick()
 
     def record_drafts(self, source: str, drafted: int, accepted: int, draft_s: float) -> None:
         """A round of one sequence in a batched step: its acceptance and drafting cost (its pass is the batch's)."""
         t = self._timed(("draft", source), self._unit(source, draft_s, drafted))
         if t is not None:
             self.t_draft[source] = t
+        self.since[source] = 0
         self._record_acceptance(source, drafted, accepted)
 
     def record_catch_up(self, source: str, tokens: int, seconds: float, first: bool = False) -> float:
@@ -229,11 +272,34 @@ class AdaptivePolicy:
         return 0.0 if first or tokens >= START else seconds
 
     def feed_seconds(self, source: str) -> float | None:
-        """Seconds a drafter of `source` takes per token it catches up on: measured, else a PREFILL_ROW share of its
-        drafted token's, else unknown."""
+        """Seconds a drafter of `source` takes per token it catches up on: measured, else the machine's price of a
+        catch-up pass (Prior), else a PREFILL_ROW share of its drafted token's, else unknown."""
         if source in self.t_feed:
             return self.t_feed[source]
+        if self._priced(source) and self.t_plain is not None:
+            return self._prior_draft(source, CHUNK) / CHUNK
         return PREFILL_ROW * self.t_draft[source] if source in self.t_draft else None
+
+    # ---- the machine's prices before a timing (Prior) -------------------------------------------------------
+
+    def _priced(self, source: str) -> bool:
+        """Whether `source` has a price before its drafting is timed."""
+        return self.prior is not None and (source in self.prior.drafts or source in self.prior.free)
+
+    def _other(self) -> float:
+        """What a one-row step of the target costs beyond its weights, by the plain steps timed."""
+        return max(0.0, self.t_plain - self.prior.target(1))
+
+    def _prior_pass(self, rows: int) -> float:
+        """A target pass of `rows` rows by the machine's prices (where plain steps were timed)."""
+        return self.prior.target(rows) + self._other() * (1 + OTHER_ROW * (rows - 1))
+
+    def _prior_draft(self, source: str, rows: int = 1) -> float:
+        """A pass of `rows` rows of the source's draft model by the machine's prices (0 for lookup)."""
+        if source in self.prior.free:
+            return 0.0
+        weights, layers = self.prior.drafts[source]
+        return weights(rows) + self._other() * layers / self.prior.layers * (1 + OTHER_ROW * (rows - 1))
 
     def pays_back(self, source: str, k: int, lag: int, horizon: int | None) -> bool:
         """Whether drafting k tokens from `source` now, after first taking in the `lag` tokens it has not seen, is
@@ -250,8 +316,10 @@ class AdaptivePolicy:
         return draft_s if source in self.per_round else draft_s / max(drafted, 1)
 
     def draft_seconds(self, source: str, k: int) -> float:
-        """The estimated seconds of drafting k tokens from source (0 where not timed yet)."""
-        t = self.t_draft.get(source, 0.0)
+        """The estimated seconds of drafting k tokens from source: timed, else the machine's price (Prior), else 0."""
+        t = self.t_draft.get(source)
+        if t is None:
+            t = self._prior_draft(source) if self._priced(source) and self.t_plain is not None else 0.0
         return (t if k > 0 else 0.0) if source in self.per_round else k * t
 
     def record_round(self, source: str, drafted: int, accepted: int, draft_s: float, verify_s: float,
@@ -264,7 +332,7 @@ class AdaptivePolicy:
             if self.t_plain and (accepted + 1) * self.t_plain > draft_s + verify_s:  # it beat a plain step: the
                 self.probe_after.pop(source, None)  # next probe comes as soon as the first did, not later
         self.t_catch_up[source] = _ema(self.t_catch_up.get(source, catch_up_s), catch_up_s, CATCH_UP_EMA)
-        self.plain_since_round = 0
+        self._tick(drafted=source)
         self.rounds_since_plain += 1
         if rows is not None:
             t = self._timed(("tree", rows), verify_s)
@@ -355,11 +423,13 @@ class AdaptivePolicy:
             (k0, t0), (k1, t1) = below[-1], above[0]
             return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
         (k0, t0) = below[-1]
+        if self.prior is not None:  # beyond what was timed: the machine's price of the rows between
+            return t0 + self._prior_pass(k + 1) - self._prior_pass(k0 + 1)
         if len(below) >= 2:
             (ka, ta) = below[-2]
             slope = max((t0 - ta) / (k0 - ka), 0.0)
         else:
-            slope = 0.1 * self.plain_seconds()  # prior before two points exist: each extra token costs 10% of a step
+            slope = 0.1 * self.plain_seconds()  # without a price before two points exist: 10% of a step a token
         return t0 + slope * (k - k0)
 
     def predicted_rate(self, source: str, k: int) -> float:
@@ -370,16 +440,24 @@ class AdaptivePolicy:
 
     def pass_seconds(self, rows: int) -> float | None:
         """Measured seconds of a batched pass of `rows` rows, else interpolated linearly between measured row
-        counts, else extrapolated from the last two (before a second point: each row beyond costs what one more
-        verified token costs a sequence alone, else 10% of a plain step); None before any batched pass."""
-        if rows in self.t_pass or not self.t_pass:
-            return self.t_pass.get(rows)
+        counts; beyond them, from the nearest measured one (a plain step for one row) by the machine's prices of the
+        rows between (Prior), or without a price extrapolated from the last two (before a second point: each row
+        beyond costs what one more verified token costs a sequence alone, else 10% of a plain step); None before any
+        batched pass without a price."""
+        if rows in self.t_pass:
+            return self.t_pass[rows]
         points = sorted(self.t_pass.items())
         below = [p for p in points if p[0] < rows]
         above = [p for p in points if p[0] > rows]
         if below and above:
             (r0, t0), (r1, t1) = below[-1], above[0]
             return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        if self.prior is not None and self.t_plain is not None:
+            r0, t0 = below[-1] if below else above[0] if above and above[0][0] - rows < rows - 1 else (1, self.t_plain)
+            return max(t0 + self.prior.target(rows) - self.prior.target(r0) + self._other() * OTHER_ROW * (rows - r0),
+                       1e-9)
+        if not points:
+            return None
         if len(points) >= 2:
             (ra, ta), (rb, tb) = (points[-2], points[-1]) if below else (points[0], points[1])
             slope = max((tb - ta) / (rb - ra), 0.0)
@@ -397,13 +475,16 @@ class AdaptivePolicy:
         one that maximises the step's expected tokens per second over the whole batch, 0 included (a step of
         plain decoding for every sequence when the batch already fills the compute). A source whose drafting has
         not been timed yet drafts here only where it has nothing to take in first (n-gram lookup; a draft model is
-        timed by the steps of a sequence alone). own: this sequence's
+        timed by the steps of a sequence alone, or priced by the machine's calibration). Where none pays, a probe
+        that is due (probe) drafts for the first sequence planned that may, one a step. own: this sequence's
         acceptance of the source so far (weighed against the pooled estimate); lag: tokens the drafter must take
         in before it drafts (a pass over them); horizon: the tokens still to come, over which that must pay back."""
         top = min(cfg.draft_max, limit)
         if not cfg.adaptive or cfg.draft_min > 0:
             return max(0, min(cfg.draft_max if not cfg.adaptive else cfg.draft_min, limit))
-        if top <= 0 or (source not in self.t_draft and lag > 0) or plan.seconds(0, 0.0) is None:
+        self.since.setdefault(source, 0)
+        if (top <= 0 or (source not in self.t_draft and not self._priced(source) and lag > 0)
+                or plan.seconds(0, 0.0) is None):
             return 0
         pooled = self.acceptance(source, top)
         rates = own.rates(source, pooled) if own is not None else pooled
@@ -419,6 +500,10 @@ class AdaptivePolicy:
             rate = expected / plan.seconds(k, self.draft_seconds(source, k), catch_up, source)
             if rate > best_rate:
                 best, best_rate = k, rate
+        if best == 0 and plan.probed is None and self.t_plain is not None:
+            best = self.probe(source, cfg, top, lag, max(1, round(plan.base_tokens)))
+            plan.probed = source if best else None
+            return best
         waiting = max(1, round(plan.base_tokens))
         return best if not start or self.pays_back(source, best, lag * waiting, horizon) else 0
 
@@ -438,7 +523,8 @@ class AdaptivePolicy:
             return cfg.draft_max
         if self.t_plain is None:  # measure plain steps first (draft_min > 0 forbids plain steps)
             return 0 if cfg.draft_min == 0 else cfg.draft_max
-        if source not in self.t_draft:  # not measured yet (or only its warm-up round): probe
+        self.since.setdefault(source, 0)
+        if source not in self.t_draft and not self._priced(source):  # neither timed nor priced yet: probe
             return max(cfg.draft_min, min(cfg.draft_max, PROBE_K))
         candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
         best = max(candidates, key=lambda k: self.predicted_rate(source, k), default=0)
@@ -447,17 +533,35 @@ class AdaptivePolicy:
             return 0  # time a plain step again
         if cfg.draft_min == 0 and gain <= 1.0:
             self.resuming.add(source)
-            wait = self.probe_after.get(source, cfg.probe_every)
-            if self.plain_since_round < wait:
-                return 0
-            self.probe_after[source] = min(2 * wait, max(PROBE_MAX, cfg.probe_every))  # next time, wait longer
-            if lag >= START and lag * (self.feed_seconds(source) or 0.0) > PROBE_CATCH_UP * self.plain_seconds():
-                return 0  # a probe that must first take in a window of a long prompt: seconds, not a probe's cost
-            return min(best, PROBE_SHORT)
+            return self.probe(source, cfg, best, lag)
         if cfg.draft_min == 0 and not self.pays_back(source, best, lag, horizon):
             return 0  # its catch-up would cost more than it saves: not started (another source may draft)
         self.probe_after.pop(source, None)  # speculation wins: probe promptly again once it stops winning
         return best
+
+    def probe(self, source: str, cfg: SpeculationConfig, best: int, lag: int, waiting: int = 1) -> int:
+        """Where plain decoding wins over `source`: the k of a probe of it if one is due (a short round, to measure its
+        acceptance again: it may have become worth drafting), else 0. One is due once the source has sat out the
+        steps its last probes set (probe_every, doubled by each probe that lost, at most PROBE_MAX) and as many as its
+        expected loss allows (_probe_wait); never one whose catch-up would take seconds (a draft model's window of a
+        long prompt: lag, what this round would feed it). waiting: the sequences its drafting holds up (a batch's)."""
+        wait = max(self.probe_after.get(source, cfg.probe_every), waiting * self._probe_wait(source, lag))
+        if self.since.get(source, 0) < wait:
+            return 0
+        if lag >= START and lag * (self.feed_seconds(source) or 0.0) > PROBE_CATCH_UP * self.plain_seconds():
+            return 0  # (not counted as a probe: the wait is not doubled)
+        self.probe_after[source] = min(2 * wait, max(PROBE_MAX, cfg.probe_every))  # next time, wait longer
+        return max(1, min(best, PROBE_SHORT)) if best else 0
+
+    def _probe_wait(self, source: str, lag: int) -> int:
+        """Steps between probes of `source` so that they cost at most PROBE_SHARE of the time: a probe's expected loss
+        (its catch-up of `lag` tokens, PROBE_SHORT drafts and their verification, less the plain steps the tokens it
+        is expected to emit would have taken) over PROBE_SHARE of a plain step; at most PROBE_LIMIT."""
+        plain = self.plain_seconds()
+        k = PROBE_SHORT
+        loss = (lag * (self.feed_seconds(source) or 0.0) + self.draft_seconds(source, k) + self.verify_seconds(k)
+                - self.expected_length(source, k) * plain)
+        return min(PROBE_LIMIT, max(0, int(loss / (PROBE_SHARE * plain))))
 
     def snapshot(self) -> dict:
         """The measured model, for the statistics: r, v(k), per-position acceptance."""
@@ -472,6 +576,11 @@ class AdaptivePolicy:
             **({"v_tree": {n: t / t1 for n, t in sorted(self.t_tree.items())} if t1 else {},
                 "tree_gain": dict(self.tree_gain)} if self.tree_gain else {}),
         }
+
+
+def attention_rows(rows: int) -> float:
+    """What a pass of `rows` rows costs the attention kernel over the positions, in one row's reading of them."""
+    return 1 + ATTENTION_ROW * (rows - 1)
 
 
 def count_round(tried: list[float], accepted: list[float], drafted: int, kept: int) -> None:
@@ -507,6 +616,7 @@ class BatchPlan:
         self.choices: dict[int, tuple[int, float, float, float, str]] = {}
         self.extra: dict[int, int] = {}  # sequence -> rows of a tree's alternatives beside its chain
         self.passes: dict[int, float | None] = {}  # rows -> the policy's estimate of a pass, asked once a step
+        self.probed: str | None = None  # the source a sequence of this step probes (one probe a step at most)
 
     @property
     def rows(self) -> int:

@@ -6,7 +6,6 @@ and the figures behind it, so that tests can create each fault and see it report
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -134,7 +133,8 @@ def machine_defaults(target) -> Finding:
     per = {kind: {rows: 1e12 * s for rows, s in by.items()} for kind, by in found["seconds_per_weight"].items()}
     costs = "; ".join(f"{kind} {per[kind]['1']:.0f} ps a weight for a step's row, {per[kind]['5']:.0f} for a "
                       "verification's 5" for kind in per)
-    line = f"{found['threads']} threads; {costs}"
+    spread = f", passes within {100 * found['spread']:.0f}% of their median" if "spread" in found else ""
+    line = f"{found['threads']} threads; {costs} (measured {found['measured']}{spread}; doctor --measure again)"
     figures = {**found, "target_weights": target.weights}
     try:
         spec = memory.spec_from_source("target", target.name, "mixed")
@@ -189,10 +189,12 @@ def draft_device(target: torch.device, draft: torch.device | None) -> Finding:
 
 
 def device_memory(device: torch.device) -> int:
-    """Total memory of the device in bytes (the machine's RAM for the CPU)."""
+    """Total memory of the device in bytes (for the CPU the memory this process may use: memory.host_memory)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from quickdraft.weights.memory import host_memory
+
+    return host_memory()
 
 
 def kv_bytes(cache) -> int:

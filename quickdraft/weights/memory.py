@@ -210,7 +210,7 @@ def plan(models: list[ModelSpec], context: int, device: torch.device, capacity: 
             free_now, capacity = torch.cuda.mem_get_info(device)  # the CUDA context exists now: out of free_now
             free = free_now if free is None else free
         else:
-            capacity = _host_memory()
+            capacity = host_memory()
     free = capacity if free is None else free
     out = MemoryPlan(_name(device), capacity, free, device_type=device.type)
     for m in models:
@@ -242,13 +242,23 @@ def _name(device: torch.device) -> str:
     return str(device)
 
 
-def _host_memory() -> int:
-    try:
-        import os
+def host_memory() -> int:
+    """The memory this process may use, in bytes: the machine's, or a cgroup's limit where it is lower (a container's
+    --memory: cgroup v2 memory.max, v1 memory.limit_in_bytes); 0 where neither can be read."""
+    import os
 
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 0
+        total = 0
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(limit, encoding="utf-8").read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < (total or 2**62):
+            return int(text)
+    return total
 
 
 def parse_size(text: str) -> int:

@@ -52,11 +52,14 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     start = time.perf_counter()
     found = {"python": platform.python_version(), "device_asked": args.device} | _machine()
-    fatal, missing = [], []
+    fatal, missing, absent = [], [], {}  # absent: a missing package -> the modules that could not import for it
     for name in ESSENTIAL + tuple(m for m in modules_used() if m not in ESSENTIAL):
-        problem = _import(name)
-        if problem:
+        problem, package = _import(name)
+        if package and name not in ESSENTIAL:
+            absent.setdefault(package, []).append(name)
+        elif problem:
             (fatal if name in ESSENTIAL else missing).append(problem)
+    missing += [_missing(package, names) for package, names in absent.items()]
     found |= {name: _version(name) for name in VERSIONS}
     if "transformers" in sys.modules:
         missing += [f"transformers {found['transformers']} has no {c}: the tests that build it fail"
@@ -96,31 +99,32 @@ def transformers_classes() -> list[str]:
     return sorted({m for f in BUILDERS for m in pattern.findall((ROOT / f).read_text(encoding="utf-8"))})
 
 
-def _import(name: str) -> str | None:
+def _import(name: str) -> tuple[str | None, str | None]:
+    """(what failed, the missing package it failed for), both None where name imports."""
     try:
         importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name and e.name != name and not name.startswith(e.name + "."):
-            return _missing(name, f"{e.name} is missing", e.name)
-        if name.startswith(("tests.", "quickdraft.")) or e.name is None:
-            return f"cannot import {name} ({e})"
-        # `from tests import helpers`-style names that are attributes, not modules, are not missing
-        parent = name.rpartition(".")[0]
-        if parent and parent in sys.modules and hasattr(sys.modules[parent], name.rpartition(".")[2]):
-            return None
-        return _missing(name, "not installed", name)
+    except ImportError as raised:  # a module's own ImportError may say why, a missing package its cause
+        e = raised if isinstance(raised, ModuleNotFoundError) else raised.__cause__
+        if not isinstance(e, ModuleNotFoundError):
+            return f"cannot import {name} ({raised})", None
+        package = e.name.split(".")[0] if e.name else None
+        parent, _, leaf = name.rpartition(".")
+        if package == name.split(".")[0] and parent in sys.modules and hasattr(sys.modules[parent], leaf):
+            return None, None  # `from tests import helpers`-style names that are attributes, not modules
+        if package in ("tests", "quickdraft", None):
+            return f"cannot import {name} ({e}): a file of the working tree is missing", None
+        return _missing(package, [name]), package
     except Exception as e:  # noqa: BLE001: any failure to import is what this phase reports
         return f"cannot import {name} ({type(e).__name__}: {str(e)[:300]}): a file of the working tree or a " \
-               "package of the image is broken"
-    return None
+               "package of the image is broken", None
+    return None, None
 
 
-def _missing(name: str, what: str, package: str) -> str:
-    top = package.split(".")[0]
-    fix = ("carry its wheel: run scripts/gpu_prepare.sh here and name .gpu in carry" if top in CARRIED else
-           "add its wheel to scripts/gpu_prepare.sh" if top not in ("tests", "quickdraft") else
-           "a file of the working tree is missing")
-    return f"cannot import {name} ({what}): {fix}"
+def _missing(package: str, names: list[str]) -> str:
+    fix = ("carry its wheel: run scripts/gpu_prepare.sh here and name .gpu in carry" if package in CARRIED else
+           "add its wheel to scripts/gpu_prepare.sh")
+    needed = [n for n in names if n != package]
+    return f"{package} is missing{' (needed by ' + ', '.join(needed) + ')' if needed else ''}: {fix}"
 
 
 def _version(name: str) -> str:

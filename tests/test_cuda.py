@@ -183,9 +183,8 @@ def test_cuda_a_conversation_given_up_to_host_memory_comes_back_exactly(models):
     answer = [e.token for e in engine.generate(a, params) if e.token is not None]
     list(engine.generate(b, params))
     again = a + answer + [5, 6]
-    events = list(engine.generate(again, params))
-    assert engine.slots.host.restored == 1 and events[-1].timings.cache_n >= len(a)
-    assert [e.token for e in events] == [e.token for e in Engine(target, 256).generate(again, params, reuse=False)]
+    final = same_as_plain(target, engine, params, again, label="restored from host memory")
+    assert engine.slots.host.restored == 1 and final.timings.cache_n >= len(a)
     graphs_on(target)
 
 

@@ -130,9 +130,9 @@ class Bench:
                           "eager_tok_s": tok_s["eager"], "graphs_tok_s": tok_s["graphs"],
                           "no_sync_tok_s": tok_s["no sync"], "roofline_tok_s": self.bw / per_pass})
         self.steps[label] = 1 / tok_s[served]
-        self.log(f"{label}: {tok_s[served]:.1f} tok/s served ({served}), "
-                 f"{', '.join(sorted(lm.plan.get('linear', {})))}; attention {lm.plan.get('attention', 'PyTorch CPU')}; "
-                 f"loaded in {lm.load_seconds:.1f} s")
+        kernels = ", ".join(sorted(lm.plan.get("linear", {})))
+        self.log(f"{label}: {tok_s[served]:.1f} tok/s served ({served}), {kernels}; "
+                 f"attention {lm.plan.get('attention', 'PyTorch CPU')}; loaded in {lm.load_seconds:.1f} s")
         self.save()
 
     def save(self) -> None:
@@ -253,7 +253,8 @@ def _fit_run(bench: Bench, fit: dict, context: int, types: dict) -> None:
         target.forward(torch.cat(drafts, dim=1), caches[0])
         token = drafts[-1]
     roofline.sync(device)
-    fit |= {"rounds_s": time.perf_counter() - t0, "stage": "done", "positions": caches[0].length}
+    fit |= {"rounds_s": time.perf_counter() - t0, "stage": "done", "positions": caches[0].length,
+            "graphs_off": target.graphs.disabled if target.graphs is not None else None}  # a capture's OOM hides there
     bench.log(f"the 24 GiB fit: ran to {caches[0].length} of {context} positions")
 
 
@@ -281,14 +282,15 @@ def print_table(bench: Bench) -> None:
                   f"v(k) = {p['v_k']:.2f}  speed-up {p['speedup']:.2f}x -> {p['tok_s']:.0f} tok/s")
     if bench.load_27b:
         b = bench.load_27b
-        print(f"\n27B dense stand-in load: {b['load_s']:.1f} s module by module, peak {b['peak_gib']:.2f} GiB allocated "
-              f"for {b['weights_gib']:.2f} GiB of weights")
+        print(f"\n27B dense stand-in load: {b['load_s']:.1f} s module by module, peak {b['peak_gib']:.2f} GiB "
+              f"allocated for {b['weights_gib']:.2f} GiB of weights")
     if bench.fit:
         f = bench.fit
         print(f"\n{FIT_GIB} GiB fit (process held to {FIT_GIB} GiB), {f['context']} positions: "
               + (f"FAILED: {f['failed']}" if "failed" in f else
                  f"ran to {f.get('positions')} positions, prefill {f.get('prefill_s', 0):.1f} s, "
-                 f"{FIT_ROUNDS} rounds {f.get('rounds_s', 0):.2f} s"))
+                 f"{FIT_ROUNDS} rounds {f.get('rounds_s', 0):.2f} s"
+                 + (f"; graphs OFF: {f['graphs_off']}" if f.get("graphs_off") else "")))
         print(f"  plan {f['plan_total_gib']:.2f} GiB ("
               + ", ".join(f"{k} {v:.2f}" for k, v in f["plan_gib"].items()) + ")"
               + (f"; allocator peak {f['allocated_peak_gib']:.2f} GiB allocated, {f['reserved_peak_gib']:.2f} "

@@ -47,7 +47,8 @@ def test_the_preflight_stops_the_run_only_on_what_every_phase_needs_naming_what_
     """A package the GPU image lacks stops the run in seconds where nothing could run without it (gguf: quickdraft's
     loader needs it), in one line with what to carry and what needed it."""
     (tmp_path / "gguf").mkdir()
-    (tmp_path / "gguf" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'gguf'\", name='gguf')\n")
+    (tmp_path / "gguf").joinpath("__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'gguf'\", name='gguf')\n")
     result = subprocess.run([sys.executable, "scripts/gpu_preflight.py", "--device", "cpu"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"})

@@ -191,7 +191,8 @@ class Int4Linear(nn.Module):
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             if self.on_cuda:
                 return gpu.int4_mm(eye, self.packed, self.scales_and_zeros).t().float()
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).t().float()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros)
+            return out.t().float()
         if self.vnni:
             q = vnni.unpack_int4(vnni.untile(self.packed, 64))
             scale, lo = vnni.untile(self.scales, 4).float(), self.lows.float()

@@ -18,7 +18,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$venv/bin/pip" install -q torch==2.11.0 triton==3.6.0 transformers==5.17.0
     # the image's other packages the run uses (numpy 2.5 needs Python 3.12: the nearest here is taken)
     "$venv/bin/pip" install -q tokenizers==0.23.2 safetensors==0.8.0 "numpy<2.6" jinja2 rich pytest pytest-timeout \
-        hypothesis psutil accelerate sentencepiece protobuf ninja prometheus-client
+        hypothesis psutil accelerate sentencepiece protobuf ninja prometheus-client pytest-xdist pytest-cov \
+        pytest-benchmark pytest-mock  # the image's pytest plugins: they load in its runs too
 fi
 [ -d .gpu/whl ] || scripts/gpu_prepare.sh
 cold=$(mktemp -d)

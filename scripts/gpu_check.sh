@@ -53,7 +53,7 @@ export QUICKDRAFT_CHECK_OUT=$out QUICKDRAFT_NO_VNNI=1 QUICKDRAFT_NO_AVX2=1
 BUDGET=${GPU_CHECK_BUDGET:-520}  # seconds: the device call's timeout_s (590) less the start of the command
 GRACE=10                         # seconds between a phase's SIGINT and its SIGKILL
 names=(preflight kernels benchmark exactness)
-shares=(8 19 34 39)              # percent of what the budget leaves after the four graces
+shares=(10 18 34 38)             # percent of what the budget leaves after the four graces
 deadlines=()
 acc=0
 for i in "${!names[@]}"; do

@@ -51,33 +51,52 @@ def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     start = time.perf_counter()
-    found = {"python": platform.python_version(), "device_asked": args.device} | _machine()
-    fatal, missing, absent = [], [], {}  # absent: a missing package -> the modules that could not import for it
+    found = Found(args.json)
+    found.add({"python": platform.python_version(), "device_asked": args.device} | _machine())
+    absent: dict[str, list[str]] = {}  # a missing package -> the modules that could not import for it
     for name in ESSENTIAL + tuple(m for m in modules_used() if m not in ESSENTIAL):
         problem, package = _import(name)
         if package and name not in ESSENTIAL:
             absent.setdefault(package, []).append(name)
         elif problem:
-            (fatal if name in ESSENTIAL else missing).append(problem)
-    missing += [_missing(package, names) for package, names in absent.items()]
-    found |= {name: _version(name) for name in VERSIONS}
+            found.problem(name in ESSENTIAL, problem)
+    for package, names in absent.items():
+        found.problem(False, _missing(package, names))
+    found.add({name: _version(name) for name in VERSIONS})
     if "transformers" in sys.modules:
-        missing += [f"transformers {found['transformers']} has no {c}: the tests that build it fail"
-                    for c in transformers_classes() if not hasattr(sys.modules["transformers"], c)]
+        for c in transformers_classes():
+            if not hasattr(sys.modules["transformers"], c):
+                found.problem(False, f"transformers {found.items['transformers']} has no {c}: the tests that build "
+                                     "it fail")
+    found.add({"references": sorted(p.name for p in (ROOT / ".gpu" / "ref").glob("*.gguf"))})
     if "torch" in sys.modules and "quickdraft.api" in sys.modules:
-        found |= _device(args.device, fatal, missing)
-    found["references"] = sorted(p.name for p in (ROOT / ".gpu" / "ref").glob("*.gguf"))
-    found["seconds"] = round(time.perf_counter() - start, 1)
-    for key, value in found.items():
-        print(f"preflight: {key}: {value}")
-    for line in fatal:
-        print(f"preflight: FATAL {line}")
-    for line in missing:
-        print(f"preflight: MISSING {line}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**found, "fatal": fatal, "missing": missing}, indent=1, default=str),
-                                   encoding="utf-8")
-    return 2 if fatal else 1 if missing else 0
+        _device(args.device, found)
+    found.add({"seconds": round(time.perf_counter() - start, 1)})
+    return 2 if found.fatal else 1 if found.missing else 0
+
+
+class Found:
+    """What the preflight found, printed as it is found and written to the JSON file each time (a preflight killed
+    at its limit still leaves what it had)."""
+
+    def __init__(self, path: str | None):
+        self.path, self.items, self.fatal, self.missing = path, {}, [], []
+
+    def add(self, items: dict) -> None:
+        for key, value in items.items():
+            print(f"preflight: {key}: {value}", flush=True)
+        self.items |= items
+        self.save()
+
+    def problem(self, fatal: bool, line: str) -> None:
+        print(f"preflight: {'FATAL' if fatal else 'MISSING'} {line}", flush=True)
+        (self.fatal if fatal else self.missing).append(line)
+        self.save()
+
+    def save(self) -> None:
+        if self.path:
+            Path(self.path).write_text(json.dumps({**self.items, "fatal": self.fatal, "missing": self.missing},
+                                                  indent=1, default=str), encoding="utf-8")
 
 
 def modules_used() -> list[str]:
@@ -160,27 +179,30 @@ def _first_line(cmd: list[str]) -> str:
         return f"failed ({type(e).__name__})"
 
 
-def _device(device: str, fatal: list[str], missing: list[str]) -> dict:
+def _device(device: str, found: Found) -> None:
     import torch
 
-    out = {"torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-           "torch_threads": torch.get_num_threads()}
+    found.add({"torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+               "torch_threads": torch.get_num_threads(),
+               "cpu_kernels": "off (QUICKDRAFT_NO_VNNI)" if os.environ.get("QUICKDRAFT_NO_VNNI") else "on"})
     if device == "cpu":
-        return out | _triton_launch(missing, interpret=True)
+        _triton_launch(found, interpret=True)
+        return
     if not torch.cuda.is_available():
-        fatal.append("PyTorch sees no CUDA device: run on the GPU machine, or rehearse with --device cpu")
-        return out
+        found.problem(True, "PyTorch sees no CUDA device: run on the GPU machine, or rehearse with --device cpu")
+        return
     props = torch.cuda.get_device_properties(0)
-    out |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "memory_gib": props.total_memory / 2**30,
-            "sms": props.multi_processor_count, "cudnn": torch.backends.cudnn.version()}
+    found.add({"gpu": props.name, "capability": f"{props.major}.{props.minor}",
+               "memory_gib": props.total_memory / 2**30, "sms": props.multi_processor_count,
+               "cudnn": torch.backends.cudnn.version()})
     from quickdraft.runtime.plan import attention_backends
 
-    out["attention"] = attention_backends()
-    out |= _attention_probe(torch)
-    return out | _triton_launch(missing, interpret=False)
+    found.add({"attention": attention_backends()})
+    _triton_launch(found, interpret=False)  # before the probe: what a failed compile says matters more
+    found.add(_attention_probe(torch))
 
 
-def _triton_launch(missing: list[str], interpret: bool) -> dict:
+def _triton_launch(found: Found, interpret: bool) -> None:
     """The int8 kernel's first launch, timed: on the GPU what `doctor` reports (PyTorch's kernel runs where it
     fails); on the CPU under Triton's interpreter, as CI tests it (in a process of its own: Triton reads the switch
     when it is imported)."""
@@ -190,11 +212,10 @@ def _triton_launch(missing: list[str], interpret: bool) -> dict:
     reason = _interpreted_launch() if interpret else gpu.triton_reason()
     took = round(time.perf_counter() - t0, 2)
     if reason and interpret:  # the interpreter is CI's, not the GPU's (Triton 3.6's fails on numpy 2.4): a note
-        return {"triton_int8": f"{reason} (the interpreter only: on a GPU Triton compiles it)",
-                "triton_first_launch_s": took}
-    if reason:
-        missing.append(f"the Triton int8 kernel: {reason}")
-    return {"triton_int8": reason or "runs", "triton_first_launch_s": took}
+        reason += " (the interpreter only: on a GPU Triton compiles it)"
+    elif reason:
+        found.problem(False, f"the Triton int8 kernel: {reason}")
+    found.add({"triton_int8": reason or "runs", "triton_first_launch_s": took})
 
 
 INTERPRETED = """

@@ -24,7 +24,8 @@ STAND_INS = {
     "qwen2.5-coder-1.5b": ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
     "qwen2.5-coder-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768, qkv_bias=True),
     "dense-27b-class": ModelConfig("qwen3", 248320, 5120, 64, 24, 4, 256, 17408, 1e-6, 1e7, 262144, qk_norm=True),
-    # Qwen3.5-27B as it is: 48 Gated DeltaNet layers, every fourth layer gated attention (run eagerly on CUDA)
+    # Qwen3.5-27B's layout: 48 Gated DeltaNet layers (16 key and 48 value heads of 128, as we take its config; 26.9B
+    # parameters in all), every fourth layer gated attention; run eagerly on CUDA, as the engine serves hybrids
     "hybrid-27b-class": ModelConfig(
         "qwen3_5", 248320, 5120, 64, 24, 4, 256, 17408, 1e-6, 1e7, 262144, qk_norm=True,
         rope=RopeConfig(theta=1e7, rotary_dim=64), attn_output_gate=True,

@@ -41,11 +41,11 @@ def test_four_bit_blocks_are_their_own_codes_and_grids(qtype):
     torch.testing.assert_close(got, torch.from_numpy(want), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K])
-def test_blocks_through_tinygemm_layout_reproduce_the_dequantized_weights(qtype):
+@pytest.mark.parametrize("qtype, n, k", [(T.Q4_0, 64, 512), (T.Q4_1, 64, 512), (T.Q4_K, 64, 512),
+                                         (T.Q4_0, 32, 64), (T.Q4_1, 80, 64)])  # and a head's: K under one tile
+def test_blocks_through_tinygemm_layout_reproduce_the_dequantized_weights(qtype, n, k):
     """The layer built from the blocks (codes kept, bf16 scale and zero) multiplies by the file's weights within
     the stated bound: identity activations read the weight back through PyTorch's kernel (its CPU twin)."""
-    n, k = 64, 512
     rows, want = file_rows(qtype, n, k, seed=1)
     layer = int4.Int4Linear(rows.grid(), None)
     assert not layer.vnni and layer.scales_and_zeros.dtype == torch.bfloat16
@@ -90,6 +90,8 @@ def test_fitted_rows_on_tinygemm_layout_round_against_the_stored_grid():
 
 def test_int4_shape_rules_on_cuda():
     assert gpu.int4_supported(896, 4864) and gpu.inner_k_tiles(896) == 8
+    assert gpu.int4_supported(32, 64) and gpu.inner_k_tiles(64) == 4  # a head's k_proj: K under one 128-wide tile
+    assert not gpu.int4_supported(80, 80)  # a head's down projection (K = 80): stays bf16, never a wrong pack
     assert gpu.int4_supported(8, 96) and gpu.inner_k_tiles(96) == 2
     assert not gpu.int4_supported(12, 128)  # whole tiles of 8 outputs
     assert not gpu.int4_supported(16, 80)  # whole groups of 32 inputs
@@ -99,7 +101,9 @@ INTERPRETED = r"""
 import torch
 from quickdraft.quant import gpu, int8
 torch.manual_seed(0)
-cases = [(1, 64, 256, 1), (17, 96, 384, 3), (5, 64, 200, 2), (40, 128, 256, 2), (70, 80, 128, 1)]
+cases = [(1, 64, 256, 1), (17, 96, 384, 3), (5, 64, 200, 2), (40, 128, 256, 2), (70, 80, 128, 1),
+         # the EAGLE-3 and DSpark heads' shapes: K (64, 80) under one block, N (32, 80) under or across one tile
+         (1, 32, 64, 1), (16, 80, 64, 1), (5, 32, 80, 1), (16, 80, 80, 1), (40, 32, 64, 1)]
 for m, n, k, splits in cases:
     x = torch.randn(m, k).bfloat16()
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)

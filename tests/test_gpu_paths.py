@@ -60,6 +60,29 @@ def test_a_pass_neither_copies_from_the_host_nor_reads_back(q4_k_m_like, fmt):
     assert not traffic.copies and not traffic.reads, (traffic.copies, traffic.reads)
 
 
+@pytest.mark.parametrize("name, kept", [("gemma2", "features"), ("gemma4", "hidden"), ("mistral-window", "features"),
+                                        ("phi3", None)])
+def test_every_familys_graphed_pass_neither_copies_from_the_host_nor_reads_back(tmp_path, name, kept):
+    """The pass a CUDA graph captures (forward_at), per family: gemma2's soft caps, gemma4's per-layer inputs and
+    shared caches, sliding windows, phi3's partial rotary; with the cache keeping the layer features an EAGLE-3,
+    DSpark or DFlash drafter reads, or the hidden states MTP reads. Any copy from the host or read-back there would
+    make a real capture fail, and the family run eagerly."""
+    from tests.families import TOKENS, save, tiny_model
+
+    lm = load_model(str(save(tiny_model(name), tmp_path)), EngineConfig(device="cpu", dtype="bfloat16",
+                                                                        max_context=64), False)
+    with torch.inference_mode():
+        cache = KVCache.for_model(lm.model, 64)
+        if kept == "features":
+            cache.keep_features([0, lm.config.n_layers - 1], lm.config.dim)
+        elif kept == "hidden":
+            cache.keep_hidden(lm.config.dim)
+        lm.forward(torch.tensor([TOKENS[:8]]), cache)
+        with HostTraffic() as traffic:
+            lm.model.forward_at(torch.tensor([TOKENS[:graphs.WIDTH]]), torch.arange(8, 8 + graphs.WIDTH), cache, 64)
+    assert not traffic.copies and not traffic.reads, (traffic.copies, traffic.reads)
+
+
 def test_accepting_a_round_reads_back_once():
     torch.manual_seed(0)
     k, V = 5, 11

@@ -184,12 +184,15 @@ class Int4Linear(nn.Module):
 
     def dequantized(self, q: torch.Tensor | None = None) -> torch.Tensor:
         """The weight the kernel multiplies by: the plain reference. PyTorch's packing is opaque, so on
-        its CPU kernel the codes q (N, K) are passed in; on CUDA the kernel itself multiplies the identity (each
-        weight (q - 8) s + z as the kernel forms it, rounded to bf16)."""
+        its CPU kernel the codes q (N, K) are passed in; on CUDA (or on its CPU kernel without them) the kernel itself
+        multiplies the identity (each weight (q - 8) s + z as the kernel forms it, rounded to bf16)."""
         n = self.out_features
-        if self.on_cuda:
+        if self.on_cuda or (q is None and not self.vnni):
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
-            return gpu.int4_mm(eye, self.packed, self.scales_and_zeros).t().float()
+            if self.on_cuda:
+                return gpu.int4_mm(eye, self.packed, self.scales_and_zeros).t().float()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros)
+            return out.t().float()
         if self.vnni:
             q = vnni.unpack_int4(vnni.untile(self.packed, 64))
             scale, lo = vnni.untile(self.scales, 4).float(), self.lows.float()

@@ -24,6 +24,13 @@ STAND_INS = {
     "qwen2.5-coder-1.5b": ModelConfig("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, 1e-6, 1e6, 32768, qkv_bias=True),
     "qwen2.5-coder-0.5b": ModelConfig("qwen2", 151936, 896, 24, 14, 2, 64, 4864, 1e-6, 1e6, 32768, qkv_bias=True),
     "dense-27b-class": ModelConfig("qwen3", 248320, 5120, 64, 24, 4, 256, 17408, 1e-6, 1e7, 262144, qk_norm=True),
+    # Qwen3.5-27B's layout: 48 Gated DeltaNet layers (16 key and 48 value heads of 128, as we take its config; 26.9B
+    # parameters in all), every fourth layer gated attention; run eagerly on CUDA, as the engine serves hybrids
+    "hybrid-27b-class": ModelConfig(
+        "qwen3_5", 248320, 5120, 64, 24, 4, 256, 17408, 1e-6, 1e7, 262144, qk_norm=True,
+        rope=RopeConfig(theta=1e7, rotary_dim=64), attn_output_gate=True,
+        layer_types=tuple("full" if (i + 1) % 4 == 0 else "linear" for i in range(64)),
+        linear_k_heads=16, linear_v_heads=48, linear_k_dim=128, linear_v_dim=128),
     # a hybrid of about Qwen3.5-0.8B's dimensions: 18 Gated DeltaNet layers, every fourth layer gated attention
     "hybrid-0.8b-class": ModelConfig(
         "qwen3_5", 248320, 1024, 24, 8, 2, 256, 3584, 1e-6, 1e7, 262144, qk_norm=True, tie_embeddings=True,
@@ -50,11 +57,12 @@ def placeholder_tokenizer(vocab_size: int):
 
 
 def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024, noise: float = 0.0,
-             logit_scale: float = 1.0):
+             logit_scale: float = 1.0, source_types: dict | None = None):
     """A LoadedModel of STAND_INS[name]'s shape with random weights, made on the device one module at a time through
     the loader's build_model (converted to fmt as a file's weights would be). noise: the same weights plus noise of
     that share of their spread (a draft that agrees with the model often, not always); logit_scale: the output
-    head scaled (peaked distributions, like a trained model's)."""
+    head scaled (peaked distributions, like a trained model's); source_types: the file's tensor types `mixed`
+    follows (a Q4_K_M file's: q4_k_m_types)."""
     import time
     from pathlib import Path
 
@@ -74,15 +82,25 @@ def stand_in(name: str, device, fmt: str = "bf16", context: int = 1024, noise: f
             elif n.endswith(("A_log", "dt_bias")):  # decays of a trained model's order: exp(-exp(A) softplus(dt))
                 yield n, torch.zeros(shape, dtype=torch.bfloat16, device=device)
             else:
-                w = torch.randn(shape, generator=gen, device=device) * 0.02
-                if noise:
-                    w += noise * 0.02 * torch.randn(shape, generator=jitter, device=device)
                 scale = logit_scale if n == "output.weight" or (n == "tok_embeddings.weight" and cfg.tie_embeddings) \
                     else 1.0
-                yield n, (w * scale).to(torch.bfloat16)
+                yield n, random_rows(shape, scale)
+
+    def random_rows(shape, scale: float) -> torch.Tensor:
+        """bf16 random weights made a block of rows at a time: float32 copies of a 27B-class head (248k rows) would
+        add 10 GB to the load's peak, and the 24 GiB fit measures the loader's peak, not this generator's."""
+        out = torch.empty(shape, dtype=torch.bfloat16, device=device)
+        step = max(1, 2**24 // max(1, out[0].numel()))
+        for i in range(0, shape[0], step):
+            block = out[i:i + step]
+            w = torch.randn(block.shape, generator=gen, device=device) * 0.02
+            if noise:
+                w += noise * 0.02 * torch.randn(block.shape, generator=jitter, device=device)
+            block.copy_(w * scale)
+        return out
 
     t0 = time.perf_counter()
-    model = build_model(cfg, tensors(), device, context, fmt, torch.bfloat16)
+    model = build_model(cfg, tensors(), device, context, fmt, torch.bfloat16, source_types)
     lm = LoadedModel(name, Path(name), cfg, model, placeholder_tokenizer(cfg.vocab_size), time.perf_counter() - t0,
                      fmt)
     return ready(lm)

@@ -364,3 +364,61 @@ def test_a_probe_that_would_start_a_drafter_on_a_long_prompt_is_weighed_as_a_sta
     assert losing().k_for("draft", lag=3, horizon=128) > 0  # a probe
     assert losing().k_for("draft", lag=100, horizon=128) > 0  # its catch-up costs 2 plain steps: still a probe
     assert losing().k_for("draft", lag=1000, horizon=128) == 0  # 20 plain steps: not a probe's cost
+
+
+# ---- the machine's prices (Prior): what a cold process decides from ---------------------------------------------
+
+def cold(per_row: float, draft_share: float):
+    """A policy that has timed two plain steps (t_plain 48 ms, 33 of them the target's weights) and nothing else, with
+    this machine's prices: each verified row costs per_row of a row's weights; the draft model's weights cost
+    draft_share of the target's (24 layers to the target's 28); lookup is free."""
+    from quickdraft.speculative.policy import Prior
+
+    def weights(scale):
+        return lambda rows: scale * 0.033 * (1 + per_row * (rows - 1))
+
+    policy = AdaptivePolicy(SpeculationConfig(), Prior(weights(1.0), 28, {"draft": (weights(draft_share), 24)},
+                                                       frozenset({"ngram"})))
+    for _ in range(2):
+        policy.record_plain(0.048)
+    return policy
+
+
+def test_a_cold_process_prices_verification_and_drafts_by_the_machines_calibration():
+    """Before any round is timed: a verification costs what the calibration says its rows cost (AVX2 int4: 2.7 plain
+    steps for 5 rows, as measured on a Zen 3; VNNI: 1.9), the draft model a step of its own weights and its share of
+    the rest, lookup nothing. On the AVX2 machine a draft model is not started on a long prompt, nor probed while a
+    probe's window would cost seconds; on the VNNI one, where its drafts are known to be accepted, it is."""
+    avx2, vnni = cold(per_row=0.445, draft_share=0.32), cold(per_row=0.14, draft_share=0.32)
+    assert avx2.verify_seconds(4) / avx2.t_plain == pytest.approx(2.7, abs=0.1)
+    assert vnni.verify_seconds(4) / vnni.t_plain == pytest.approx(1.95, abs=0.1)
+    assert avx2.draft_seconds("draft", 1) / avx2.t_plain == pytest.approx(0.49, abs=0.03)  # 23.4 ms measured there
+    assert avx2.draft_seconds("ngram", 4) == 0.0 and avx2.feed_seconds("draft") < avx2.draft_seconds("draft", 1)
+    assert avx2.k_for("draft", lag=900, horizon=128) == 0 and "draft" not in avx2.probe_after
+    for policy in (avx2, vnni):  # what a round teaches: its drafts are kept
+        policy.tried["draft"], policy.accepted["draft"] = [40.0] * 8, [36.0] * 8
+    assert avx2.k_for("draft", lag=900, horizon=128) == 0  # 90% kept and still no gain there: a 5-row pass is 2.7
+    assert vnni.k_for("draft", lag=30, horizon=512) > 0
+    assert avx2.k_for("ngram") > 0  # lookup's drafts cost nothing but their rows: tried from the start
+
+
+def test_a_batch_probes_a_source_plain_decoding_wins_over_once_its_wait_is_over():
+    """Under continuous load no sequence is ever alone: the batch probes a source that does not pay now and then (one
+    probe a step, PROBE_SHORT drafts), so that it is measured again; a source never timed is priced, not refused."""
+    from quickdraft.speculative.policy import PROBE_SHORT, BatchPlan
+
+    policy = cold(per_row=0.445, draft_share=0.32)
+    for rows in (2, 3, 4):
+        for _ in range(2):
+            policy.record_pass(rows, 0.048 * (1 + 0.43 * (rows - 1)))
+    cfg = SpeculationConfig(draft_max=8)
+    ks, steps = [], 0
+    while not any(ks) and steps < 2000:
+        plan = BatchPlan(policy, 2, 2, 64)
+        ks = [plan.k_for(i, cfg, 8, lag=lambda source: 0)("draft") for i in range(2)]
+        policy.record_pass(2, 0.07)
+        steps += 1
+    assert sorted(ks) == [0, PROBE_SHORT] and 16 <= steps < 2000  # one sequence probes, the other waits its turn
+    policy.record_drafts("draft", PROBE_SHORT, 0, 0.05)
+    plan = BatchPlan(policy, 2, 2, 64)
+    assert [plan.k_for(i, cfg, 8)("draft") for i in range(2)] == [0, 0]  # lost: the next one waits longer

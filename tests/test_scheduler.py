@@ -1,8 +1,9 @@
 """The scheduler's decisions, driven with plain objects and made-up prices: no model (engine/scheduler.py)."""
 
+import time
 from dataclasses import dataclass, field
 
-from quickdraft.engine.scheduler import PREFILL_MIN, SLOWDOWN, STARVED, Scheduler
+from quickdraft.engine.scheduler import AGEING, DOUBLING, PREFILL_MIN, SLOWDOWN, STARVED, Scheduler
 
 
 @dataclass(eq=False)
@@ -12,6 +13,7 @@ class Seq:
     waited: int = 0
     ended: bool = False
     copyable: bool = True
+    started: float = field(default_factory=time.perf_counter)
     copied: list = field(default_factory=list)
 
     @property
@@ -84,3 +86,35 @@ def test_a_shared_beginning_is_copied_from_a_running_sequence_or_waited_for():
     recurrent = Seq(system + [1], copyable=False)
     out = sched.prefills([recurrent], [first, recurrent], 0, copy)
     assert out.rows == {recurrent: 64} and not recurrent.copied  # a recurrent state prefills its own
+
+
+def test_a_prompt_that_waits_takes_more_of_each_step():
+    """The allowed slowdown doubles every DOUBLING seconds the oldest prompt has waited for its first token: the
+    streams keep their speed through a short prefill, and a long prompt is not held behind them."""
+    prices = Prices(plain=1.0, per_row=1 / 16)
+    sched = Scheduler(64, prices)
+    assert sched.budget(1, 0.0) == 16 and sched.budget(1, DOUBLING) == 48 and sched.budget(1, 3 * DOUBLING) == 63
+    old = Seq(list(range(300)), started=time.perf_counter() - DOUBLING)
+    assert sched.prefills([old], [old], 1).rows[old] >= 47
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    submitted: float
+
+
+def test_admission_is_shortest_expected_prefill_first_with_ageing():
+    """A 4-token request behind long prompts starts first; a long one that has waited its prefill's time goes before a
+    newer short one; what a kept slot holds does not count; first come first served before anything is priced."""
+    prices = Prices(plain=1.0, per_row=1 / 16)  # a 64-row chunk: 4.9 s, 0.077 s a row
+    sched = Scheduler(64, prices)
+    now = 100.0
+    queue = [Request(list(range(1000)), now - 1), Request(list(range(900)), now - 0.5), Request([1, 2, 3, 4], now)]
+    assert sched.next_admitted(queue, now=now) == 2
+    per_row = sched.row_seconds()
+    patient = Request(list(range(1000)), now - 1000 * per_row / AGEING - 1)  # waited longer than its prefill takes
+    assert sched.next_admitted([Request([1, 2, 3, 4], now), patient], now=now) == 1
+    held = lambda prompt: len(prompt) - 1 if len(prompt) == 1000 else 0  # noqa: E731 (a kept slot holds the 1000)
+    assert sched.next_admitted(queue, held, now=now) == 0
+    assert Scheduler(64, Prices(timed=False)).next_admitted(queue, now=now) == 0

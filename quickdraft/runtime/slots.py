@@ -328,6 +328,13 @@ class Slots:
             raise RuntimeError(f"all {self.count} slots are running sequences")
         return min(idle, key=lambda s: (s in kept, s.used))
 
+    def held(self, prompt: list[int]) -> int:
+        """The most leading tokens of prompt a slot holds (running or kept; a running one's can be copied), or a
+        host copy: what its prefill would not compute (the scheduler's estimate of a waiting request's cost)."""
+        kept = max((s.reusable(prompt) for s in self.slots), default=0)
+        copy = self.host.best(prompt)[1] if self.host is not None else 0
+        return max(kept, copy)
+
     def free(self) -> int:
         """How many more sequences can run now (slots not running one, made or still to be made)."""
         return self.count - sum(s.busy for s in self.slots)

@@ -1,7 +1,8 @@
 """One thread owns the engine; requests wait for it in a bounded queue and get their tokens back on their
 own asyncio queue. Up to `parallel` requests generate at once, stepped together (engine.Batch): each step is one
-target pass over all of them, and a newcomer's prompt is prefilled in the rows the others leave. A request that
-is cancelled (client gone) ends at the next step, without disturbing the others.
+target pass over all of them, and a newcomer's prompt is prefilled in the rows the others leave. Which waiting request
+starts next is the scheduler's choice (engine/scheduler.py: the shortest expected prefill first, with ageing). A
+request that is cancelled (client gone) ends at the next step, without disturbing the others.
 
 The thread that runs the engine is the one that made it (EngineWorker's constructor): PyTorch's CPU thread
 pool (OpenMP) belongs to the first thread that runs parallel work. Another thread that runs ops while that pool
@@ -88,6 +89,7 @@ class Job:
     started: float = 0.0  # when the engine took it up
     trace: bool = False  # hand each token's origin over with the text (Piece.trace)
     reuse: bool = True  # reuse what a kept slot holds of the prompt (the request's cache_prompt)
+    scope: object = None  # whose history it drafts from and adds to (the request's `user`; None: the server's)
 
     def cancel(self) -> None:
         if self.halt.reason is None:
@@ -121,6 +123,7 @@ class EngineWorker:
         self.max_queue = max_queue
         self.parallel = parallel
         self.pending: queue.Queue[Job | None] = queue.Queue()  # bounded by admission: see admit
+        self.waiting: list[Job] = []  # taken off `pending` by the engine thread, not yet started (its own list)
         self.held = 0  # places taken: requests waiting for the engine
         self._places = threading.Lock()
         self.running: dict[int, Stream] = {}  # the jobs generating now, by their sequence's id
@@ -192,19 +195,19 @@ class EngineWorker:
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        """Admit waiting jobs while the batch has room (first come, first served), step every running one together,
-        hand each its events; block for a job only while none runs."""
+        """Start waiting jobs while the batch has room (the scheduler's choice among them), step every running one
+        together, hand each its events; block for a job only while none runs or waits."""
         batch = self.batch = Batch(self.engine, self.parallel)
         stopping = False
         while True:
-            while not stopping and (batch.room() or not batch.active):
-                try:  # nothing running: wait for a job (whatever room says, so that a stop is always seen)
-                    job = self.pending.get(block=not batch.active)
-                except queue.Empty:
-                    break
-                if job is None:
-                    stopping = True
-                    break
+            stopping = self._collect(block=not batch.active and not self.waiting) or stopping
+            if stopping:
+                for job in self.waiting:
+                    job.cancel()
+                    job.put(Cancelled())
+                self.waiting.clear()
+            while self.waiting and (batch.room() or not batch.active):
+                job = self.waiting.pop(self.engine.scheduler.next_admitted(self.waiting, self.engine.slots.held))
                 if not batch.room():  # no slot free with nothing running: a bug of ours, said rather than hung
                     job.ticket.release()
                     job.put(Failed("no cache slot is free"))
@@ -223,6 +226,26 @@ class EngineWorker:
             if batch.last_rows:
                 self.metrics.batch_rows.observe(batch.last_rows)
 
+    def _collect(self, block: bool) -> bool:
+        """Take every job queued for the engine into `waiting` (waiting for one first where `block`); True once the
+        stop was asked for. Jobs whose clients left while they waited end here."""
+        stopping = False
+        while True:
+            try:
+                job = self.pending.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if job is None:
+                stopping = True
+                continue
+            self.waiting.append(job)
+        for job in [j for j in self.waiting if j.cancelled]:  # its handler still awaits an end
+            self.waiting.remove(job)
+            self.metrics.finished.labels("cancelled").inc()
+            job.put(Cancelled())
+        return stopping
+
     def _admit(self, job: Job, batch: Batch) -> None:
         job.ticket.release()  # running now: its place in the queue is free
         job.started = time.perf_counter()
@@ -232,7 +255,8 @@ class EngineWorker:
             job.put(Cancelled())
             return
         try:
-            s = batch.add(job.prompt, job.params, job.speculation, job.halt, job.constraint, job.reuse, self._waiting())
+            s = batch.add(job.prompt, job.params, job.speculation, job.halt, job.constraint, job.reuse, self._waiting(),
+                          job.scope)
         except Exception as e:  # noqa: BLE001 -- the request's (a context the handler did not check): it fails alone
             job.put(Failed(say(e), 400 if isinstance(e, QuickdraftError) else 500))
             return
@@ -240,10 +264,9 @@ class EngineWorker:
         self.metrics.running.set(len(batch.active))
 
     def _waiting(self) -> list[list[int]]:
-        """The prompts of the next jobs queued, as many as run at once (their kept slots are left to them:
+        """The prompts of jobs waiting their turn, as many as run at once (their kept slots are left to them:
         Slots.take)."""
-        with self.pending.mutex:
-            waiting = [job.prompt for job in self.pending.queue if job is not None and job.reuse and not job.cancelled]
+        waiting = [job.prompt for job in self.waiting if job.reuse and not job.cancelled]
         return waiting[:self.parallel]
 
     def _deliver(self, s, item) -> None:

@@ -309,5 +309,11 @@ class EngineConfig:
     cuda_graphs: bool = True  # on CUDA, replay decode and verification passes as CUDA graphs (runtime/graphs.py)
     weight_cache: bool = True  # keep quantized conversions on disk for the next load (weights/converted.py)
 
+    def __post_init__(self):
+        if self.max_context is not None and self.max_context < 1:
+            raise QuickdraftError(f"{{context}} {self.max_context}: give a number of tokens, or leave it out for the "
+                                  "model's own context (fitted to memory; 0 on the command line says the same)",
+                                  "context")
+
 
 DEFAULT_MAX_CONTEXT = 4096

@@ -30,3 +30,17 @@ class QuickdraftError(Exception):
 
     def __str__(self) -> str:
         return self.say()
+
+
+def read_json(path) -> object:
+    """A JSON file's value; a file that is not JSON is a QuickdraftError naming it and where it stops being JSON (a
+    checkpoint's config.json cut short or hand-edited), not a parser's traceback."""
+    import json
+    from pathlib import Path
+
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise QuickdraftError(f"{path} is not valid JSON{where}: fix it, or download the checkpoint again") from None

@@ -198,9 +198,18 @@ def ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
 
 def matcher(ll_tok, text: str, grammar: Grammar):
     """A fresh llguidance matcher for grammar text (to_llguidance's); QuickdraftError if it does not compile."""
+    import array
+
     m = llguidance().LLMatcher(ll_tok, text, log_level=0, limits=parser_limits())
     if m.is_error():
         raise QuickdraftError(f"invalid {grammar.describe()}: {one_line(m.get_error())}")
+    words = (ll_tok.vocab_size + 31) // 32
+    mask = array.array("i", bytes(4 * words))
+    m.unsafe_compute_mask_ptr(mask.buffer_info()[0], 4 * words)  # (what the first token may be: computed once)
+    ends = set(ll_tok.eos_tokens)
+    if not m.is_error() and all(32 * i + b in ends for i, w in enumerate(mask) if w for b in range(32) if w >> b & 1):
+        raise QuickdraftError(f"the {grammar.describe()} matches only the empty text: nothing could be generated; "
+                              "give it something to match (a grammar's root at least one symbol)")
     return m
 
 

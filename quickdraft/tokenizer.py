@@ -21,7 +21,7 @@ import jinja2.nodes
 import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import QuickdraftError, read_json
 
 log = logging.getLogger("quickdraft")
 
@@ -332,7 +332,7 @@ def _incomplete_utf8(tail: bytes) -> bool:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return read_json(path) if path.exists() else {}
 
 
 def _raise(message):

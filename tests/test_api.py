@@ -101,3 +101,20 @@ def test_the_readme_example_runs_and_matches_the_command_line(real_model_path):
     assert re.search(rf"spec\[ngram\+{re.escape(hub.DEFAULT_DRAFT)}\]: [1-9]\d*/[1-9]\d* drafts accepted", shown.stderr), \
         shown.stderr  # the acceptance on stderr (--json carries it as "spec": tests/test_cli.py); that the text is
     # plain decoding's is tests/test_spec_real.py's (its equality tests, and verify on the default pair)
+
+
+def test_the_cache_line_offers_only_what_fits_the_context_and_the_slots():
+    """serve's cache line: with a context of 2048, no "conversations of 4096 tokens", and never more whole contexts
+    than kept sequences (KEPT_MAX)."""
+    from types import SimpleNamespace
+
+    from quickdraft.api import LLM
+
+    def line(context: int, budget: int) -> str:
+        slots = SimpleNamespace(budget=budget, count=64, host=None)
+        engine = SimpleNamespace(slots=slots, cache=SimpleNamespace(position_bytes=lambda: 1000), drafter=None)
+        return LLM.cache_summary(SimpleNamespace(engine=engine, context=context))
+
+    small = line(2048, 2**30)
+    assert "4096" not in small and "64 of the whole context (2048)" in small
+    assert "conversations of 4096 tokens" in line(32768, 2**30) and "32 of the whole context" in line(32768, 2**30)

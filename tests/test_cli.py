@@ -154,3 +154,20 @@ def test_a_draft_window_out_of_range_is_one_line(tiny_gguf):
                           "--draft-window must be 0 (the whole context) or a number of tokens")
     assert_one_line_error(cli("generate", "-m", str(tiny_gguf), "-p", "x", "--ctx", "64", "--draft", str(tiny_gguf),
                               "--draft-window", "100"), "--draft-window 100 is beyond the context of 64 tokens")
+
+
+def test_settings_that_mean_nothing_here_are_one_line(tiny_gguf, tmp_path):
+    """A draft directory whose config.json is not JSON names the file (an error like any other: exit 1); a window
+    for a draft without a draft model is refused; a negative context is refused, and 0 is the model's own."""
+    bad = tmp_path / "draft"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    r = cli("generate", "-m", str(tiny_gguf), "-p", "x", "--draft", str(bad))
+    assert_one_line_error(r, f"{bad / 'config.json'} is not valid JSON (line 1, column 2")
+    assert r.returncode == 1
+    assert_one_line_error(cli("generate", "-m", str(tiny_gguf), "-p", "x", "--draft", "ngram", "--draft-window",
+                              "64"), "--draft-window is the context a draft model drafts from, and --draft ngram has "
+                                     "no draft model")
+    assert_one_line_error(cli("generate", "-m", str(tiny_gguf), "-p", "x", "--ctx", "-5"), "--ctx -5: give a number")
+    r = cli("generate", "-m", str(tiny_gguf), "-p", "hello", "-n", "3", "--ctx", "0", "--json")
+    assert r.returncode == 0, r.stderr

@@ -61,6 +61,9 @@ def test_invalid_constraints_name_the_library_message(models):
         engine.constraint(Grammar("json_schema", "{type: object}"))
     with pytest.raises(QuickdraftError, match="(?s)invalid grammar: .*undefined"):
         engine.constraint(Grammar("grammar", "root ::= undefined-rule"))
+    for empty in ("root ::= ", 'root ::= ""'):  # accepted by the library, then nothing is generated
+        with pytest.raises(QuickdraftError, match="matches only the empty text"):
+            engine.constraint(Grammar("grammar", empty))
     with pytest.raises(QuickdraftError, match="unknown constraint kind"):
         Grammar("xml")
 

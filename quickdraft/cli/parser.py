@@ -33,8 +33,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "machine's measured kernels predict it 10%% faster than mixed; else bf16 (default: "
                              "%(default)s)")
     parser.add_argument("--ctx", type=int, default=None,
-                        help="context length in tokens (default: the model's own where its caches fit in memory with "
-                             "the kept sequences, else the largest that does, said on one line)")
+                        help="context length in tokens (default, or 0 as llama.cpp's -c 0: the model's own where its "
+                             "caches fit in memory with the kept sequences, else the largest that does, said on one "
+                             "line)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the count that ran this machine's kernels fastest, measured once "
                              "and kept per machine)")
     parser.add_argument("--no-weight-cache", dest="weight_cache", action="store_false",

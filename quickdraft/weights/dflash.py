@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import QuickdraftError, read_json
 from quickdraft.models import rope as ropes
 from quickdraft.models.dflash import DFlash, DFlashConfig
 from quickdraft.weights import heads
@@ -62,7 +62,7 @@ def target_layer_ids(n_target: int, n_draft: int) -> list[int]:
 
 
 def read_config(path: Path) -> DFlashConfig:
-    d = _read(path / "config.json")
+    d = read_json(path / "config.json")
     kind = _kind(d)
     if kind is None:
         raise QuickdraftError(f"{path} holds no DFlash drafter (config.json names no DFlash architecture)")

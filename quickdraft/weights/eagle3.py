@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import QuickdraftError, read_json
 from quickdraft.models import rope as ropes
 from quickdraft.models.eagle3 import ACTIVATIONS, Eagle3, Eagle3Config
 from quickdraft.weights import heads
@@ -39,7 +39,7 @@ def is_eagle3(source: str) -> bool:
 
 
 def read_config(path: Path) -> Eagle3Config:
-    d = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    d = read_json(path / "config.json")
     if d.get("speculators_model_type") != "eagle3":
         raise QuickdraftError(f"{path} holds no EAGLE-3 head (config.json's speculators_model_type is "
                               f"{d.get('speculators_model_type')!r}, not 'eagle3')")

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from quickdraft.config import ModelConfig
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import QuickdraftError, read_json
 from quickdraft.weights import families
 from quickdraft.weights.hf_config import model_config
 from quickdraft.weights.names import hf_to_model
@@ -19,7 +19,7 @@ def read_config(path: Path) -> ModelConfig:
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise QuickdraftError(f"{path} has no config.json: give a Hugging Face model directory or a .gguf file")
-    return model_config(json.loads(cfg_path.read_text(encoding="utf-8")))
+    return model_config(read_json(cfg_path))
 
 
 def shard_files(path: Path) -> list[Path]:

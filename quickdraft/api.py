@@ -81,9 +81,11 @@ class LLM:
             return f"{slots.count} kept sequences of up to {context} tokens{host}"
         per = self.engine.cache.position_bytes() + getattr(self.engine.drafter, "position_bytes", lambda: 0)()
         positions = slots.budget // max(per, 1)
+        whole = f"{min(slots.count, max(1, positions // context))} of the whole context ({context})"
+        if context <= 4096:  # (conversations of 4096 tokens would not fit the context)
+            return f"{slots.budget / 2**30:.1f} GiB for kept sequences: {positions} tokens in all, e.g. {whole}"
         return (f"{slots.budget / 2**30:.1f} GiB for kept sequences: {positions} tokens in all, e.g. "
-                f"{min(slots.count, max(1, positions // 4096))} conversations of 4096 tokens or "
-                f"{max(1, positions // context)} of the whole context ({context})")
+                f"{min(slots.count, max(1, positions // 4096))} conversations of 4096 tokens or {whole}")
 
     @property
     def tokenizer(self):
@@ -196,18 +198,20 @@ def load(model: str = hub.DEFAULT_TARGET, draft: Draft | str | None = "auto", *,
     host memory and back when they return. warn(QuickdraftError): what becomes of a warning about the load (the memory
     plan's; default: printed to stderr). threads: the CPU threads (default: what this machine's kernels run fastest
     with: weights/machine.py); weights "auto" on such a CPU is the format they decode this model fastest in."""
-    engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context, cuda_graphs=cuda_graphs,
-                          weight_cache=weight_cache, threads=threads)
+    engine = EngineConfig(device=device, dtype=dtype, weights=weights, max_context=context or None,
+                          cuda_graphs=cuda_graphs, weight_cache=weight_cache, threads=threads)
     engine = for_this_machine(model, engine, progress)
     if isinstance(draft, str) or draft is None:  # None is Python's "no draft": the same as "none"
         draft = Draft.parse("none" if draft is None else draft, device=draft_device, weights=draft_weights)
     if cache_slots < 1:
         raise QuickdraftError("{cache_slots} must be at least 1 (the sequence being generated)", "cache_slots")
     warn = warn or (lambda problem: print(f"warning: {problem}", file=sys.stderr))
-    if context is None:  # the model's own context, where its caches fit beside the weights, else the largest that does
-        engine = replace(engine, max_context=fit_context(model, draft, engine, cache_slots, warn))
+    window = speculation.draft_window if speculation is not None else None  # (the memory plan's draft cache)
+    if not context:  # (0 as None, as llama.cpp's -c 0) the model's own, where its caches fit beside the weights, else
+        #              the largest that does
+        engine = replace(engine, max_context=fit_context(model, draft, engine, cache_slots, warn, window))
     if resolve_device(device).type == "cuda":  # what fits is known before any weight is read
-        plan, cache_slots = fitting_slots(model, draft, engine, cache_slots, warn)
+        plan, cache_slots = fitting_slots(model, draft, engine, cache_slots, warn, window)
         memory.check(plan, warn=warn)
         if (sys.stderr.isatty() if progress is None else progress) and plan.warning() is None:
             print(f"memory plan: {plan.used / 2**30:.1f} GiB of {plan.device}'s {plan.capacity / 2**30:.1f} GiB "
@@ -241,14 +245,15 @@ def for_this_machine(target: str, engine: EngineConfig, progress: bool | None = 
     return replace(engine, weights=fmt)
 
 
-def fit_context(target: str, draft: Draft, engine: EngineConfig, slots: int, warn=None) -> int:
+def fit_context(target: str, draft: Draft, engine: EngineConfig, slots: int, warn=None,
+                window: int | None = None) -> int:
     """The context a load gives by default: the model's own where the memory plan fits it with `slots` kept
     sequences within memory.TIGHT of the device, else the largest power of two that does (at least
     DEFAULT_MAX_CONTEXT), saying so (warn)."""
     native = memory.spec_from_source("target", target, "bf16").cfg.max_context
     n = native
     while True:
-        plan = memory_plan(target, draft, replace(engine, max_context=n), slots=slots)
+        plan = memory_plan(target, draft, replace(engine, max_context=n), slots=slots, window=window)
         if plan.share <= memory.TIGHT or n <= DEFAULT_MAX_CONTEXT:
             break
         n = max(DEFAULT_MAX_CONTEXT, 1 << ((n - 1).bit_length() - 1))
@@ -263,11 +268,12 @@ KEPT_MAX = 64  # the most sequences kept where the memory they take is what boun
 
 
 def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int | None = None, free: int | None = None,
-                slots: int = 1) -> memory.MemoryPlan:
+                slots: int = 1, window: int | None = None) -> memory.MemoryPlan:
     """What loading target (a source) with draft (a Draft, `auto` resolved here) under engine will take, worked out
     before any weight is read (weights/memory.py): the target in the format the loader will give it, what the draft's
     kind holds (speculative/base.Drafter.planned), caches for the context the load gives, for `slots` kept
-    sequences (the engine's cache slots: runtime/slots.py). capacity and free: a stated size, else the device's."""
+    sequences (the engine's cache slots: runtime/slots.py); window: the draft window asked for (--draft-window).
+    capacity and free: a stated size, else the device's."""
     # a stated size may plan for a device this machine lacks (--device cuda on a CPU machine)
     device = torch.device(engine.device) if capacity is not None and engine.device != "auto" else \
         resolve_device(engine.device)
@@ -276,7 +282,7 @@ def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int |
     context = engine.max_context or min(spec.cfg.max_context, DEFAULT_MAX_CONTEXT)
     draft = draft.resolve(target)
     kind = draft.drafter_class
-    own = kind.planned(draft, spec.cfg, device, dtype, context) if kind is not None else []
+    own = kind.planned(draft, spec.cfg, device, dtype, context, window) if kind is not None else []
     out = memory.plan([spec], context, device, capacity, free, own)
     if slots > 1:  # each kept sequence has caches of its own
         out.items = [memory.Item(i.what, i.nbytes * slots, f"{i.detail}, x {slots} kept sequences")
@@ -284,12 +290,12 @@ def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int |
     return out
 
 
-def fitting_slots(target: str, draft: Draft, engine: EngineConfig, slots: int,
-                  warn=None) -> tuple[memory.MemoryPlan, int]:
+def fitting_slots(target: str, draft: Draft, engine: EngineConfig, slots: int, warn=None,
+                  window: int | None = None) -> tuple[memory.MemoryPlan, int]:
     """The plan with as many of `slots` kept sequences as fit (at least one: the plan then says if even that does
     not), and that number; warn(QuickdraftError) when fewer than asked."""
     for n in range(slots, 0, -1):
-        out = memory_plan(target, draft, engine, slots=n)
+        out = memory_plan(target, draft, engine, slots=n, window=window)
         if out.fits or n == 1:
             if n < slots and warn is not None:
                 warn(QuickdraftError(f"{slots} kept sequences do not fit on {out.device}: keeping {n} "

@@ -19,9 +19,9 @@ from the cache) and decode tok/s at once, and whether each answer at once equals
 --agents N: N agents at once, each its own conversation (quickdraft/tools/conversation.py's agent script: the shared
 system prompt with tool definitions, then --turns turns, each a tool result of a few hundred tokens of its own and a
 question, the whole history resent; -n greedy tokens a turn), all N at once on conversations new to the server, then
-each agent again alone: quickdraft serve (the default pair, --parallel N) against llama-server -np N (its prompt cache
-on). The wall time of all N at once, time to first token per turn (median and p90), prompt tokens taken from the cache,
-and whether each agent's answers at once equal its answers alone.
+each agent again alone: quickdraft serve (the default pair, --parallel N; and with --draft none: drafting off) against
+llama-server -np N (its prompt cache on). The wall time of all N at once, time to first token per turn (median and
+p90), prompt tokens taken from the cache, and whether each agent's answers at once equal its answers alone.
 
     .venv/bin/python scripts/bench_parallel.py --agents 4 [--turns 5] [-n 48]
 
@@ -172,14 +172,18 @@ def main_agents(args) -> int:
     print(f"machine: {machine()}", flush=True)
     count, target = args.agents, hub.model_path(hub.DEFAULT_TARGET)
     results = {}
-    server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "8192", "--parallel", str(count), startup_timeout=600)
-    try:
-        endpoint = remote.Endpoint(server.base_url)
-        endpoint.check()
-        endpoint.complete("Hello", 4)  # warm-up
-        results["quickdraft (default)"] = agents("quickdraft (default)", endpoint, count, args.turns, args.n)
-    finally:
-        server.stop()
+    for name, draft in (("quickdraft (default)", "auto"), ("quickdraft drafting off", "none")):
+        if draft not in args.drafts.split(","):
+            continue
+        server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "8192", "--parallel", str(count), "--draft", draft,
+                               startup_timeout=600)
+        try:
+            endpoint = remote.Endpoint(server.base_url)
+            endpoint.check()
+            endpoint.complete("Hello", 4)  # warm-up
+            results[name] = agents(name, endpoint, count, args.turns, args.n)
+        finally:
+            server.stop()
     if not args.skip_llama:
         name = f"llama-server -np {count}"
         llama = LlamaServer(llamacpp.server_binary(), "-m", str(target), "-c", str(8192 * count), "-np", str(count))
@@ -197,10 +201,11 @@ def main_agents(args) -> int:
         print(f"{name:22} {r['wall_s']:11.1f} {r['ttft_p50']:8.2f}s {r['ttft_p90']:6.2f}s {r['same']:>9}/{r['answers']}")
         print(f"  {name}: prompt tokens from the cache, by agent and turn: {r['cache_n']}")
     names = list(results)
-    if len(names) > 1:
-        ours, theirs = results[names[0]], results[names[1]]
-        print(f"at once: quickdraft in {ours['wall_s'] / theirs['wall_s']:.2f}x llama-server's wall time; TTFT p90 "
-              f"{ours['ttft_p90']:.2f} s against {theirs['ttft_p90']:.2f} s")
+    if len(names) > 2:  # (the default, drafting off, llama-server)
+        ours, off, theirs = results[names[0]], results[names[1]], results[names[2]]
+        print(f"at once: quickdraft in {ours['wall_s'] / theirs['wall_s']:.2f}x llama-server's wall time "
+              f"({ours['wall_s'] / off['wall_s']:.2f}x its own drafting off's); TTFT p50 {ours['ttft_p50']:.2f} s "
+              f"against {theirs['ttft_p50']:.2f} s, p90 {ours['ttft_p90']:.2f} s against {theirs['ttft_p90']:.2f} s")
     return 0
 
 
@@ -283,6 +288,8 @@ def main() -> int:
     ap.add_argument("--mixed", action="store_true", help="the mixed case (see above) instead")
     ap.add_argument("--agents", type=int, default=0, metavar="N", help="N agents at once (see above)")
     ap.add_argument("--turns", type=int, default=5, help="--agents: turns an agent (default: %(default)s)")
+    ap.add_argument("--drafts", default="auto,none", help="--agents: quickdraft's columns: auto (the default), none "
+                                                           "(drafting off) (default: %(default)s)")
     ap.add_argument("--cycling", type=int, default=0, metavar="N", help="memory under N cycling conversations")
     ap.add_argument("--cache-ram", default="1G", help="--cycling: the server's --cache-ram (default: %(default)s)")
     args = ap.parse_args()

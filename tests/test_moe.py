@@ -117,3 +117,28 @@ def test_a_hybrid_moe_speculates_exactly(tmp_path):
     ours, final = run(Engine(target, 256, DraftModelDrafter(draft, 320, 256), SpeculationConfig(draft_max=4,
                                                                                             adaptive=False)), params)
     assert ours == plain and 0 < final.stats.draft_n_accepted < final.stats.draft_n
+
+
+def test_exactness_is_claimed_only_where_every_linear_layer_runs_on_an_exact_path(tmp_path):
+    """A mixture of experts keeps its router in bf16 (it decides which experts run): where PyTorch's bf16 GEMM is
+    emulated (a CPU without AVX-512), that layer is not proven row-invariant, and the path says so, naming the
+    routers (and any layer of a shape the int kernels refuse); with AVX-512 oneDNN's is; a dense model is claimed exact
+    exactly where none of its layers is off the path."""
+    from quickdraft.quant import vnni
+    from quickdraft.runtime import plan
+    from tests.test_prefix_reuse import build
+
+    if not vnni.available():
+        pytest.skip("quickdraft's CPU kernels do not run here")
+    bf16 = EngineConfig(device="cpu", dtype="bfloat16", weights="int8", max_context=256)
+    moe = load_model(str(save_hf_dir(tiny_moe("qwen3_moe"), tmp_path / "moe")), bf16, False)
+    dense = load_model(str(build("llama3", tmp_path / "dense")), bf16, False)
+    off = plan.off_path(moe)
+    if vnni.isa_name() == "AVX2":
+        assert any(name.endswith("router") for name in off), off  # (and here experts too small for the int kernels)
+        assert plan.cpu_path(moe)[1] is False and "NOT proven" in plan.cpu_path_line(moe)
+        assert off[0] in plan.cpu_path_line(moe)
+    else:
+        assert off == [] and plan.cpu_path(moe)[1] is True
+    dense_off = plan.off_path(dense)
+    assert plan.cpu_path(dense)[1] is (not dense_off), dense_off

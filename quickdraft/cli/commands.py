@@ -54,7 +54,7 @@ def load(args, draft=None):
     speculation = speculation_config(args) if hasattr(args, "draft_max") else None
     return api.load(args.model, draft if draft is not None else draft_of(args), device=args.device,
                     dtype=getattr(args, "dtype", "auto"), weights=getattr(args, "weights", "auto"),
-                    context=getattr(args, "ctx", None), speculation=speculation,
+                    context=getattr(args, "ctx", None) or None, speculation=speculation,
                     cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True),
                     cache_slots=getattr(args, "cache_slots", 1), cache_ram=getattr(args, "cache_ram", None),
                     warn=lambda problem: print(f"warning: {say(problem)}", file=sys.stderr),
@@ -66,7 +66,7 @@ def engine_config(args):
     from quickdraft.config import EngineConfig
 
     return EngineConfig(device=args.device, dtype=getattr(args, "dtype", "auto"),
-                        weights=getattr(args, "weights", "auto"), max_context=getattr(args, "ctx", None),
+                        weights=getattr(args, "weights", "auto"), max_context=getattr(args, "ctx", None) or None,
                         cuda_graphs=getattr(args, "cuda_graphs", True), weight_cache=getattr(args, "weight_cache", True))
 
 
@@ -410,7 +410,8 @@ def cmd_doctor(args) -> int:
     draft = draft_of(args)
     available = int(args.device_memory * 2**30) if args.device_memory else None
     args.cache_slots = max(args.cache_slots, args.parallel)  # as serve: each running request holds a slot
-    plan = memory_plan(args.model, draft, engine_config(args), available, slots=args.cache_slots)
+    plan = memory_plan(args.model, draft, engine_config(args), available, slots=args.cache_slots,
+                       window=getattr(args, "draft_window", None))
     planned = doctor.memory_plan(plan)
     cuda_absent = plan.device_type == "cuda" and not torch.cuda.is_available()
     if planned.level == "error" or cuda_absent:  # nothing to load: the plan says it all

@@ -69,7 +69,9 @@ def kernel_of(module) -> str:
 def cpu_path(model) -> tuple[str, bool]:
     """The kernel path a loaded model (weights/loader.LoadedModel) runs on, named as a user reads it, and whether
     speculation, prefix reuse and batching give its output bit for bit there (what the suite proves:
-    tests/test_exact_everywhere.py). A model on CUDA: ("CUDA", True)."""
+    tests/test_exact_everywhere.py), checked layer by layer: on bf16 compute every linear layer must run on
+    quickdraft's kernels, or on oneDNN's bf16 GEMM with AVX-512 (off_path names those that do not). A model on CUDA:
+    ("CUDA", True)."""
     from quickdraft.quant import avx2, vnni
 
     if model.device.type == "cuda":
@@ -77,7 +79,7 @@ def cpu_path(model) -> tuple[str, bool]:
     dtype = str(model.model.dtype).removeprefix("torch.")
     if model.model.dtype == torch.bfloat16:
         if vnni.available():  # both builds give the same bits, and the suite runs the exactness tests on each
-            return f"{vnni.isa_name()} kernels, bfloat16 compute", True
+            return f"{vnni.isa_name()} kernels, bfloat16 compute", not off_path(model)
         return f"PyTorch's kernels ({model.weights} weights), bfloat16 compute", False
     if model.model.dtype == torch.float32 and avx2.available():
         quantized = model.weights in ("int8", "int4", "mixed")
@@ -86,11 +88,30 @@ def cpu_path(model) -> tuple[str, bool]:
     return f"generic (PyTorch's kernels), {dtype} compute", False
 
 
+def off_path(model) -> list[str]:
+    """The linear layers of a bf16 model on quickdraft's CPU kernels that run elsewhere where that is not proven
+    exact: PyTorch's bf16 GEMM (a layer kept in bf16: a mixture of experts' router, a shape the int kernels refuse) on
+    a CPU without AVX-512, where PyTorch emulates it (docs/performance.md: exactness on every CPU)."""
+    from quickdraft.quant import vnni
+
+    if vnni.isa_name() != "AVX2":  # oneDNN's bf16 GEMM with AVX-512: proven row- and thread-invariant
+        return []
+    return [name for name, m in model.model.named_modules()
+            if (isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16)
+            or (hasattr(m, "fused_operands") and not getattr(m, "vnni", True))]
+
+
 def cpu_path_line(model) -> str:
     """cpu_path as one line: serve's start and doctor print it."""
     path, exact = cpu_path(model)
     if exact:
         return f"{path}: output bit-exact with speculation, prefix reuse and batching"
+    off = off_path(model) if model.model.dtype == torch.bfloat16 and model.device.type == "cpu" else []
+    if off:
+        named = ", ".join(off[:3]) + (", ..." if len(off) > 3 else "")
+        return (f"{path}: NOT proven bit-exact: {len(off)} linear layers run on PyTorch's emulated bf16 GEMM on this "
+                f"CPU without AVX-512 ({named}), whose sums may be ordered by a pass's rows and threads: speculation "
+                "may change logprobs, and tokens at near ties")
     return (f"{path}: NOT proven bit-exact (PyTorch's kernels may order a row's sums by the rows and threads of a "
             "pass: speculation may change logprobs, and tokens at near ties); the exact paths are bfloat16 on "
             "quickdraft's kernels (a CPU with AVX2 and FMA, or AVX-512 VNNI) and float32 --weights bf16 on AVX2 "

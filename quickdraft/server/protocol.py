@@ -533,4 +533,5 @@ def timings(t: Timings, stats: SpeculationStats, completion_n: int) -> dict:
         "tree_rounds": stats.tree_rounds,
         "tree_alternatives_kept": stats.tree_alternatives_kept,
         "tree_note": stats.tree_note,
+        "by_source": stats.by_source(),  # per source: rounds, drafted, accepted, acceptance, mean accepted length
     }

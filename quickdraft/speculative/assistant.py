@@ -126,7 +126,8 @@ class AssistantDrafter(DraftModelDrafter):
         return None
 
     @classmethod
-    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int,
+                window: int | None = None) -> list:
         """Its weights and one pass's activations where it shares the target's card, and the target's hidden states
         it reads (its keys and values are the target's)."""
         spec = cls.planned_model(draft, device, dtype)

@@ -176,6 +176,14 @@ class Drafter:
         """Drop what it holds of its slot's sequence: the slot forgot its tokens (a new conversation, or a pass
         that stopped half way). Nothing to drop by default."""
 
+    def scoped(self, scope) -> None:
+        """The generation about to begin is `scope`'s (a client: what it may draft from of what others were answered:
+        speculative/suffix.History). Nothing by default."""
+
+    def finish(self, tokens: list[int], prompt_n: int) -> None:
+        """A generation of its slot ended with `tokens` (its prompt's first prompt_n, then the answer): a drafter that
+        learns from what was answered takes it in. Nothing by default."""
+
     def lag(self, seq: list[int], source: str) -> int:
         """Tokens of seq that drafting from `source` now would first have to take in (a draft model that skipped
         plain steps, or was begun without its prefill); 0 for a drafter that reads the sequence as it is."""
@@ -223,11 +231,13 @@ class Drafter:
         return 0
 
     @classmethod
-    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int,
+                window: int | None = None) -> list:
         """What this kind will hold on the target's device for `draft` (a Draft), worked out before anything is
         loaded: its weights where they share the target's device, its caches for `context` positions, and an
         "activations" item for a pass of its own (weights/memory.py's Items; the memory plan sets them beside the
-        target's). target_cfg: the target's ModelConfig. Nothing by default."""
+        target's). target_cfg: the target's ModelConfig; window: the draft window asked for (--draft-window; None:
+        the device's default). Nothing by default."""
         return []
 
     def pass_seconds(self, prompt: list[int]) -> float:

@@ -76,6 +76,14 @@ class ChainDrafter(Drafter):
         for m in self.members:
             m.begin(prompt, prefill)
 
+    def scoped(self, scope) -> None:
+        for m in self.members:
+            m.scoped(scope)
+
+    def finish(self, tokens: list[int], prompt_n: int) -> None:
+        for m in self.members:
+            m.finish(tokens, prompt_n)
+
     def _ask(self, member: Drafter, seq, k_for: KFor, params, generator, constraint, branches) -> Proposal:
         if branches is not None and member.trees:
             return member.propose(seq, k_for, params, generator, constraint, branches)
@@ -117,9 +125,9 @@ class ChainDrafter(Drafter):
         return max(m.pass_seconds(prompt) for m in self.members)
 
     @classmethod
-    def planned(cls, draft, target_cfg, device, dtype, context: int) -> list:
+    def planned(cls, draft, target_cfg, device, dtype, context: int, window: int | None = None) -> list:
         return [item for part in draft.parts for item in part.drafter_class.planned(part, target_cfg, device, dtype,
-                                                                                     context)]
+                                                                                     context, window)]
 
     def offers(self, prompt: list[int], output: list[int], kmax: int) -> list[Offer]:
         """At each position the first member's offer that has a source (what propose would take)."""

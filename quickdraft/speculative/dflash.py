@@ -256,7 +256,8 @@ class DFlashDrafter(DraftModelDrafter):
         return False
 
     @classmethod
-    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int,
+                window: int | None = None) -> list:
         """Its weights (layers over the target's states, on its device, at most in its dtype), its keys and values of
         the context (and a block's) and the target's hidden states of the layers it reads, in bf16."""
         path = Path(draft.model).expanduser()

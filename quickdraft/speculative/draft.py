@@ -151,17 +151,26 @@ class DraftBuilder:
         return KINDS[draft.kind].load(draft, self.target, lambda source: self._load(source, draft))
 
     def drafter(self, draft: Draft | str, speculation) -> Drafter | None:
-        """The drafter the draft describes (None for none); QuickdraftError if it cannot speak for the target."""
+        """The drafter the draft describes (None for none); QuickdraftError if it cannot speak for the target, or
+        where a setting for a draft model (draft_window, draft_vocab) is given to a draft without one."""
         draft = self.resolve(draft)
         if draft.kind == "none":
             return None
+        models = [p for p in (draft.parts if draft.kind == "chain" else (draft,)) if p.kind == "model"]
+        if getattr(speculation, "draft_window", None) is not None and not models:
+            raise QuickdraftError(f"{{draft_window}} is the context a draft model drafts from, and {{draft}} {draft} "
+                                  "has no draft model: drop {draft_window} or give a draft model", "draft_window",
+                                  "draft")
         if draft.kind == "chain":
             cut = getattr(speculation, "draft_vocab", 0)
             if cut and not any(part.kind == "model" for part in draft.parts):
                 raise QuickdraftError(f"{{draft_vocab}} cuts a draft model's output head, and {{draft}} {draft} has no "
                                       "draft model: drop {draft_vocab} or give a draft model", "draft_vocab", "draft")
-            return ChainDrafter([self.drafter(part, speculation if part.kind == "model" or not cut else
-                                              replace(speculation, draft_vocab=0)) for part in draft.parts])
+            own = speculation  # a draft model's own settings go to the draft models alone
+            if cut or getattr(speculation, "draft_window", None) is not None:
+                own = replace(speculation, draft_vocab=0, draft_window=None)
+            return ChainDrafter([self.drafter(part, speculation if part.kind == "model" else own)
+                                 for part in draft.parts])
         if draft.kind not in KINDS:
             raise QuickdraftError(f"unknown kind of draft {draft.kind!r}: give {SPELLINGS}")
         if getattr(speculation, "draft_vocab", 0) and draft.kind != "model":

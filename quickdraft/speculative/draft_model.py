@@ -430,14 +430,15 @@ class DraftModelDrafter(Drafter):
         return self.cache.nbytes()
 
     @classmethod
-    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int,
+                window: int | None = None) -> list:
         """The draft model's weights in its format, its KV cache and its prefill, where it shares the target's card
         (on another device they are that device's)."""
         spec = cls.planned_model(draft, device, dtype)
         if spec is None:
             return []
-        window = window_of(None, device)  # (the default's: a window as long as the context is the whole context)
-        positions = cls.cache_positions(context, window if window < context else 0)
+        window = window if window is not None else window_of(None, device)
+        positions = cls.cache_positions(context, window if window < context else 0)  # (as long as the context: whole)
         return cls.planned_weights(spec, device) + [
             memory.Item("draft KV cache", memory.kv_bytes(spec.cfg, positions), f"{positions} positions, bf16"),
             memory.Item("activations", memory.activation_bytes(spec.cfg, context))]

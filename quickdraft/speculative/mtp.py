@@ -134,7 +134,8 @@ class MtpDrafter(DraftModelDrafter):
     # ---- self-description ---------------------------------------------------------------------------------
 
     @classmethod
-    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int) -> list:
+    def planned(cls, draft, target_cfg, device: torch.device, dtype: torch.dtype, context: int,
+                window: int | None = None) -> list:
         """The MTP layer's keys and values and the target's hidden states it reads (its weights are the target's)."""
         if not target_cfg.mtp_layers:
             return []

@@ -148,6 +148,7 @@ class AdaptivePolicy:
         self.since_chain: dict[str, int] = {}  # tree rounds since the source's last chain round
         # source -> its last measured choice between a tree and its chain: (candidates, k, tokens/s of each)
         self.tree_choice: dict[str, tuple[int, int, float, float]] = {}
+        self.reasons: dict[str, dict[str, int]] = {}  # source -> why its rounds drafted (_why), counted
 
     def begin(self) -> None:
         """A new generation: its text may draft better or worse than the last one's, so probing starts over at
@@ -503,9 +504,10 @@ class AdaptivePolicy:
         if best == 0 and plan.probed is None and self.t_plain is not None:
             best = self.probe(source, cfg, top, lag, max(1, round(plan.base_tokens)))
             plan.probed = source if best else None
-            return best
+            return self._why(source, best, "probe")
         waiting = max(1, round(plan.base_tokens))
-        return best if not start or self.pays_back(source, best, lag * waiting, horizon) else 0
+        return self._why(source, best if not start or self.pays_back(source, best, lag * waiting, horizon) else 0,
+                         "gain")
 
     # ---- the decision -----------------------------------------------------------------------
 
@@ -525,7 +527,7 @@ class AdaptivePolicy:
             return 0 if cfg.draft_min == 0 else cfg.draft_max
         self.since.setdefault(source, 0)
         if source not in self.t_draft and not self._priced(source):  # neither timed nor priced yet: probe
-            return max(cfg.draft_min, min(cfg.draft_max, PROBE_K))
+            return self._why(source, max(cfg.draft_min, min(cfg.draft_max, PROBE_K)), "unpriced")
         candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
         best = max(candidates, key=lambda k: self.predicted_rate(source, k), default=0)
         gain = self.predicted_rate(source, best) / self.predicted_rate(source, 0) if best else 0.0
@@ -533,11 +535,27 @@ class AdaptivePolicy:
             return 0  # time a plain step again
         if cfg.draft_min == 0 and gain <= 1.0:
             self.resuming.add(source)
-            return self.probe(source, cfg, best, lag)
+            return self._why(source, self.probe(source, cfg, best, lag), "probe")
         if cfg.draft_min == 0 and not self.pays_back(source, best, lag, horizon):
             return 0  # its catch-up would cost more than it saves: not started (another source may draft)
         self.probe_after.pop(source, None)  # speculation wins: probe promptly again once it stops winning
-        return best
+        return self._why(source, best, "gain" if cfg.draft_min == 0 else "draft_min")
+
+    def _why(self, source: str, k: int, reason: str) -> int:
+        """k, counted under the reason it was chosen (where it drafts): "gain" (its predicted rate beats plain
+        decoding), "probe" (it does not, and a probe was due), "unpriced" (neither timed nor priced yet), "draft_min"
+        (plain steps forbidden). The statistics carry the counts (snapshot: reasons)."""
+        if k > 0:
+            counts = self.reasons.setdefault(source, {})
+            counts[reason] = counts.get(reason, 0) + 1
+        return k
+
+    def gain(self, source: str, cfg: SpeculationConfig | None = None) -> float:
+        """The best predicted speed-up of drafting from `source` over plain decoding now (0 before a plain step)."""
+        cfg = cfg or self.cfg
+        if self.t_plain is None:
+            return 0.0
+        return max(self.predicted_rate(source, k) for k in range(1, cfg.draft_max + 1)) * self.plain_seconds()
 
     def probe(self, source: str, cfg: SpeculationConfig, best: int, lag: int, waiting: int = 1) -> int:
         """Where plain decoding wins over `source`: the k of a probe of it if one is due (a short round, to measure its
@@ -573,6 +591,8 @@ class AdaptivePolicy:
             "per_round": sorted(self.per_round),
             "catch_up": {s: t / t1 for s, t in self.t_catch_up.items()} if t1 else {},
             "acceptance": {s: self.acceptance(s, len(self.tried[s])) for s in self.tried},
+            "reasons": {s: dict(r) for s, r in self.reasons.items()},
+            "gain": {s: self.gain(s) for s in self.tried} if t1 else {},
             **({"v_tree": {n: t / t1 for n, t in sorted(self.t_tree.items())} if t1 else {},
                 "tree_gain": dict(self.tree_gain)} if self.tree_gain else {}),
         }

@@ -23,6 +23,7 @@ class SpeculationStats:
     k_history: list[int] = field(default_factory=list)  # k chosen each round or step (0: plain)
     sources: Counter = field(default_factory=Counter)  # rounds per source
     drafted_by: Counter = field(default_factory=Counter)  # tokens drafted per source
+    accepted_by: Counter = field(default_factory=Counter)  # of them, accepted
     policy: dict = field(default_factory=dict)  # the policy's measured model: r, v(k), acceptance
     constraint: str | None = None  # the kind of grammar the output followed, if any
     mask_s: float = 0.0  # time computing grammar masks (verification's overlaps the target pass)
@@ -36,6 +37,7 @@ class SpeculationStats:
         self.rounds += 1
         self.sources[source] += 1
         self.drafted_by[source] += drafted
+        self.accepted_by[source] += accepted
         self.draft_n += drafted
         self.draft_n_accepted += accepted
         self.emitted_in_rounds += emitted
@@ -53,6 +55,16 @@ class SpeculationStats:
         self.plain_steps += 1
         self.plain_s += seconds
         self.k_history.append(0)
+
+    def by_source(self) -> dict:
+        """Per source: its rounds, drafts, accepted drafts, acceptance and mean accepted length (tokens a round of it
+        emitted: its kept drafts and the target's one), and why the policy drafted from it (policy.reasons)."""
+        reasons = self.policy.get("reasons", {}) if self.policy else {}
+        return {source: {"rounds": n, "drafted": self.drafted_by[source], "accepted": self.accepted_by[source],
+                         "acceptance_rate": self.accepted_by[source] / self.drafted_by[source]
+                         if self.drafted_by[source] else 0.0,
+                         "mean_accepted_length": 1 + self.accepted_by[source] / n, "reasons": reasons.get(source, {})}
+                for source, n in self.sources.items()}
 
     @property
     def acceptance_rate(self) -> float:
@@ -95,6 +107,7 @@ class SpeculationStats:
             "k_history": self.k_history,
             "rounds_by_source": dict(self.sources),
             "drafted_by_source": dict(self.drafted_by),
+            "by_source": self.by_source(),
             "policy": self.policy,
             "constraint": self.constraint,
             "mask_s": self.mask_s,

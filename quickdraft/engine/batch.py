@@ -38,12 +38,12 @@ class Batch:
 
     def add(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
             halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True,
-            wanted: Iterable[list[int]] = ()) -> Sequence:
+            wanted: Iterable[list[int]] = (), scope=None) -> Sequence:
         """Start a sequence (Engine.start's arguments): its prefill runs in the next steps. QuickdraftError if it
         does not fit the context; RuntimeError without room."""
         if self.room() == 0:
             raise RuntimeError(f"the batch runs {len(self.active)} sequences, its most")
-        s = self.engine.start(prompt, params, speculation, halt, constraint, reuse, wanted)
+        s = self.engine.start(prompt, params, speculation, halt, constraint, reuse, wanted, scope)
         self.active.append(s)
         return s
 

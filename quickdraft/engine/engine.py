@@ -165,10 +165,11 @@ class Engine:
 
     def start(self, prompt: list[int], params: SamplingParams, speculation: SpeculationConfig | None = None,
               halt: Halt | None = None, constraint: Constraint | None = None, reuse: bool = True,
-              wanted: Iterable[list[int]] = ()) -> Sequence:
+              wanted: Iterable[list[int]] = (), scope=None) -> Sequence:
         """A sequence for prompt, in a slot of its own (generate's arguments), not yet prefilled: `step` it until it
         ends (it is then released), or `release` it. wanted: the prompts of requests waiting their turn, whose kept
-        slots this one leaves alone where it can (Slots.take). QuickdraftError if the prompt fills the context;
+        slots this one leaves alone where it can (Slots.take); scope: whose generation it is (a client: what it may
+        draft from of what was answered before, and what it adds to: Drafter.scoped). QuickdraftError if the prompt fills the context;
         max_tokens beyond it are capped to the room left (the generation then ends with "length" there, as OpenAI's
         and llama-server's do)."""
         self.check_fits(len(prompt))
@@ -176,6 +177,8 @@ class Engine:
             params = dataclasses.replace(params, max_tokens=self.context - len(prompt))
         slot, reused = self.slots.take(prompt, reuse, wanted)
         self.last = slot
+        if slot.drafter is not None:
+            slot.drafter.scoped(scope)
         speculation = speculation or self.speculation
         drafter = slot.drafter if speculation.draft_max > 0 else None
         eos = self.target.tokenizer.eos_ids if params.stop_at_eos else frozenset()
@@ -196,6 +199,8 @@ class Engine:
         try:
             s.slot.tokens[:] = (s.tokens + s.pending)[:s.slot.cache.length]
             s.slot.checkpoint()
+            if s.slot.drafter is not None and s.finish not in (None, "error", "cancelled"):
+                s.slot.drafter.finish(s.tokens, len(s.prompt))  # (what it learns from an answer: its history)
         finally:
             s.slot.busy = False
             if not s.ended:

@@ -40,7 +40,7 @@ async def respond(state, request: Request, req, prompt: list[int], chat: bool, m
         raise p.APIError(503, "the server is busy: every queue slot is taken; retry later",
                          type="server_busy", headers={"Retry-After": str(full.retry_after_s)}) from None
     job = Job(prompt, params, speculation, stops, asyncio.get_running_loop(), constraint, ticket,
-              trace=req.speculation_trace, reuse=req.cache_prompt)
+              trace=req.speculation_trace, reuse=req.cache_prompt, scope=getattr(req, "user", None))
     state.worker.submit(job)
     reply = _Reply(state, req, chat, len(prompt), tools)
     if req.stream:

@@ -1,5 +1,5 @@
 """Two clients that keep a server busy, each sending its next request as soon as its last is answered: one asks for
-text the draft model predicts (a passage copied out), the other for text it cannot (random strings, sampled). What
+text the draft model predicts (a passage copied out), the other for text it predicts less well (Chinese prose). What
 the adaptive policy did for each, by the responses' timings: rounds by source and why (a predicted gain, or a probe),
 acceptance, decode speed. The suite runs it for a minute (tests/test_policy_load.py); a longer run is a measurement:
 
@@ -26,8 +26,9 @@ PASSAGE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand
 CLIENTS = {
     "predictable": {"messages": [{"role": "user", "content": "Copy this text out exactly, twice, with nothing else:"
                                   "\n\n" + PASSAGE * 2}], "temperature": 0},
-    "unpredictable": {"messages": [{"role": "user", "content": "Write twenty random passwords of 12 random letters, "
-                                    "digits and symbols, one per line."}], "temperature": 1.0},
+    # (not random digits: a draft whose distribution is as flat as the target's is accepted by the exact rule)
+    "unpredictable": {"messages": [{"role": "user", "content": "为什么天空是蓝色的？请用一段话详细回答。"}],
+                      "temperature": 0},
 }
 
 
@@ -43,17 +44,19 @@ def client(url: str, body: dict, until: float, n: int, out: list) -> None:
 
 
 def summary(timings: list[dict], source: str) -> dict:
-    """What one client's requests add up to for a source's rounds."""
-    reasons, rounds, drafted, accepted = Counter(), 0, 0, 0
+    """What one client's requests add up to for a source's rounds (why each was drafted), and the gain the policy
+    predicted for the source as its last request ended."""
+    rounds, drafted, accepted, reasons, gain = 0, 0, 0, Counter(), None
     for t in timings:
         mine = t["by_source"].get(source, {})
         rounds, drafted, accepted = rounds + mine.get("rounds", 0), drafted + mine.get("drafted", 0), \
             accepted + mine.get("accepted", 0)
         reasons.update(mine.get("reasons", {}))
+        gain = mine.get("predicted_gain", gain)
     decode = sorted(t["predicted_per_second"] for t in timings)
     return {"requests": len(timings), "rounds": rounds, "drafted": drafted, "accepted": accepted,
-            "acceptance": accepted / drafted if drafted else 0.0, "reasons": dict(reasons),
-            "decode_tok_s_median": decode[len(decode) // 2] if decode else 0.0}
+            "acceptance": accepted / drafted if drafted else 0.0, "rounds_by_reason": dict(reasons),
+            "predicted_gain": gain, "decode_tok_s_median": decode[len(decode) // 2] if decode else 0.0}
 
 
 def run(seconds: float, draft: str, n: int = 64) -> dict:
@@ -86,8 +89,9 @@ def main() -> int:
     else:
         print(f"two clients for {args.seconds:.0f} s, the draft model alone (--parallel 2):")
         for name, r in report.items():
-            print(f"  {name:13} {r['requests']:3} requests, {r['rounds']:4} draft rounds ({r['reasons']}), "
-                  f"{100 * r['acceptance']:.0f}% accepted, decode {r['decode_tok_s_median']:.1f} tok/s (median)")
+            print(f"  {name:13} {r['requests']:3} requests, {r['rounds']:4} draft rounds ({r['rounds_by_reason']}), "
+                  f"{100 * r['acceptance']:.0f}% accepted, decode {r['decode_tok_s_median']:.1f} tok/s (median), "
+                  f"the policy's predicted gain at the end {r['predicted_gain'] or 0:.2f}x")
     return 0
 
 

@@ -31,7 +31,7 @@ from quickdraft.runtime import heap
 from quickdraft.runtime.kv_cache import KVCache
 from quickdraft.runtime.slots import Slot, Slots
 from quickdraft.speculative.base import Drafter
-from quickdraft.speculative.policy import AdaptivePolicy, Prior, StepPlan
+from quickdraft.speculative.policy import Acceptance, AdaptivePolicy, Prior, StepPlan
 from quickdraft.speculative.stats import SpeculationStats
 
 if TYPE_CHECKING:  # the engine runs whatever model it is given; it does not load one
@@ -186,9 +186,12 @@ class Engine:
             eos = self.target.tokenizer.eos_ids | constraint.eos_ids
         stats = SpeculationStats(drafter=self.drafter_name if drafter else "none",
                                  draft_device=str(drafter.device) if drafter and drafter.device else None)
+        if not reused or slot.acceptance is None:  # a new conversation: its own acceptance is to be learned
+            slot.acceptance = Acceptance()
         s = Sequence(list(prompt), params, speculation, slot, drafter, constraint, halt or Halt(), eos,
                      sampling.Generators(params.seed), stats, Timings(prompt_n=len(prompt), cache_n=reused),
-                     Detokenizer(self.target.tokenizer), list(prompt), started=time.perf_counter(), prefilled=reused)
+                     Detokenizer(self.target.tokenizer), list(prompt), started=time.perf_counter(), prefilled=reused,
+                     acceptance=slot.acceptance)
         if params.max_tokens == 0:
             s.finish = "length"
         return s

@@ -44,6 +44,7 @@ class Drafting:
     feed: object = None
     proposal: Proposal | None = None
     seconds: float = 0.0
+    reasons: dict | None = None  # per source, why the policy gave it drafts this round (policy._why)
 
     def advance(self, logits=None) -> None:
         """Run its drafting to its next pass (sent that pass's logits, if any), or to its end."""
@@ -76,8 +77,10 @@ class Rounds:
         if args is None:
             round.proposal = Proposal([], "none")
             return round
+        self.policy.last_reason.clear()
         round.steps = s.drafter.propose_steps(*args)
-        round.advance()
+        round.advance()  # (its k is chosen here: before its drafter's first pass)
+        round.reasons = dict(self.policy.last_reason)
         if round.proposal is not None:  # drafted whole: the next sequences' choices count its tree's rows
             plan.drafted(index, round.proposal)
         return round
@@ -113,7 +116,7 @@ class Rounds:
             try:
                 if r.steps is not None:
                     plan.drafted(r.index, r.proposal)
-                feeds[r.s] = self._rows(r.s, r.proposal, r.seconds)
+                feeds[r.s] = self._rows(r.s, r.proposal, r.seconds, r.reasons)
             except Exception as e:  # noqa: BLE001
                 fail(r.s, e)
         return feeds
@@ -152,7 +155,7 @@ class Rounds:
         # constrain_draft False drafts as llama.cpp does, blind to the grammar (for comparison)
         return s.tokens, k_for, s.params, generator, s.constraint if s.speculation.constrain_draft else None
 
-    def _rows(self, s: Sequence, proposal: Proposal, draft_s: float) -> torch.Tensor:
+    def _rows(self, s: Sequence, proposal: Proposal, draft_s: float, reasons: dict | None = None) -> torch.Tensor:
         """The round's work (the proposal, its drafting's seconds, a constraint's masks computed meanwhile) and the
         sequence's rows: its last token, then the proposal's."""
         masks = None
@@ -160,7 +163,7 @@ class Rounds:
             if self._masker is None:  # its thread ends when the engine is collected (tests/test_grammar.py)
                 self._masker = ThreadPoolExecutor(1, thread_name_prefix="quickdraft-mask")
             masks = self._masker.submit(s.constraint.lookahead_bitmasks, proposal.tokens)
-        s.work = Work(proposal, draft_s, masks)
+        s.work = Work(proposal, draft_s, masks, (reasons or {}).get(proposal.source))
         return torch.tensor(s.tokens[-1:] + proposal.tokens, device=self.engine.target.device)
 
     def trees(self, s: Sequence) -> bool:
@@ -237,5 +240,5 @@ class Rounds:
                               tree_possible=self.trees(s))
             s.acceptance.record(proposal.source, k, accepted)
         s.stats.record_round(proposal.source, proposal.chain if proposal.parents is not None else k, accepted,
-                             len(tokens), draft_s, seconds)
+                             len(tokens), draft_s, seconds, work.reason)
         return tokens, scores, Origin(proposal.source, accepted, k)

@@ -65,6 +65,7 @@ class Work:
     proposal: Proposal
     draft_s: float
     masks: object | None  # the future of the drafts' grammar masks (under a constraint)
+    reason: str | None = None  # why the policy gave its source drafts (policy._why; None: a fixed k)
 
 
 @dataclass(eq=False)  # one generation is itself: two with the same prompt are two
@@ -94,7 +95,8 @@ class Sequence:
     first: float | None = None  # when its first token was chosen
     drafting: bool = False  # its drafter has taken in the prompt (after the first token)
     work: Work | None = None  # the current step's drafts, between planning the pass and concluding it
-    acceptance: Acceptance = field(default_factory=Acceptance)  # its own, per source (how a batch plans its k)
+    # its own per source (how a batch plans its k): its slot's, carried from the turns of its conversation before
+    acceptance: Acceptance = field(default_factory=Acceptance)
     finish: str | None = None  # why it ended (Event.finish_reason), once it has
     ended: bool = False  # released: its last event (the final Event, or what it failed with) is out
 

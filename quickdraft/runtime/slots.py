@@ -69,6 +69,9 @@ class Slot:
     used: int = 0  # when it was last taken (a counter)
     prompt_n: int = 0  # the length of the prompt it was last taken for
     busy: bool = False  # a sequence runs in it (taken, not yet released: engine.Engine.release)
+    # how its conversation's drafts have been accepted (speculative/policy.Acceptance): the next turn that continues
+    # it starts from that, not from what other conversations' texts taught the policy
+    acceptance: object | None = None
 
     def reusable(self, prompt: list[int]) -> int:
         """How many leading tokens of prompt this slot can keep: the common prefix, less one (a prefill passes at

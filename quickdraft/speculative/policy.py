@@ -7,6 +7,7 @@ each draft position; it picks the best k, 0 (plain) included, probing now and th
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ PROBE_SHORT = 2
 # at most PROBE_LIMIT steps, so that a source judged unprofitable is always tried again. (A draft model's probe on a
 # 2-core AVX2 CPU, a 32-token window and two drafts, loses about 7 plain steps: one in 350 steps, where a probe every
 # 16 to 256 steps cost 3-6% of plain decoding's speed there.)
-PROBE_SHARE = 0.02
+PROBE_SHARE = float(os.environ.get("QUICKDRAFT_PROBE_SHARE", 0.02))  # (a test or measurement may probe more often)
 PROBE_LIMIT = 1024
 # While speculation wins, one plain step after this many rounds in a row times a plain step again: t_plain is
 # measured only on plain steps, and a stale one (taken while the machine was slower, or before its caches were
@@ -149,6 +150,7 @@ class AdaptivePolicy:
         # source -> its last measured choice between a tree and its chain: (candidates, k, tokens/s of each)
         self.tree_choice: dict[str, tuple[int, int, float, float]] = {}
         self.reasons: dict[str, dict[str, int]] = {}  # source -> why its rounds drafted (_why), counted
+        self.last_reason: dict[str, str] = {}  # source -> why it was last given drafts (the engine reads it per round)
 
     def begin(self) -> None:
         """A new generation: its text may draft better or worse than the last one's, so probing starts over at
@@ -548,6 +550,7 @@ class AdaptivePolicy:
         if k > 0:
             counts = self.reasons.setdefault(source, {})
             counts[reason] = counts.get(reason, 0) + 1
+            self.last_reason[source] = reason
         return k
 
     def gain(self, source: str, cfg: SpeculationConfig | None = None) -> float:

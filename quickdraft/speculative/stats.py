@@ -24,6 +24,7 @@ class SpeculationStats:
     sources: Counter = field(default_factory=Counter)  # rounds per source
     drafted_by: Counter = field(default_factory=Counter)  # tokens drafted per source
     accepted_by: Counter = field(default_factory=Counter)  # of them, accepted
+    reasons: dict = field(default_factory=dict)  # source -> Counter of why its rounds were drafted (policy._why)
     policy: dict = field(default_factory=dict)  # the policy's measured model: r, v(k), acceptance
     constraint: str | None = None  # the kind of grammar the output followed, if any
     mask_s: float = 0.0  # time computing grammar masks (verification's overlaps the target pass)
@@ -33,8 +34,9 @@ class SpeculationStats:
     tree_note: str | None = None  # where trees were asked for and none was verified: why
 
     def record_round(self, source: str, drafted: int, accepted: int, emitted: int,
-                     draft_s: float, verify_s: float) -> None:
+                     draft_s: float, verify_s: float, reason: str | None = None) -> None:
         self.rounds += 1
+        self.reasons.setdefault(source, Counter())[reason or "fixed"] += 1
         self.sources[source] += 1
         self.drafted_by[source] += drafted
         self.accepted_by[source] += accepted
@@ -58,12 +60,16 @@ class SpeculationStats:
 
     def by_source(self) -> dict:
         """Per source: its rounds, drafts, accepted drafts, acceptance and mean accepted length (tokens a round of it
-        emitted: its kept drafts and the target's one), and why the policy drafted from it (policy.reasons)."""
-        reasons = self.policy.get("reasons", {}) if self.policy else {}
+        emitted: its kept drafts and the target's one), why its rounds drafted (reasons: "gain", "probe", ...; "fixed"
+        without the adaptive policy); and the best speed-up over plain decoding the policy predicts for it alone at
+        the end (predicted_gain)."""
+        gains = self.policy.get("gain", {}) if self.policy else {}
         return {source: {"rounds": n, "drafted": self.drafted_by[source], "accepted": self.accepted_by[source],
                          "acceptance_rate": self.accepted_by[source] / self.drafted_by[source]
                          if self.drafted_by[source] else 0.0,
-                         "mean_accepted_length": 1 + self.accepted_by[source] / n, "reasons": reasons.get(source, {})}
+                         "mean_accepted_length": 1 + self.accepted_by[source] / n,
+                         "reasons": dict(self.reasons.get(source, {})),
+                         "predicted_gain": gains.get(source)}
                 for source, n in self.sources.items()}
 
     @property

@@ -276,6 +276,9 @@ class SpeculationConfig:
     # a draft model drafts from its first tokens and the last draft_window of the rest (0: the whole context; None:
     # the default for its device: speculative/draft_model.window_of), so its cost does not grow with the prompt
     draft_window: int | None = None
+    # suffix decoding's history (speculative/suffix.py): at most this many tokens of earlier answers kept per client to
+    # draft from (0: none; the request's own prompt and answer are always drafted from)
+    draft_history: int = 16384
 
     def __post_init__(self):
         if not 0 <= self.draft_min <= self.draft_max:
@@ -291,6 +294,9 @@ class SpeculationConfig:
         if self.draft_window is not None and self.draft_window < 0:
             raise QuickdraftError("{draft_window} must be 0 (the whole context) or a number of tokens, e.g. 512",
                                   "draft_window")
+        if self.draft_history < 0:
+            raise QuickdraftError("{draft_history} must be 0 (keep no earlier answers) or a number of tokens, e.g. "
+                                  "16384", "draft_history")
         if self.draft_vocab < 0:
             raise QuickdraftError("{draft_vocab} must be 0 (the whole vocabulary) or a number of ids, e.g. 32768",
                                   "draft_vocab")

@@ -8,8 +8,11 @@ answers with these, and this module regenerates them (slow) with the versions it
 - llama-perplexity.json: llama.cpp's llama-perplexity of the real Gemma 3 270M on the start of quickdraft/data/ppl.txt.
 - transformers.json: transformers (float32, the same GGUF files) on the real models: perplexity by llama.cpp's method
   and greedy tokens of the test prompts.
+- suffix.json: arctic-inference 0.3.0's SuffixDecodingCache (the suffix decoding vLLM calls), its C++ extension built
+  from the sdist (cmake, nanobind; no torch, no CUDA), on seeded token streams: every request's prompt and responses,
+  and what each speculate call proposed (tests/test_suffix.py replays them on quickdraft's suffix trees).
 
-Usage: .venv/bin/python -m tests.reference_data [llama-server] [llama-perplexity] [transformers[=ALIAS,...]]
+Usage: .venv/bin/python -m tests.reference_data [llama-server] [llama-perplexity] [transformers[=ALIAS,...]] [suffix]
 (all by default; transformers=qwen2.5-coder-0.5b records that model alone, keeping the others)
 """
 
@@ -130,7 +133,95 @@ def transformers_reference(aliases: list[str] | None = None) -> None:
     _save("transformers", out)
 
 
-MAKERS = {"llama-server": llama_server, "llama-perplexity": llama_perplexity, "transformers": transformers_reference}
+ARCTIC = "arctic-inference==0.3.0"
+SUFFIX_STREAMS = 40
+
+
+def suffix_streams(seed: int) -> dict:
+    """One seeded session of requests: small vocabularies and a few repeated templates (so that matches, ties and
+    branching happen), responses in chunks, a speculate call with varied settings after each chunk."""
+    import random
+
+    rnd = random.Random(seed)
+    vocab, depth = rnd.choice([3, 5, 20, 50]), rnd.choice([8, 24, 64])
+    templates = [[rnd.randrange(vocab) for _ in range(rnd.randint(3, 30))] for _ in range(3)]
+    requests = []
+    for r in range(rnd.randint(2, 6)):
+        prompt = [rnd.randrange(vocab) for _ in range(rnd.randint(0, 60))] + rnd.choice(templates)
+        steps = []
+        for _ in range(rnd.randint(2, 30)):
+            k = rnd.randint(1, 4)
+            chunk = [rnd.randrange(vocab) for _ in range(k)] if rnd.random() < 0.4 else (rnd.choice(templates) * 2)[:k]
+            steps.append({"add": chunk, "context_len": rnd.randint(1, 2 * depth), "max_spec_tokens": rnd.choice(
+                [1, 4, 8, 16, 32]), "factor": rnd.choice([0.5, 1.0, 2.0, 4.0]), "min_prob": rnd.choice(
+                [0.0, 0.05, 0.1, 0.3, 0.6])})
+        requests.append({"prompt": prompt, "steps": steps})
+    return {"depth": depth, "requests": requests}
+
+
+def suffix_reference() -> None:
+    """arctic-inference's answers on the streams (its sdist built in a temporary directory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cache_class = _build_arctic(Path(tmp))
+        sessions = []
+        for seed in range(SUFFIX_STREAMS):
+            session = suffix_streams(seed)
+            cache = cache_class(session["depth"], -1)
+            for r, request in enumerate(session["requests"]):
+                cache.start_request(r, request["prompt"])
+                seq = list(request["prompt"])
+                for step in request["steps"]:
+                    cache.add_active_response(r, step["add"])
+                    seq += step["add"]
+                    draft = cache.speculate(r, seq[-step["context_len"]:], max_spec_tokens=step["max_spec_tokens"],
+                                            max_spec_factor=step["factor"], min_token_prob=step["min_prob"])
+                    step["proposed"] = {"tokens": [int(t) for t in draft.token_ids],
+                                        "probs": [float(p) for p in draft.probs], "score": float(draft.score),
+                                        "match_len": int(draft.match_len)}
+                cache.stop_request(r)
+            sessions.append(session)
+    _save("suffix", {"reference": ARCTIC, "sessions": sessions})
+
+
+def _build_arctic(tmp: Path):
+    """arctic-inference's suffix decoding, built from its sdist: its setup.py imports torch to read its metadata, so
+    the download goes through a stub of it; the extension needs only cmake and nanobind."""
+    import importlib
+
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "setuptools", "wheel", "nanobind==2.9.2", "numpy", "cmake"], check=True)
+    (tmp / "stub" / "torch").mkdir(parents=True)
+    (tmp / "stub" / "torch" / "__init__.py").write_text("")
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "download", "-q", "--no-deps", "--no-binary=:all:",
+                    "--no-build-isolation", ARCTIC, "-d", str(tmp)], check=True, env={"PYTHONPATH": str(tmp / "stub"),
+                                                                                     "PATH": "/usr/bin:/bin"})
+    subprocess.run(["tar", "xzf", next(tmp.glob("arctic_inference-*.tar.gz")).name], cwd=tmp, check=True)
+    source = next(p for p in tmp.glob("arctic_inference-*") if p.is_dir())
+    build = tmp / "build"
+    subprocess.run([str(venv / "bin" / "cmake"), "-S", str(source / "csrc" / "suffix_decoding"), "-B", str(build),
+                    f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release",
+                    f"-Dnanobind_DIR={_nanobind_dir(venv)}"], check=True)
+    subprocess.run([str(venv / "bin" / "cmake"), "--build", str(build), "-j2"], check=True)
+    package = tmp / "pkg" / "arctic_inference"
+    package.mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(source / "arctic_inference" / "suffix_decoding"), str(package)], check=True)
+    (package / "__init__.py").write_text("")
+    for built in build.glob("_C*.so"):
+        subprocess.run(["cp", str(built), str(package / "suffix_decoding")], check=True)
+    sys.path.insert(0, str(tmp / "pkg"))
+    return importlib.import_module("arctic_inference.suffix_decoding").SuffixDecodingCache
+
+
+def _nanobind_dir(venv: Path) -> str:
+    out = subprocess.run([str(venv / "bin" / "python"), "-m", "nanobind", "--cmake_dir"], capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip()
+
+
+MAKERS = {"llama-server": llama_server, "llama-perplexity": llama_perplexity, "transformers": transformers_reference,
+          "suffix": suffix_reference}
 
 if __name__ == "__main__":
     for which in sys.argv[1:] or list(MAKERS):

@@ -21,7 +21,8 @@ def speculation_config(args):
     return SpeculationConfig(draft_max=args.draft_max, draft_min=args.draft_min, p_min=args.draft_p_min,
                              adaptive=not args.fixed_k, constrain_draft=not getattr(args, "blind_draft", False),
                              draft_vocab=getattr(args, "draft_vocab", 0), tree=getattr(args, "draft_tree", None) or 1,
-                             draft_window=getattr(args, "draft_window", None))
+                             draft_window=getattr(args, "draft_window", None),
+                             draft_history=getattr(args, "draft_history", 16384))
 
 
 def grammar_of(args):

@@ -82,6 +82,11 @@ def _speculation_args(parser: argparse.ArgumentParser) -> None:
                    help="a draft model drafts from the first 4 tokens and the last W of the rest, each at its own "
                         "position, so its catch-up on a long prompt and each of its steps cost what W tokens cost "
                         "(0: the whole context; default: 1024 on the CPU, the whole context on a GPU)")
+    s.add_argument("--draft-history", type=int, default=16384, metavar="N",
+                   help="suffix decoding (--draft suffix) drafts from the request's prompt and answer and from the "
+                        "last N tokens of earlier answers to the same client (a request's `user`; every request "
+                        "without one is one client); held in memory only (0: no earlier answers; default: "
+                        "%(default)s)")
     s.add_argument("--fixed-k", action="store_true",
                    help="always draft --draft-max tokens instead of choosing k by measurement")
     s.add_argument("--profile", type=Path, default=None, metavar="FILE",

@@ -6,6 +6,8 @@ The spellings, one for each kind:
     none          no speculation
     auto          the target's own pairing: the default draft with n-gram lookup for the default target, else none
     ngram         prompt lookup, no model
+    suffix        suffix decoding: the request's prompt and answer, and what the server answered before (its history,
+                  per client), no model
     mtp           the target's own multi-token-prediction layers (Qwen3.5+), fed its hidden states
     MODEL         a draft model: an alias, a .gguf file or a Hugging Face directory; a directory holding a Gemma 4
                   assistant (config.json: gemma4_assistant) is the assistant kind, fed the target's hidden states
@@ -33,12 +35,13 @@ from quickdraft.speculative.draft_model import DraftModelDrafter
 from quickdraft.speculative.eagle3 import Eagle3Drafter, is_eagle3
 from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
+from quickdraft.speculative.suffix import SuffixDrafter
 
-KINDS: dict[str, type[Drafter]] = {"chain": ChainDrafter,
+KINDS: dict[str, type[Drafter]] = {"chain": ChainDrafter, "suffix": SuffixDrafter,
                                    "ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
                                    "assistant": AssistantDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter}
 HEADS = ("assistant", "dflash", "eagle3")  # kinds whose model is a directory of layers over the target's states
-SPELLINGS = ("none, auto, ngram, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
+SPELLINGS = ("none, auto, ngram, suffix, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
              "directory, a Gemma 4 assistant's, a DFlash drafter's or an EAGLE-3 head's too), ngram+MODEL / ngram+mtp, "
              "or a chain of them in order of preference (mtp,ngram or DIR,ngram)")
 FEATURES = ("dflash", "eagle3")  # kinds reading the target's layer states (one per chain: KVCache.keep_features)
@@ -48,7 +51,7 @@ FEATURES = ("dflash", "eagle3")  # kinds reading the target's layer states (one 
 class Draft:
     """What drafts for a target."""
 
-    kind: str = "none"  # none | auto | chain | one of KINDS (ngram, model, mtp, assistant, dflash, eagle3)
+    kind: str = "none"  # none | auto | chain | one of KINDS (ngram, suffix, model, mtp, assistant, dflash, eagle3)
     model: str | None = None  # kind "model": an alias, .gguf file or Hugging Face directory; "assistant", "dflash":
     # its directory
     ngram: bool = False  # prompt lookup first, the kind's drafter where it has no match (not for "ngram")
@@ -71,7 +74,7 @@ class Draft:
         if text == "none" and ngram:
             raise QuickdraftError("{ngram} puts prompt lookup in front of a draft model, and {draft} none has none: "
                                   "use {draft} ngram for lookup alone", "ngram", "draft")
-        if text in ("none", "ngram"):
+        if text in ("none", "ngram", "suffix"):
             return cls(text)
         if text == "auto":
             return cls("auto", ngram=ngram, device=device, weights=weights)
@@ -106,7 +109,7 @@ class Draft:
     def __str__(self) -> str:
         if self.kind == "chain":
             return ",".join(map(str, self.parts))
-        if self.kind in ("none", "ngram"):
+        if self.kind in ("none", "ngram", "suffix"):
             return self.kind
         body = self.model if self.kind in ("model",) + HEADS else self.kind
         return f"ngram+{body}" if self.ngram else body

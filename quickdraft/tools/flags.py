@@ -5,7 +5,8 @@ FLAGS = {
     "context": "--ctx", "max_tokens": "-n", "prompt": "the prompt (-p or --prompt-file)", "chat": "--chat",
     "device": "--device", "dtype": "--dtype", "weights": "--weights", "cache_slots": "--cache-slots",
     "draft": "--draft", "ngram": "--ngram", "draft_weights": "--draft-weights", "draft_max": "--draft-max",
-    "draft_min": "--draft-min", "p_min": "--draft-p-min", "draft_vocab": "--draft-vocab", "tree": "--draft-tree", "draft_window": "--draft-window",
+    "draft_min": "--draft-min", "p_min": "--draft-p-min", "draft_vocab": "--draft-vocab", "tree": "--draft-tree",
+    "draft_window": "--draft-window", "draft_history": "--draft-history",
 }
 
 

@@ -32,9 +32,9 @@ def test_each_kind_of_draft_has_one_spelling():
 
 
 def test_auto_is_the_targets_own_pairing():
-    assert Draft.parse("auto").resolve(hub.DEFAULT_TARGET) == Draft("model", hub.DEFAULT_DRAFT, ngram=True)
+    assert Draft.parse("auto").resolve(hub.DEFAULT_TARGET) == Draft.parse(f"suffix,{hub.DEFAULT_DRAFT}")
     assert Draft.parse("auto").resolve(str(hub.model_path(hub.DEFAULT_TARGET))) == Draft.parse(
-        f"ngram+{hub.DEFAULT_DRAFT}")  # the pulled file is the alias
+        f"suffix,{hub.DEFAULT_DRAFT}")  # the pulled file is the alias
     assert Draft.parse("auto").resolve("./other.gguf") == Draft("none")
     assert Draft.parse("auto", ngram=True).resolve("./other.gguf") == Draft("ngram")
     assert Draft.parse("ngram").resolve(hub.DEFAULT_TARGET) == Draft("ngram")  # only auto is resolved
@@ -98,7 +98,8 @@ def test_the_readme_example_runs_and_matches_the_command_line(real_model_path):
     shown = run("generate", "--chat", "-p", prompt, "-n", max_tokens)  # -m and --draft: the defaults
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.rstrip("\n") == "\n".join(text_lines).rstrip("\n")
-    assert re.search(rf"spec\[ngram\+{re.escape(hub.DEFAULT_DRAFT)}\]: [1-9]\d*/[1-9]\d* drafts accepted", shown.stderr), \
+    said = rf"spec\[suffix,{re.escape(hub.DEFAULT_DRAFT)}\]: [1-9]\d*/[1-9]\d* drafts accepted"
+    assert re.search(said, shown.stderr), \
         shown.stderr  # the acceptance on stderr (--json carries it as "spec": tests/test_cli.py); that the text is
     # plain decoding's is tests/test_spec_real.py's (its equality tests, and verify on the default pair)
 

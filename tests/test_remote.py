@@ -204,3 +204,15 @@ def test_a_chain_exports_its_order_and_one_drafter():
     two = {**chain, "draft": "qwen2.5-coder-0.5b,/heads/e3", "draft_kinds": ["model", "eagle3"]}
     with pytest.raises(QuickdraftError, match="loads one drafter beside lookup"):
         export.export(two, "llama-server")
+
+
+def test_suffix_decoding_exports_as_vllms_suffix_method_and_as_lookup_elsewhere():
+    """The default chain (suffix decoding, then the draft model): vLLM runs the model; suffix alone is vLLM's own
+    suffix method with quickdraft's depth and floor; llama-server has no suffix decoding: its lookup stands in."""
+    chain = {**PROFILE, "draft": "suffix,qwen2.5-coder-0.5b", "draft_kind": "chain", "draft_kinds": ["suffix", "model"]}
+    text = export.export(chain, "llama-server", "/models/t.gguf", "/models/d.gguf")
+    (command,) = [line for line in text.splitlines() if not line.startswith("#")]
+    assert "ngram-simple,draft-simple" in command and "has no suffix decoding" in text
+    alone = {**PROFILE, "draft": "suffix", "draft_kind": "suffix"}
+    config = json.loads(shlex.split(export.export(alone, "vllm").splitlines()[-1])[-1])
+    assert config["method"] == "suffix" and config["suffix_decoding_max_tree_depth"] == 24

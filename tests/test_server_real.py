@@ -1,7 +1,7 @@
 """The server on a real model, driven by the official openai client: what editors and scripts will meet.
 
 smollm2-135m is the target; its int4 copy drafts (int4 changes its distributions, so drafts are both
-accepted and rejected), with n-gram lookup in front.
+accepted and rejected), with suffix decoding in front.
 """
 
 import time
@@ -46,7 +46,7 @@ def stream_chat(client, content, **kw):
 
 
 def test_the_server_says_where_it_listens_and_how_to_call_it(server):
-    assert server.printed[0].startswith(f"quickdraft: serving {MODEL} (draft: ngram+{MODEL}")
+    assert server.printed[0].startswith(f"quickdraft: serving {MODEL} (draft: suffix,{MODEL}")
     assert server.base_url.startswith("http://127.0.0.1:")
     assert server.printed[1] == f"chat page: {server.url}/\n"
     # what the kept conversations may hold: on the CPU a byte budget (llama-server's 8 GiB default, at most a quarter of

@@ -294,7 +294,8 @@ def cmd_tune(args) -> int:
     llm = load(args, NONE)
     builtin = llm.target.model.mtp is not None  # the target drafts for itself: its MTP layers are the candidates
     candidates = args.drafts or (["mtp", "ngram", "ngram+mtp"] if builtin else
-                                 [hub.DEFAULT_DRAFT, "ngram", f"ngram+{hub.DEFAULT_DRAFT}"])
+                                 [hub.DEFAULT_DRAFT, "ngram", "suffix", f"ngram+{hub.DEFAULT_DRAFT}",
+                                  f"suffix,{hub.DEFAULT_DRAFT}"])
     drafts = [Draft.parse(c, weights=args.draft_weights) for c in candidates]
     if args.formats is None:
         if args.quality_bound is not None:

@@ -49,11 +49,13 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 def _speculation_args(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculative decoding (output is identical to the target's alone)")
     s.add_argument("--draft", default="auto", metavar="DRAFT",
-                   help="what drafts: 'auto' (the default draft with n-gram lookup in front for the default target, "
-                        "none for other models), 'none', 'ngram' (prompt lookup, no model), 'mtp' (the target's own "
-                        "multi-token-prediction layers: Qwen3.5+ checkpoints that have them), a draft model (alias, "
+                   help="what drafts: 'auto' (the default draft with suffix decoding in front for the default target, "
+                        "none for other models), 'none', 'ngram' (prompt lookup, no model), 'suffix' (suffix "
+                        "decoding: the prompt, the answer and earlier answers, no model: --draft-history), 'mtp' (the "
+                        "target's own multi-token-prediction layers: Qwen3.5+ checkpoints that have them), a draft model (alias, "
                         ".gguf file or Hugging Face directory, same tokenizer as the target), or 'ngram+MODEL' / "
-                        "'ngram+mtp' (prompt lookup where it has a match, the model otherwise) (default: %(default)s)")
+                        "'ngram+mtp' (prompt lookup where it has a match, the model otherwise), or a chain in order "
+                        "of preference, e.g. 'suffix,MODEL' (default: %(default)s)")
     s.add_argument("--ngram", action="store_true",
                    help="with a draft model: put prompt lookup in front of it (the same as --draft ngram+MODEL)")
     s.add_argument("--draft-device", default=None, help="device of the draft model (default: the target's)")
@@ -194,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="serve an OpenAI-compatible API (chat, completions, streaming)",
                         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
                                     "/metrics over HTTP. With the default target the default draft speculates "
-                                    "with n-gram lookup in front (--draft auto); each response carries a "
+                                    "with suffix decoding in front (--draft auto); each response carries a "
                                     "`timings` object with the acceptance figures.")
     _pair_args(sv)
     sv.add_argument("--host", default="127.0.0.1",
@@ -283,9 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "take with --profile.")
     _model_args(tu)
     tu.add_argument("--draft", action="append", dest="drafts", metavar="CANDIDATE",
-                    help="a candidate: a draft model, 'ngram', 'mtp', or 'ngram+MODEL' (repeat the flag; default: the "
-                         "default draft, ngram, and ngram+ the default draft; for a target with MTP layers mtp, ngram "
-                         "and ngram+mtp)")
+                    help="a candidate: a draft model, 'ngram', 'suffix', 'mtp', 'ngram+MODEL' or a chain such as "
+                         "'suffix,MODEL' (repeat the flag; default: the default draft, ngram, suffix, and each of "
+                         "these in front of the default draft; for a target with MTP layers mtp, ngram and "
+                         "ngram+mtp)")
     tu.add_argument("--draft-weights", default="auto", choices=FORMATS,
                     help="the draft models' weight format (as for generate)")
     tu.add_argument("--formats", default=None, metavar="LIST",

@@ -22,6 +22,14 @@ class Metrics:
         self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Drafted tokens accepted",
                                        registry=r)
         self.drafts = Counter(p + "spec_decode_num_drafts", "Speculative rounds (draft -> verify)", registry=r)
+        # per drafter source (draft, ngram, suffix, mtp, ...): acceptance is accepted / draft tokens, the mean accepted
+        # length (accepted + rounds) / rounds
+        self.source_draft_tokens = Counter(p + "spec_decode_source_draft_tokens", "Tokens drafted, by source",
+                                           ["source"], registry=r)
+        self.source_accepted_tokens = Counter(p + "spec_decode_source_accepted_tokens",
+                                              "Drafted tokens accepted, by source", ["source"], registry=r)
+        self.source_drafts = Counter(p + "spec_decode_source_drafts", "Speculative rounds, by source", ["source"],
+                                     registry=r)
         self.finished = Counter(p + "request_success", "Requests finished, by finish reason",
                                 ["finish_reason"], registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused before generation, by HTTP status",
@@ -69,6 +77,10 @@ class Metrics:
         self.draft_tokens.inc(stats.draft_n)
         self.accepted_tokens.inc(stats.draft_n_accepted)
         self.drafts.inc(stats.rounds)
+        for source, rounds in stats.sources.items():
+            self.source_drafts.labels(source).inc(rounds)
+            self.source_draft_tokens.labels(source).inc(stats.drafted_by[source])
+            self.source_accepted_tokens.labels(source).inc(stats.accepted_by[source])
         self.cache_queries.inc(timings.prompt_n)
         self.cache_hits.inc(timings.cache_n)
         if timings.cache_n:

@@ -4,7 +4,8 @@ Draft, and one builder turns a Draft into a drafter.
 The spellings, one for each kind:
 
     none          no speculation
-    auto          the target's own pairing: the default draft with n-gram lookup for the default target, else none
+    auto          the target's own pairing: for the default target suffix decoding, then the default draft (the chain
+                  suffix,MODEL), else none (ngram with --ngram)
     ngram         prompt lookup, no model
     suffix        suffix decoding: the request's prompt and answer, and what the server answered before (its history,
                   per client), no model
@@ -124,7 +125,10 @@ class Draft:
         paired = hub.DEFAULT_PAIRS.get(hub.alias_of(target_source))
         if paired is None:
             return Draft("ngram") if self.ngram else Draft("none")
-        return Draft("model", paired, True, self.device, self.weights)
+        # suffix decoding in front (it looks up the prompt and the answer as n-gram lookup does, by frequency, and
+        # what was answered before: docs/performance.md measures it against lookup), the draft model where it has
+        # nothing
+        return Draft("chain", parts=(Draft("suffix"), Draft("model", paired, False, self.device, self.weights)))
 
 
 NONE = Draft("none")

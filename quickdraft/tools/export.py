@@ -11,6 +11,8 @@ the predicted speed-up as comments. The flags:
   `--speculative-draft-model-path`, `--speculative-num-steps`, `--speculative-eagle-topk 1`,
   `--speculative-num-draft-tokens`; or `NGRAM` (CUDA only) with `--speculative-num-draft-tokens`.
 Neither vLLM nor SGLang puts n-gram lookup in front of a draft model: an "ngram+MODEL" profile exports its model.
+Suffix decoding (quickdraft's `suffix`, as arctic-inference's which vLLM calls): vLLM's `"method": "suffix"` with its
+tree depth and probability floor; llama.cpp and SGLang have none, and their n-gram lookup stands in for it.
 
 A DFlash drafter (z-lab's block drafters; a profile whose draft_kind is "dflash"): llama.cpp's `--spec-type
 draft-dflash` with `-md` (the drafter converted to GGUF by its convert_hf_to_gguf.py, llama.cpp #22105), vLLM's
@@ -32,6 +34,7 @@ import shlex
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.speculative.speed import expected_length
+from quickdraft.speculative.suffix import DEPTH, MIN_PROB
 
 ENGINES = ("llama-server", "vllm", "sglang")
 VERSIONS = {"llama-server": "llama.cpp 0c1e570 (llama-cpp-python 0.3.36)", "vllm": "vLLM 0.11",
@@ -54,11 +57,14 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
         draft.startswith("ngram+") else [draft]
     kinds = profile.get("draft_kinds") if profile.get("draft_kind") == "chain" else None  # (a chain's, by member)
     if not kinds or len(kinds) != len(members):
-        kinds = ["ngram" if m == "ngram" else profile.get("draft_kind", "model") for m in members]
-    lookup = "ngram" in members
-    model = next((m for m in members if m != "ngram"), None)
+        kinds = [m if m in LOOKUPS else profile.get("draft_kind", "model") for m in members]
+    lookup = any(m in LOOKUPS for m in members)
+    suffix = "suffix" in members
+    model = next((m for m in members if m not in LOOKUPS), None)
     kind = kinds[members.index(model)] if model else "ngram"
-    if engine == "llama-server" and sum(k != "ngram" for k in kinds) > 1:
+    if suffix and engine != "vllm":
+        notes_suffix = f"{engine} has no suffix decoding: its n-gram lookup stands in for it"
+    if engine == "llama-server" and sum(k not in LOOKUPS for k in kinds) > 1:
         raise QuickdraftError(f"the profile chains {draft}: llama-server loads one drafter beside lookup (-md); "
                               "export a chain of one drafter and ngram")
     winner = next((c for c in profile.get("candidates", []) if c["name"] == draft), None)
@@ -74,6 +80,8 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
                      "server's draft_n_accepted / draft_n (quickdraft bench --url shows it)")
     notes.append(f"predicted speed-up {profile.get('predicted_speedup', 0):.2f}x, measured "
                  f"{profile.get('measured_speedup', 0):.2f}x (quickdraft, one stream, on the machine that tuned)")
+    if suffix and engine != "vllm":
+        notes.append(notes_suffix)
     if draft == "none":
         notes.append("speculation did not pay on the tuning machine: no speculative flags")
         return _comment(notes)
@@ -94,6 +102,9 @@ def export(profile: dict, engine: str, target_file: str | None = None, draft_fil
             config = {"method": "draft_model", "model": HF_REPOS.get(model, model), "num_speculative_tokens": k}
             if lookup:
                 notes.append("vLLM runs one method: the draft model (no n-gram lookup beside it)")
+        elif suffix:
+            config = {"method": "suffix", "num_speculative_tokens": k, "suffix_decoding_max_tree_depth": DEPTH,
+                      "suffix_decoding_min_token_prob": MIN_PROB}
         else:
             config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": NGRAM_MAX,
                       "prompt_lookup_min": NGRAM_MIN}
@@ -116,7 +127,9 @@ HEADS = {"dflash": ("draft-dflash", "dflash", "DFLASH", "#22105"),
          "dspark": ("draft-dspark", "dspark", None, "#25173")}
 
 
-LLAMA_TYPES = {"ngram": "ngram-simple", "model": "draft-simple", **{kind: names[0] for kind, names in HEADS.items()}}
+LLAMA_TYPES = {"ngram": "ngram-simple", "suffix": "ngram-simple", "model": "draft-simple",
+               **{kind: names[0] for kind, names in HEADS.items()}}
+LOOKUPS = ("ngram", "suffix")  # drafters without a model: lookup in what was written
 
 
 def _types(kinds: list[str]) -> str:
@@ -173,7 +186,7 @@ def speculators(profile: dict) -> str:
 
     draft, k = profile["draft"], int(profile["draft_max"])
     members = draft.replace("ngram+", "ngram,", 1).split(",") if draft != "none" else []
-    model = next((m for m in members if m != "ngram"), None)
+    model = next((m for m in members if m not in LOOKUPS), None)
     if model is None or speculators_type(model) is None:
         raise QuickdraftError(f"the profile drafts with {draft}; the speculators format holds heads trained for a "
                               "verifier (EAGLE-3, DFlash, DSpark in its form): export this one as vllm flags "

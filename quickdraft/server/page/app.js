@@ -6,7 +6,7 @@
 
 const $ = (id) => document.getElementById(id);
 const KEY = "quickdraft-api-key";
-const SOURCES = { draft: "draft model", ngram: "n-gram lookup", target: "target" };
+const SOURCES = { draft: "draft model", ngram: "n-gram lookup", suffix: "suffix decoding", target: "target" };
 const page = { history: [], controller: null, busy: false };
 
 // ---- the server ---------------------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ function renderChart(svg, rounds) {
   svg.setAttribute("viewBox", `0 0 ${Math.max(shown.length, 20)} ${height}`);
   let out = "";
   shown.forEach((r, x) => {
-    const keptClass = r.source === "ngram" ? "kept-ngram" : "kept-draft";
+    const keptClass = r.source === "ngram" ? "kept-ngram" : r.source === "suffix" ? "kept-suffix" : "kept-draft";
     if (r.kept) out += `<rect class="${keptClass}" x="${x + 0.1}" y="${height - r.kept}" width="0.8" height="${r.kept}"/>`;
     out += `<rect class="own" x="${x + 0.1}" y="${height - r.n}" width="0.8" height="${r.n - r.kept}"/>`;
     if (r.k) out += `<line class="k" x1="${x + 0.05}" x2="${x + 0.95}" y1="${height - r.k}" y2="${height - r.k}"/>`;

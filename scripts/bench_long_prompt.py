@@ -1,4 +1,4 @@
-"""A long prompt beside a short one, against a real server (issue: a long prompt must not hold the server).
+"""A long prompt beside a short one, against a real server: a long prompt must not hold the server.
 
 Starts `quickdraft serve` (default: SmolLM2-135M with itself as the draft, --ctx 16384, the attack run's setup), then
 `--tries` times: a ~6,000-token prompt is sent, and `--after` seconds into its prefill a short streamed request; prints

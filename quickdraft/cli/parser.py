@@ -20,8 +20,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                              "use), a .gguf file, or a Hugging Face directory (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, or cuda[:N] (default: auto)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="compute and weight dtype (auto: bfloat16 on CUDA and on CPUs with native bf16, "
-                             "else float32)")
+                        help="compute and weight dtype (auto: bfloat16 on CUDA, on CPUs with native bf16, and for "
+                             "quantized weights on quickdraft's CPU kernels (AVX2 or AVX-512); else float32: float "
+                             "weights on a CPU without native bf16)")
     parser.add_argument("--weights", default="auto", choices=FORMATS,
                         help="runtime weight format, converted once at load from what the file holds: bf16 keeps "
                              "--dtype's weights; int8 (per-row) and int4 (group-wise) are weight-only formats on "

@@ -93,7 +93,9 @@ def test_the_readme_example_runs_and_matches_the_command_line(real_model_path):
     *text_lines, figures = example.stdout.rstrip("\n").split("\n")
     accepted, drafted = map(int, re.match(r"(\d+)/(\d+) drafts accepted", figures).groups())
     assert drafted > 0 and accepted > 0  # it speculated, and drafts landed
-    prompt = re.search(r'"content": "(.*?)"', code).group(1)
+    given = {}  # the example's prompt: the lines that build it
+    exec("\n".join(line for line in code.splitlines() if line.startswith(("code = ", "prompt = "))), given)
+    prompt = given["prompt"]
     max_tokens = re.search(r"max_tokens=(\d+)", code).group(1)
     shown = run("generate", "--chat", "-p", prompt, "-n", max_tokens)  # -m and --draft: the defaults
     assert shown.returncode == 0, shown.stderr

@@ -26,7 +26,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def server(real_model_path):
     real_model_path(MODEL)
-    with ServerProcess("-m", MODEL, "--draft", MODEL, "--ngram", "--ctx", "1024") as s:
+    with ServerProcess("-m", MODEL, "--draft", f"suffix,{MODEL}", "--ctx", "1024") as s:
         yield s
 
 

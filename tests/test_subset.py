@@ -82,7 +82,10 @@ def test_speculation_with_a_cut_head_equals_plain(bf16_pair, int8_draft, which, 
         assert stats.rounds > 0 and stats.draft_n_accepted > 0
         scored = set(drafter.subset.kept_ids.tolist())
         seen = (PROMPT + plain)[:drafter.seen]  # the sequence as of the last round: its ids joined the base
-        assert len(seen) > len(PROMPT) + 10 and set(seen) <= scored | set(range(BASE))
+        assert set(seen) <= scored | set(range(BASE))
+        # with k fixed it drafts every round, so the subset has grown with the answer; the adaptive policy may stop
+        # early (this draft costs what the tiny target does)
+        assert len(seen) > len(PROMPT) + 10 or spec.adaptive
 
 
 def test_a_cut_heads_sampled_drafts_keep_the_targets_distribution(bf16_pair, monkeypatch):

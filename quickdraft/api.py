@@ -172,7 +172,7 @@ def prior(target: LoadedModel, drafter) -> Prior | None:
     drafts, free = {}, set()
     for member in getattr(drafter, "members", [drafter] if drafter is not None else []):
         models = member.models
-        if not models and member.kind == "ngram":
+        if not models and member.lookup:
             free.update(member.sources)
         elif len(models) == 1 and len(member.sources) == 1 and models[0].device.type == "cpu":
             seconds = machine.weight_seconds(models[0].model, found)

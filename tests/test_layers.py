@@ -49,3 +49,28 @@ def test_a_family_lives_in_its_own_file():
                  if "families" not in p.parts for line in p.read_text(encoding="utf-8").splitlines()
                  if switch.search(line)]
     assert not offenders, offenders
+
+
+def test_a_drafter_kind_lives_in_its_own_file():
+    """What sets one kind of drafter apart is in its own module (a Drafter subclass: how it is written, what it loads,
+    how it drafts): neither speculative/draft.py nor the rest of the library switches on a kind's name. Outside the
+    speculative package only the lookups' names ("ngram", "suffix": what bench's configurations and the chains are
+    written in) and the description's own words ("none", "auto", "chain") are compared; tools/export.py translates a
+    profile's kinds into other engines' method names, its subject."""
+    from quickdraft.speculative.draft import KINDS
+
+    modelled = [kind for kind, cls in KINDS.items() if not cls.lookup and kind != "chain"]
+    assert {"model", "mtp", "assistant", "dflash", "eagle3"} <= set(modelled)
+    for cls in KINDS.values():  # each kind is its module's class
+        module = {"model": "draft_model", "chain": "combined"}.get(cls.kind, cls.kind)
+        assert cls.__module__ == f"quickdraft.speculative.{module}"
+    switch = re.compile(rf"""kind\w*\s*(==|!=|in|not in)\s*[(\[{{]?\s*["']({'|'.join(modelled)})["']""")
+    every = re.compile(rf"""kind\w*\s*(==|!=|in|not in)\s*[(\[{{]?\s*["']({'|'.join(k for k in KINDS if k != 'chain')})["']""")
+    offenders = []
+    for p in (ROOT / "quickdraft").rglob("*.py"):
+        if p.name == "export.py" or (p.parent.name == "speculative" and p.name != "draft.py"):
+            continue
+        pattern = every if p.name == "draft.py" else switch
+        offenders += [f"{p.relative_to(ROOT)}: {line.strip()}" for line in p.read_text(encoding="utf-8").splitlines()
+                      if pattern.search(line)]
+    assert not offenders, offenders

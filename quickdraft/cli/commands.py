@@ -383,7 +383,7 @@ def cmd_bench(args) -> int:
     if args.roofline:
         from quickdraft.tools import roofline
 
-        models = llm.draft_models(draft) if any(c.draft.kind != "ngram" for c in configs) else []
+        models = llm.draft_models(draft) if any(not getattr(c.draft.drafter_class, "lookup", False) for c in configs) else []
         result["roofline"] = roofline.report(llm.target, models, result["rows"], next(iter(prompts.values())))
         print()
         print(bench.roofline_table(result))

@@ -40,6 +40,11 @@ def is_assistant(source: str) -> bool:
 
 class AssistantDrafter(DraftModelDrafter):
     kind = "assistant"
+    text_model = False
+
+    @classmethod
+    def recognizes(cls, source: str) -> bool:
+        return is_assistant(source)
     sources = ("assistant",)
     samples = True
     reads_hidden = True
@@ -71,8 +76,8 @@ class AssistantDrafter(DraftModelDrafter):
         return AssistantDrafter(self.lm, self.target, self.p_min)
 
     @classmethod
-    def load(cls, draft, target, load_model) -> list:
-        return [load_model(draft.model)]
+    def load(cls, draft, target, load) -> list:
+        return [load(draft.model)]
 
     @classmethod
     def build(cls, draft, target, models, capacity, speculation) -> "AssistantDrafter":

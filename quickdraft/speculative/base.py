@@ -125,6 +125,14 @@ class Drafter:
     """
 
     kind: ClassVar[str] = ""  # the draft description's kind it is built for
+    # How the kind is written and loaded (speculative/draft.py asks these, never a kind's name):
+    named: ClassVar[bool] = False  # written as its kind's name alone (ngram, suffix, mtp), not as a file
+    lookup: ClassVar[bool] = False  # drafts by looking up what was written, no model: nothing to put lookup before
+    text_model: ClassVar[bool] = False  # a model of its own fed the text (a draft model): --draft-window and
+    # --draft-vocab are its settings
+    layer_states: ClassVar[bool] = False  # reads the target's layer states (KVCache.keep_features): one per chain,
+    # and int8 where the weights are "auto" and int4 would be chosen (a head over the target's states in int4 hardly
+    # drafts: other engines' users saw acceptance fall to ~0; doctor warns where int4 is asked for)
     sources: tuple[str, ...] = ()  # the policy keeps statistics per source
     name: str = ""  # the draft description it was built from, as users write it
     device: torch.device | None = None
@@ -134,8 +142,22 @@ class Drafter:
     per_round: tuple[str, ...] = ()  # sources whose round costs one pass whatever it drafts (a DFlash block)
 
     @classmethod
-    def load(cls, draft, target, load_model) -> list:
-        """The models this kind of drafter runs for `draft` (a Draft), loaded with load_model(source)."""
+    def recognizes(cls, source: str) -> bool:
+        """Whether the file or directory `source` holds this kind's drafter (its config.json says so); the draft
+        model kind takes what no kind recognizes."""
+        return False
+
+    @classmethod
+    def flavour(cls, draft) -> str:
+        """The kind as other engines name its method (tools/export.py), for `draft` (a Draft of this kind)."""
+        return cls.kind
+
+    @classmethod
+    def load(cls, draft, target, load) -> list:
+        """The models this kind of drafter runs for `draft` (a Draft), each loaded once by load(source) (a model
+        with its own decoder: weights/loader.load_model in the target's dtype, on the draft's device, in the draft's
+        format) or load(source, make) for one the kind builds itself: make(dtype, weights, capacity), on the
+        target's device."""
         return []
 
     @classmethod

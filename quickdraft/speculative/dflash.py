@@ -76,6 +76,19 @@ class HeadModel:
 
 class DFlashDrafter(DraftModelDrafter):
     kind = "dflash"
+    text_model = False
+    layer_states = True
+
+    @classmethod
+    def recognizes(cls, source: str) -> bool:
+        return is_dflash(source)
+
+    @classmethod
+    def flavour(cls, draft) -> str:
+        """A DSpark drafter (vLLM speculators' dspark type in a DFlash-kind directory) is its own method elsewhere."""
+        from quickdraft.weights.eagle3 import speculators_type
+
+        return "dspark" if speculators_type(draft.model) == "dspark" else "dflash"
     sources = ("dflash",)
     per_round = ("dflash",)
     samples = True
@@ -111,8 +124,9 @@ class DFlashDrafter(DraftModelDrafter):
         return DFlashDrafter(self.drafter, self.target, self.capacity, self.p_min)
 
     @classmethod
-    def load(cls, draft, target, load_model) -> list:
-        return [load_model(draft.model)]
+    def load(cls, draft, target, load) -> list:
+        return [load(draft.model, lambda dtype, weights, capacity: load_drafter(draft.model, target, dtype, weights,
+                                                                                capacity))]
 
     @classmethod
     def build(cls, draft, target, models, capacity, speculation) -> "DFlashDrafter":

@@ -18,8 +18,9 @@ The spellings, one for each kind:
                   is the eagle3 kind, likewise
     ngram+MODEL   prompt lookup where it has a match, the draft model otherwise (ngram+mtp likewise)
 
-A new kind of drafter is its own module (a Drafter subclass: speculative/base.py), an entry in KINDS and its
-spelling in Draft.parse; nothing else changes.
+A new kind of drafter is its own module: a Drafter subclass (speculative/base.py) that says how it is written (its
+name, or the files it recognizes), loads what it runs and builds itself; and an entry in KINDS. Nothing here, nor
+elsewhere in the library, switches on a kind's name (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.speculative.assistant import AssistantDrafter, is_assistant
+from quickdraft.speculative.assistant import AssistantDrafter
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.combined import ChainDrafter, CombinedDrafter
-from quickdraft.speculative.dflash import DFlashDrafter, is_dflash
+from quickdraft.speculative.dflash import DFlashDrafter
 from quickdraft.speculative.draft_model import DraftModelDrafter
-from quickdraft.speculative.eagle3 import Eagle3Drafter, is_eagle3
+from quickdraft.speculative.eagle3 import Eagle3Drafter
 from quickdraft.speculative.mtp import MtpDrafter
 from quickdraft.speculative.ngram import NgramDrafter
 from quickdraft.speculative.suffix import SuffixDrafter
@@ -41,11 +42,9 @@ from quickdraft.speculative.suffix import SuffixDrafter
 KINDS: dict[str, type[Drafter]] = {"chain": ChainDrafter, "suffix": SuffixDrafter,
                                    "ngram": NgramDrafter, "model": DraftModelDrafter, "mtp": MtpDrafter,
                                    "assistant": AssistantDrafter, "dflash": DFlashDrafter, "eagle3": Eagle3Drafter}
-HEADS = ("assistant", "dflash", "eagle3")  # kinds whose model is a directory of layers over the target's states
 SPELLINGS = ("none, auto, ngram, suffix, mtp (the target's own MTP layers), a draft model (alias, .gguf file or Hugging Face "
              "directory, a Gemma 4 assistant's, a DFlash drafter's or an EAGLE-3 head's too), ngram+MODEL / ngram+mtp, "
              "or a chain of them in order of preference (mtp,ngram or DIR,ngram)")
-FEATURES = ("dflash", "eagle3")  # kinds reading the target's layer states (one per chain: KVCache.keep_features)
 
 
 @dataclass(frozen=True)
@@ -75,14 +74,14 @@ class Draft:
         if text == "none" and ngram:
             raise QuickdraftError("{ngram} puts prompt lookup in front of a draft model, and {draft} none has none: "
                                   "use {draft} ngram for lookup alone", "ngram", "draft")
-        if text in ("none", "ngram", "suffix"):
+        if text == "none":
             return cls(text)
         if text == "auto":
             return cls("auto", ngram=ngram, device=device, weights=weights)
-        if text == "mtp":
-            return cls("mtp", ngram=ngram)
-        kind = ("assistant" if is_assistant(text) else "dflash" if is_dflash(text) else "eagle3" if is_eagle3(text)
-                else "model")
+        named = KINDS.get(text)
+        if named is not None and named.named:
+            return cls(text, ngram=ngram and not named.lookup)
+        kind = next((k.kind for k in KINDS.values() if k.recognizes(text)), DraftModelDrafter.kind)
         return cls(kind, text, ngram, device, weights)
 
     @classmethod
@@ -97,7 +96,7 @@ class Draft:
         names = [str(p) for p in parts]
         if len(set(names)) < len(names):
             raise QuickdraftError(f"draft {text!r} names a drafter twice: give each once")
-        if sum(p.kind in FEATURES for p in parts) > 1:
+        if sum(p.drafter_class.layer_states for p in parts) > 1:
             raise QuickdraftError(f"draft {text!r} chains two drafters that read the target's layer states (DFlash, "
                                   "EAGLE-3): keep one of them")
         return cls("chain", parts=tuple(parts)) if len(parts) > 1 else parts[0]
@@ -110,9 +109,9 @@ class Draft:
     def __str__(self) -> str:
         if self.kind == "chain":
             return ",".join(map(str, self.parts))
-        if self.kind in ("none", "ngram", "suffix"):
+        if self.kind == "none" or getattr(self.drafter_class, "lookup", False):
             return self.kind
-        body = self.model if self.kind in ("model",) + HEADS else self.kind
+        body = self.kind if self.model is None else self.model
         return f"ngram+{body}" if self.ngram else body
 
     def resolve(self, target_source: str) -> "Draft":
@@ -155,7 +154,7 @@ class DraftBuilder:
             return []
         if draft.kind == "chain":
             return list(dict.fromkeys(m for part in draft.parts for m in self.models(part)))
-        return KINDS[draft.kind].load(draft, self.target, lambda source: self._load(source, draft))
+        return KINDS[draft.kind].load(draft, self.target, lambda source, make=None: self._load(source, draft, make))
 
     def drafter(self, draft: Draft | str, speculation) -> Drafter | None:
         """The drafter the draft describes (None for none); QuickdraftError if it cannot speak for the target, or
@@ -163,34 +162,32 @@ class DraftBuilder:
         draft = self.resolve(draft)
         if draft.kind == "none":
             return None
-        models = [p for p in (draft.parts if draft.kind == "chain" else (draft,)) if p.kind == "model"]
+        if draft.kind not in KINDS:
+            raise QuickdraftError(f"unknown kind of draft {draft.kind!r}: give {SPELLINGS}")
+        models = [p for p in (draft.parts if draft.kind == "chain" else (draft,)) if p.drafter_class.text_model]
         if getattr(speculation, "draft_window", None) is not None and not models:
             raise QuickdraftError(f"{{draft_window}} is the context a draft model drafts from, and {{draft}} {draft} "
                                   "has no draft model: drop {draft_window} or give a draft model", "draft_window",
                                   "draft")
+        cut = getattr(speculation, "draft_vocab", 0)
+        if cut and not models:
+            raise QuickdraftError(f"{{draft_vocab}} cuts a draft model's output head, and {{draft}} {draft} has no "
+                                  "draft model: drop {draft_vocab} or give a draft model", "draft_vocab", "draft")
         if draft.kind == "chain":
-            cut = getattr(speculation, "draft_vocab", 0)
-            if cut and not any(part.kind == "model" for part in draft.parts):
-                raise QuickdraftError(f"{{draft_vocab}} cuts a draft model's output head, and {{draft}} {draft} has no "
-                                      "draft model: drop {draft_vocab} or give a draft model", "draft_vocab", "draft")
             own = speculation  # a draft model's own settings go to the draft models alone
             if cut or getattr(speculation, "draft_window", None) is not None:
                 own = replace(speculation, draft_vocab=0, draft_window=None)
-            return ChainDrafter([self.drafter(part, speculation if part.kind == "model" else own)
+            return ChainDrafter([self.drafter(part, speculation if part.drafter_class.text_model else own)
                                  for part in draft.parts])
-        if draft.kind not in KINDS:
-            raise QuickdraftError(f"unknown kind of draft {draft.kind!r}: give {SPELLINGS}")
-        if getattr(speculation, "draft_vocab", 0) and draft.kind != "model":
-            raise QuickdraftError(f"{{draft_vocab}} cuts a draft model's output head, and {{draft}} {draft} has no "
-                                  "draft model: drop {draft_vocab} or give a draft model", "draft_vocab", "draft")
         drafter = KINDS[draft.kind].build(draft, self.target, self.models(draft), self.capacity, speculation)
         drafter.name = str(replace(draft, ngram=False))
-        if draft.ngram and draft.kind != "ngram":
+        if draft.ngram and not draft.drafter_class.lookup:
             return CombinedDrafter(NgramDrafter(), drafter)
         return drafter
 
-    def _load(self, source: str, draft: Draft):
-        """A draft model in the target's dtype, on the draft's device (else the target's), in its own format."""
+    def _load(self, source: str, draft: Draft, make=None):
+        """A draft model in the target's dtype, on the draft's device (else the target's), in its own format; one the
+        kind builds itself with make(dtype, weights, capacity) (Drafter.load)."""
         import torch
 
         from quickdraft import quant
@@ -199,18 +196,11 @@ class DraftBuilder:
         device = draft.device or str(self.target.device)
         dtype = str(self.target.model.dtype).removeprefix("torch.")
         weights = quant.resolve(draft.weights, device, getattr(torch, dtype), role="draft")
-        if draft.kind in FEATURES and draft.weights == "auto" and weights == "int4":  # a head over the target's
-            weights = "int8"  # states in int4 hardly drafts (other engines' users saw acceptance fall to ~0): doctor
-            # warns where int4 is asked for
+        if draft.drafter_class.layer_states and draft.weights == "auto" and weights == "int4":
+            weights = "int8"  # (Drafter.layer_states)
         key = (str(Path(source).expanduser()), device, weights)
-        if key not in self.loaded and draft.kind == "dflash":  # not a model of its own: layers over the target's
-            from quickdraft.speculative.dflash import load_drafter
-
-            self.loaded[key] = load_drafter(source, self.target, getattr(torch, dtype), weights, self.capacity)
-        if key not in self.loaded and draft.kind == "eagle3":
-            from quickdraft.speculative.eagle3 import load_head
-
-            self.loaded[key] = load_head(source, self.target, getattr(torch, dtype), weights, self.capacity)
+        if key not in self.loaded and make is not None:
+            self.loaded[key] = make(getattr(torch, dtype), weights, self.capacity)
         if key not in self.loaded:
             config = replace(self.engine, device=device, dtype=dtype, weights=weights, max_context=self.capacity)
             self.loaded[key] = load_model(source, config, self.progress)

@@ -46,6 +46,7 @@ def window_of(speculation, device) -> int:
 
 class DraftModelDrafter(Drafter):
     kind = "model"
+    text_model = True
     sources = ("draft",)
     samples = True
     trees = True
@@ -77,8 +78,8 @@ class DraftModelDrafter(Drafter):
         self.seen = 0  # tokens of the sequence the subset has taken in
 
     @classmethod
-    def load(cls, draft, target, load_model) -> list:
-        return [load_model(draft.model)]
+    def load(cls, draft, target, load) -> list:
+        return [load(draft.model)]
 
     @classmethod
     def build(cls, draft, target, models, capacity, speculation) -> "DraftModelDrafter":

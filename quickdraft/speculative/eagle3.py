@@ -32,6 +32,12 @@ is_eagle3 = eagle3_files.is_eagle3
 
 class Eagle3Drafter(DraftModelDrafter):
     kind = "eagle3"
+    text_model = False
+    layer_states = True
+
+    @classmethod
+    def recognizes(cls, source: str) -> bool:
+        return is_eagle3(source)
     sources = ("eagle3",)
     samples = True
     reads_hidden = True
@@ -58,8 +64,9 @@ class Eagle3Drafter(DraftModelDrafter):
         return Eagle3Drafter(self.head, self.target, self.capacity, self.p_min)
 
     @classmethod
-    def load(cls, draft, target, load_model) -> list:
-        return [load_model(draft.model)]
+    def load(cls, draft, target, load) -> list:
+        return [load(draft.model, lambda dtype, weights, capacity: load_head(draft.model, target, dtype, weights,
+                                                                             capacity))]
 
     @classmethod
     def build(cls, draft, target, models, capacity, speculation) -> "Eagle3Drafter":

@@ -28,6 +28,8 @@ from quickdraft.weights import memory
 
 class MtpDrafter(DraftModelDrafter):
     kind = "mtp"
+    named = True
+    text_model = False
     sources = ("mtp",)
     samples = True
     reads_hidden = True
@@ -63,7 +65,7 @@ class MtpDrafter(DraftModelDrafter):
         self.seen = []
 
     @classmethod
-    def load(cls, draft, target, load_model) -> list:
+    def load(cls, draft, target, load) -> list:
         return []
 
     @classmethod

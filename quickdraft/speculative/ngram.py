@@ -13,6 +13,7 @@ class NgramDrafter(Drafter):
     """
 
     kind = "ngram"
+    named = lookup = True
     sources = ("ngram",)
     name = "ngram"
 

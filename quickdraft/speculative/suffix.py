@@ -285,6 +285,7 @@ class SuffixDrafter(Drafter):
     """Drafts from the request's own suffix tree and its scope's history (the module's note)."""
 
     kind = "suffix"
+    named = lookup = True
     sources = ("suffix",)
     name = "suffix"
     trees = True

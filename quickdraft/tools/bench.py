@@ -92,7 +92,7 @@ def default_configs(draft: Draft) -> str:
 
 
 def _speculation(config: BenchConfig, base: SpeculationConfig) -> SpeculationConfig:
-    if config.draft.kind != "model":  # n-gram lookup has no head to cut
+    if not getattr(config.draft.drafter_class, "text_model", False):  # only a draft model has a head to cut
         base = replace(base, draft_vocab=0)
     elif config.vocab is not None:
         base = replace(base, draft_vocab=config.vocab)

@@ -152,12 +152,13 @@ SWITCH = 1.10  # a checked alternative replaces the model's pick only when measu
 
 
 def choose(llm, candidates: list[Candidate], prompts: dict[str, list[int]], v: dict[int, float],
-           n: int) -> tuple[Candidate, float | None, list[dict]]:
+           n: int, drafts: dict[str, Draft] | None = None) -> tuple[Candidate, float | None, list[dict]]:
     """The winner, its measured speed-up and the checks. The model picks; a short interleaved run against
     plain decoding measures its pick and each other candidate (at its best k) predicted within 15% of it. A
     short run is noisy, so an alternative replaces the pick only when measured more than 10% faster: then the
     model was wrong, not the clock. Fills each loser's why_not; the winner is a Candidate named "none" when
-    nothing is predicted faster than plain decoding."""
+    nothing is predicted faster than plain decoding. drafts: the Drafts measured, by name (their weight format and
+    device, which a name does not carry)."""
     from quickdraft.tools import bench
 
     ranked = sorted((c for c in candidates if c.best_speedup > 1), key=lambda c: c.best_speedup, reverse=True)
@@ -167,7 +168,9 @@ def choose(llm, candidates: list[Candidate], prompts: dict[str, list[int]], v: d
             c.why_not = "" if c is best else explain(c, v, best)
         return Candidate("none", 0.0, [], 0.0, {}, 0, 1.0, ""), None, []
     top = [c for c in ranked if c.best_speedup >= 0.85 * ranked[0].best_speedup][:3]
-    configs = [bench.BenchConfig(c.name, Draft.parse(c.name), c.best_k, c.vocab or None, c.tree) for c in top]
+    drafts = drafts or {}
+    configs = [bench.BenchConfig(c.name, drafts.get(c.name) or Draft.parse(c.name), c.best_k, c.vocab or None, c.tree)
+               for c in top]
     check = bench.run(llm, [bench.PLAIN] + configs, dict(list(prompts.items())[:2]), n, runs=1)
     by_config = {s["config"]: s for s in check["summary"]}
     checked = [{"candidate": c.name, "vocab": c.vocab, "tree": c.tree, "k": c.best_k, "predicted": c.best_speedup,
@@ -216,7 +219,7 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
         log("trees: not measured (tree verification runs on the CPU)")
     results = []
     for draft in candidates:
-        for cut in ([0, vocab] if vocab and draft.kind == "model" else [0]):
+        for cut in ([0, vocab] if vocab and getattr(draft.drafter_class, "text_model", False) else [0]):
             try:
                 drafter = llm.drafter(draft, replace(speculation, draft_vocab=cut))
             except QuickdraftError as e:
@@ -230,7 +233,7 @@ def run(llm, candidates: list[Draft], prompts: dict[str, list[int]], kmax: int, 
             results += [replace(c, vocab=cut) for c in measure(str(draft), drafter, prompts, outputs, t_plain,
                                                                 t_step, v, v_tree)]
     log("checking the best predictions against plain decoding")
-    winner, measured, checked = choose(llm, results, prompts, v, n)
+    winner, measured, checked = choose(llm, results, prompts, v, n, {str(d): d for d in candidates})
     pick = next((x for x in checked if (x["candidate"], x["vocab"], x["tree"]) == (winner.name, winner.vocab,
                                                                                       winner.tree)), None)
     plain_tok_s = pick["plain_tok_s"] if pick else 1 / t_step  # decode tok/s without and with the pick, same run
@@ -388,11 +391,7 @@ def explain(c: Candidate, v: dict[int, float], winner: Candidate) -> str:
 def _flavour(draft: Draft) -> str:
     """The draft's kind as other engines name its method: a DFlash-kind directory holding a DSpark drafter is
     "dspark"."""
-    if draft.kind == "dflash":
-        from quickdraft.weights.eagle3 import speculators_type
-
-        return "dspark" if speculators_type(draft.model) == "dspark" else "dflash"
-    return draft.kind
+    return draft.drafter_class.flavour(draft)
 
 
 def write_profile(path: Path, profile: dict) -> None:

@@ -24,7 +24,7 @@ from quickdraft.engine import Engine, Event, Halt, Timings
 from quickdraft.errors import QuickdraftError
 from quickdraft.constraint import Constraint
 from quickdraft.grammar import Grammar
-from quickdraft.runtime.slots import HostCopies
+from quickdraft.runtime.slots import KEPT_MAX  # noqa: F401 (api.KEPT_MAX: the CLI's help says it)
 from quickdraft.speculative.draft import Draft, DraftBuilder
 from quickdraft.speculative.policy import Prior
 from quickdraft.speculative.stats import SpeculationStats
@@ -63,14 +63,7 @@ class LLM:
         self.engine_config = engine
         self.drafts = DraftBuilder(target, engine, target.model.max_context, progress)
         self.draft = self.drafts.resolve(draft)  # `auto` made concrete
-        self.engine = self.engine_for(self.draft, speculation)
-        slots = self.engine.slots
-        if cache_ram is not None and self.engine.cache.lazy:  # memory taken as the caches fill: the budget bounds them
-            slots.count, slots.budget = max(cache_slots, KEPT_MAX), cache_ram
-        else:  # whole caches on a card (the memory plan fits their count): what they give up goes to host memory
-            slots.count = cache_slots
-            if cache_ram is not None:
-                slots.host = HostCopies(cache_ram)
+        self.engine = self.engine_for(self.draft, speculation, cache_slots, cache_ram)
 
     def cache_summary(self) -> str:
         """What the kept sequences may hold, in words (serve's start line)."""
@@ -105,12 +98,13 @@ class LLM:
         """The drafter a draft describes (None for none), its draft models loaded once per LLM."""
         return self.drafts.drafter(draft, speculation or self.engine.speculation)
 
-    def engine_for(self, draft: Draft | str, speculation: SpeculationConfig = SpeculationConfig()) -> Engine:
-        """An engine over this target (its own KV cache and policy, one slot) drafting with `draft`, its policy
-        starting from this machine's prices (prior)."""
+    def engine_for(self, draft: Draft | str, speculation: SpeculationConfig = SpeculationConfig(), slots: int = 1,
+                   cache_ram: int | None = None) -> Engine:
+        """An engine over this target (its own KV caches and policy; one slot unless told: Engine) drafting with
+        `draft`, its policy starting from this machine's prices (prior)."""
         drafter = self.drafter(draft, speculation)
-        return Engine(self.target, self.target.model.max_context, drafter, speculation,
-                      prior=prior(self.target, drafter))
+        return Engine(self.target, self.target.model.max_context, drafter, speculation, slots,
+                      prior(self.target, drafter), cache_ram)
 
     # ---- prompts ------------------------------------------------------------------------------------------
 
@@ -262,9 +256,6 @@ def fit_context(target: str, draft: Draft, engine: EngineConfig, slots: int, war
                              f"{100 * plan.share:.0f}% of {plan.device}'s memory: using {n} tokens ({{context}} sets "
                              "it, {cache_slots} lowers what it takes)", "context", "cache_slots"))
     return n
-
-
-KEPT_MAX = 64  # the most sequences kept where the memory they take is what bounds them (--cache-ram on the CPU)
 
 
 def memory_plan(target: str, draft: Draft, engine: EngineConfig, capacity: int | None = None, free: int | None = None,

@@ -29,7 +29,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.grammar import Grammar
 from quickdraft.runtime import heap
 from quickdraft.runtime.kv_cache import KVCache
-from quickdraft.runtime.slots import Slot, Slots
+from quickdraft.runtime.slots import KEPT_MAX, HostCopies, Slot, Slots
 from quickdraft.speculative.base import Drafter
 from quickdraft.speculative.policy import Acceptance, AdaptivePolicy, Prior, StepPlan
 from quickdraft.speculative.stats import SpeculationStats
@@ -68,15 +68,23 @@ class Engine:
     """
 
     def __init__(self, target: LoadedModel, context: int | None = None, drafter: Drafter | None = None,
-                 speculation: SpeculationConfig = SpeculationConfig(), slots: int = 1, prior: Prior | None = None):
+                 speculation: SpeculationConfig = SpeculationConfig(), slots: int = 1, prior: Prior | None = None,
+                 cache_ram: int | None = None):
         """slots: how many sequences to keep for reuse (each a KV cache of `context` positions, and its drafter's);
-        prior: what passes cost on this machine before any is timed (the policy's starting prices: api.prior)."""
+        prior: what passes cost on this machine before any is timed (the policy's starting prices: api.prior);
+        cache_ram: bytes for the kept sequences. Where caches take memory as they fill (the CPU) it bounds them, as
+        many kept as fit (up to KEPT_MAX); where they are whole (a card, its slots fitted by the memory plan) the
+        sequences the slots give up are copied to this much host memory and back (runtime/slots.HostCopies)."""
         self.target = target
         self.capacity = context or target.model.max_context
         self.drafter = drafter  # speaks for the first slot; each further slot drafts with a fork of it
         self.slots = Slots(self._slot, slots)
         first, _ = self.slots.take([], reuse=False)  # made now: its cache is the one tools ask for before generating
         first.busy = False
+        if cache_ram is not None and first.cache.lazy:
+            self.slots.count, self.slots.budget = max(slots, KEPT_MAX), cache_ram
+        elif cache_ram is not None:
+            self.slots.host = HostCopies(cache_ram)
         # a hybrid target's or draft's recurrent state rolls back a bounded number of positions, and on CUDA a pass
         # has at most target.rows rows (LoadedModel.rows): k stays within both
         bounds = (first.cache.max_draft, drafter.max_draft if drafter is not None else None,

@@ -70,7 +70,7 @@ class Work:
 
 @dataclass(eq=False)  # one generation is itself: two with the same prompt are two
 class Sequence:
-    """Everything one generation owns (DESIGN: a sequence is an object): its tokens, the slot whose cache holds them
+    """Everything one generation owns (a sequence is an object): its tokens, the slot whose cache holds them
     (and whose drafter speaks for them), how to sample and with which generators, its constraint, its statistics,
     timings and detokenizer."""
 

@@ -241,6 +241,9 @@ class HostCopies:
         return sum(c.nbytes() for c in self.copies)
 
 
+KEPT_MAX = 64  # the most sequences kept where the memory they take is what bounds them (--cache-ram on the CPU)
+
+
 class Slots:
     """Up to `count` slots, each made by `make` when first needed."""
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +15,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.models import build
 from quickdraft.models.transformer import ROWWISE_MAX, Transformer
 from quickdraft.quant import embedding, int4, placement
+from quickdraft.runtime import heap
 from quickdraft.runtime.graphs import StepGraphs
 from quickdraft.runtime.plan import plan as plan_kernels
 from quickdraft.tokenizer import Tokenizer
@@ -241,18 +240,7 @@ def _context(engine: EngineConfig, cfg: ModelConfig) -> int:
 def _return_freed_memory() -> None:
     """Hand the heap that loading freed (parsed metadata, conversion buffers: ~0.15 GB a model) back to the
     system: glibc keeps freed memory in the process otherwise, and peak memory is what a user meets."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, opened once (it runs after every quantized module of a load); None elsewhere."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        return None
+    heap.trim()
 
 
 def build_model(cfg: ModelConfig, tensors, device: torch.device, max_context: int, weights: str = "auto",

@@ -5,7 +5,7 @@ medians and ratios, and whether both gave the same tokens. "decode" is the engin
 first over the time from the first); "whole" is tokens over the wall time of the call, what a user waits for.
 
 Usage: .venv/bin/python scripts/bench_ab.py OLD_CHECKOUT NEW_CHECKOUT [--rounds 3]
-       (an old revision as a worktree: git worktree add /tmp/old REV)
+       (an old revision as a worktree: git worktree add ../quickdraft-old REV)
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 
 1. A conversation as a client holds one (quickdraft/tools/conversation.py: a ~1,000-token system prompt, then --turns
    turns, each request the whole history, -n greedy tokens a turn, streamed), against each deployment in turn, alone
-   on the machine: quickdraft serve with the default pair from this checkout and (--old DIR) from another checkout
+   on the machine: quickdraft serve with its default drafting and with drafting off (--draft none) from this checkout,
+   and (--old DIR) the default from another checkout
    (the revision before prefix reuse, say), and llama.cpp's llama-server (built once: quickdraft/tools/llamacpp.py) plain and
    with the 0.5B draft (-md), with its defaults (prompt cache on). Time to first token per turn and the whole
    conversation's time.
@@ -36,9 +37,9 @@ LENGTHS = (512, 1024, 2048, 4000)
 def deployments(args, target: Path, draft: Path):
     """(name, start) for each deployment: start() -> (base URL, stop)."""
 
-    def quickdraft(cwd):
+    def quickdraft(cwd, *flags):
         def start():
-            server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "4096", startup_timeout=600, cwd=cwd)
+            server = ServerProcess("-m", hub.DEFAULT_TARGET, "--ctx", "4096", *flags, startup_timeout=600, cwd=cwd)
             return server.base_url, server.stop
         return start
 
@@ -52,6 +53,7 @@ def deployments(args, target: Path, draft: Path):
     if args.old:
         out.append((f"quickdraft serve ({Path(args.old).name})", quickdraft(args.old)))
     out += [("quickdraft serve (this checkout)", quickdraft(None)),
+            ("quickdraft serve --draft none", quickdraft(None, "--draft", "none")),
             ("llama-server plain", llama()),
             ("llama-server -md 0.5B", llama("-md", str(draft), "--spec-type", "draft-simple"))]
     return out

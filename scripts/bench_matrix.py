@@ -4,7 +4,7 @@ llama-server on the same GGUF files, in one run on this machine (named in the pr
 
 Rows: a prompt (the bundled code-en, about 100 tokens; long-1k; review-5k, about 5,500; review-12k with --prompts) at
 temperature 0 (greedy) and 0.7 (seeded). Columns: llama-server plain and with the 0.5B draft (-md), quickdraft with
-drafting off, its default (the pair with n-gram lookup, adaptive k, the draft's window) and, with --profile, what
+drafting off, its default (suffix decoding, then the 0.5B draft: the chain auto gives; adaptive k, the draft's window) and, with --profile, what
 `quickdraft tune` chose. Each cell: decode tok/s (tokens after the first over the time from the first: a drafter's
 catch-up is in it), the median of --runs, configurations taken in turn (rotated each run); every run its own request
 with the prompt cached (its cold prefill is the warm-up's: the TTFT column). Ratios: the default against llama-server

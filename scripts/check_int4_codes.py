@@ -4,7 +4,7 @@ fp16 scale and low per 32). Prints the weights' squared error against a GGUF fil
 dequantized), for today's fp16 grids and for the coded ones, with each block's scale chosen two ways: its largest
 value over 255 (or 127), and the largest divisor up to 255 (or 127) of which all 8 values are whole multiples and which
 is exact in fp16 (what a Q4_K block's d over a power of two is).
-docs/performance.md ("On a CPU without AVX-512") has its figures.
+docs/measurements/2026.md (2026-12-06: a denser int4 format, measured and not kept) has its figures.
 
     python scripts/check_int4_codes.py [--model qwen2.5-coder-1.5b] [--every 4]
 """

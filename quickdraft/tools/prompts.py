@@ -51,12 +51,24 @@ def _review(module: str) -> str:
             f"you mean.\n\n```python\n{source}```")
 
 
+def _edit(module: str) -> str:
+    """A code edit: a module of Python's standard library given whole, to be returned whole with a change (an answer
+    that is mostly the prompt's text again: what suffix decoding and lookup draft from)."""
+    import importlib
+    import inspect
+
+    source = inspect.getsource(importlib.import_module(module))
+    return ("Rename the parameter `lo` to `low` and `hi` to `high` everywhere in this Python module, and return the "
+            f"whole module, changed, with nothing else.\n\n```python\n{source}```")
+
+
 # Long prompts: what the time to first token is made of, and what a draft's cost grows with (about 1,000, 4,000, 1,000,
-# 5,500 and 11,500 tokens with the default pair's tokenizer; long-4k repeats one text, the reviews do not). Not in the
-# default set (a cold prefill of each per run); name them with --prompts.
+# 5,500 and 11,500 tokens with the default pair's tokenizer; long-4k repeats one text, the reviews do not), and a code
+# edit (about 1,000 tokens, whose answer copies it). Not in the default set (a cold prefill of each per run); name them
+# with --prompts.
 LONG = {"long-1k": lambda: _long(reference_text(), 1), "long-4k": lambda: _long(reference_text(), 4),
         "review-1k": lambda: _review("bisect"), "review-5k": lambda: _review("pprint"),
-        "review-12k": lambda: _review("configparser")}
+        "review-12k": lambda: _review("configparser"), "edit-1k": lambda: _edit("bisect")}
 NAMES = [*PROMPTS, *LONG]
 
 

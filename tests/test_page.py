@@ -214,7 +214,10 @@ def test_side_by_side_shows_both_speeds_and_identical_texts(page, shots):
         assert verdict.get_attribute("data-same") == "true", verdict.text
         assert "identical texts" in verdict.text and "tok/s off" in verdict.text and "tok/s on" in verdict.text
         off, on = page.find_elements("css selector", ".pair .msg.assistant")[-2:]
-        assert coloured_tokens(off) == {"draft": 0, "ngram": 0} and sum(coloured_tokens(on).values()) > 0
+        # drafting off shows no drafted token; drafting on colours every draft it kept (whether any pays on this
+        # machine is the policy's call: _coloured_answer asks for both colours on a prompt that repeats itself)
+        assert coloured_tokens(off) == {"draft": 0, "ngram": 0}
+        assert sum(coloured_tokens(on).values()) == int(on.get_attribute("data-draft-accepted")), coloured_tokens(on)
     finally:
         page.find_element("id", "side-by-side").click()
 

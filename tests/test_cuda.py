@@ -177,9 +177,9 @@ def test_cuda_a_conversation_given_up_to_host_memory_comes_back_exactly(models):
     target, draft = models
     params = SamplingParams(max_tokens=16, stop_at_eos=False)
     engine = Engine(target, 256, DraftModelDrafter(draft, target.config.vocab_size, 256),
-                    SpeculationConfig(draft_max=4, adaptive=False), slots=1, cache_ram=2**30)
-    if engine.slots.host is None:  # the CPU rehearsal: caches there fill as they go, and the budget bounds them
-        engine.slots.host = HostCopies(2**30)  # (on the card, Engine gives whole caches host copies)
+                    SpeculationConfig(draft_max=4, adaptive=False), slots=1, cache_ram=2**30 if ON_GPU else None)
+    if not ON_GPU:  # the CPU rehearsal: there cache_ram would keep up to KEPT_MAX sequences (caches fill as they go,
+        engine.slots.host = HostCopies(2**30)  # the budget bounds them); on the card Engine gives host copies
     a, b = PROMPT[:10] + [3] * 30, PROMPT[:10] + [4] * 30
     answer = [e.token for e in engine.generate(a, params) if e.token is not None]
     list(engine.generate(b, params))

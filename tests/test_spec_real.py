@@ -92,9 +92,12 @@ def test_greedy_speculative_equals_plain_on_real_pair(target, draft, prompts, pl
         accepted[name] = stats.draft_n_accepted
     # Rejected drafts test the rollback; accepted ones the commit. Whether n-grams match free Chinese prose
     # depends on the exact greedy text, which differs between CPUs (their kernels round differently), so
-    # acceptance is required on the prompt built to be copied from, not on every prompt (by lookup, whose drafts
-    # cost nothing: the adaptive chain drafts them there too).
-    assert accepted["summary"] > 0, accepted
+    # acceptance is required on the prompt built to be copied from, not on every prompt; and of the fixed-k
+    # drafters only: in 40 tokens the adaptive chain may rightly leave a match undrafted (its measured prices, which
+    # differ between machines, and what the earlier prompts taught it decide), and asking it to draft is not asking
+    # for exactness.
+    if not combined:
+        assert accepted["summary"] > 0, accepted
 
 
 def _first_difference(a, b):

@@ -422,3 +422,22 @@ def test_a_batch_probes_a_source_plain_decoding_wins_over_once_its_wait_is_over(
     policy.record_drafts("draft", PROBE_SHORT, 0, 0.05)
     plan = BatchPlan(policy, 2, 2, 64)
     assert [plan.k_for(i, cfg, 8)("draft") for i in range(2)] == [0, 0]  # lost: the next one waits longer
+
+
+def test_the_rates_a_step_weighs_are_each_ks_predicted_rate():
+    """k_for weighs every k from one pass over the prices (predicted_rates, its hot path): each figure is exactly
+    predicted_rate's, for a trained policy, one moved to a longer sequence, and a cold one priced by the machine."""
+    trained_one = trained(acceptance=0.6, verify_slope=0.1, draft_cost=0.05)
+    moved = trained(acceptance=0.4, verify_slope=0.05, draft_cost=0.05)
+    moved.position = 100
+    for _ in range(4):
+        moved.record_plain(1.0)
+    moved.position = 5_000
+    for _ in range(4):
+        moved.record_plain(2.0)
+    moved.t_catch_up["draft"] = 0.3  # (a draft model's catch-up after lookup rounds: a cost per round)
+    priced = cold(per_row=0.445, draft_share=0.32)
+    priced.tried["draft"], priced.accepted["draft"] = [10.0, 8.0, 3.0], [7.0, 4.0, 1.0]
+    for policy, source in ((trained_one, "draft"), (moved, "draft"), (priced, "draft"), (priced, "ngram")):
+        top = policy.cfg.draft_max
+        assert policy.predicted_rates(source, top) == [policy.predicted_rate(source, k) for k in range(1, top + 1)]

@@ -418,8 +418,17 @@ class AdaptivePolicy:
         length now (_moved)."""
         if k in self.t_verify:
             return self._moved(("verify", k), k + 1, self.t_verify[k])
+        return self._verify_between(k, self._verify_points())
+
+    def _verify_points(self) -> list[tuple[int, float]]:
+        """The measured (k, t_verify) moved to the sequence's length now, (0, t_plain) first: what verify_seconds
+        interpolates between (computed once for every k a decision weighs)."""
         moved = {n: self._moved(("verify", n), n + 1, t) for n, t in self.t_verify.items()}
-        points = sorted({0: self.plain_seconds(), **moved}.items())
+        return sorted({0: self.plain_seconds(), **moved}.items())
+
+    def _verify_between(self, k: int, points: list[tuple[int, float]]) -> float:
+        if k in self.t_verify:
+            return dict(points)[k]
         below = [p for p in points if p[0] < k]
         above = [p for p in points if p[0] > k]
         if below and above:
@@ -440,6 +449,20 @@ class AdaptivePolicy:
             return 1.0 / self.plain_seconds()
         return speed.rate(self.acceptance(source, k), self.verify_seconds(k), self.draft_seconds(source, k) / k,
                           self.t_catch_up.get(source, 0.0))
+
+    def predicted_rates(self, source: str, top: int) -> list[float]:
+        """predicted_rate(source, k) for k = 1..top, the same figures, each price computed once (a step weighs every
+        k: this is its hot path)."""
+        acceptance, points = self.acceptance(source, top), self._verify_points()
+        catch_up = self.t_catch_up.get(source, 0.0)
+        rates, expected, run = [], 1.0, 1.0
+        for k in range(1, top + 1):
+            run *= acceptance[k - 1]
+            expected += run  # (speed.expected_length's sum, in its order)
+            rounds = speed.round_seconds(self._verify_between(k, points), k, self.draft_seconds(source, k) / k,
+                                         catch_up)
+            rates.append(expected / rounds)
+        return rates
 
     def pass_seconds(self, rows: int) -> float | None:
         """Measured seconds of a batched pass of `rows` rows, else interpolated linearly between measured row
@@ -530,9 +553,9 @@ class AdaptivePolicy:
         self.since.setdefault(source, 0)
         if source not in self.t_draft and not self._priced(source):  # neither timed nor priced yet: probe
             return self._why(source, max(cfg.draft_min, min(cfg.draft_max, PROBE_K)), "unpriced")
-        candidates = range(max(cfg.draft_min, 1), cfg.draft_max + 1)
-        best = max(candidates, key=lambda k: self.predicted_rate(source, k), default=0)
-        gain = self.predicted_rate(source, best) / self.predicted_rate(source, 0) if best else 0.0
+        rates = self.predicted_rates(source, cfg.draft_max)
+        best = max(range(max(cfg.draft_min, 1), cfg.draft_max + 1), key=lambda k: rates[k - 1], default=0)
+        gain = rates[best - 1] / self.predicted_rate(source, 0) if best else 0.0
         if cfg.draft_min == 0 and self.rounds_since_plain >= (REFRESH if gain >= MARGIN else REFRESH_NEAR):
             return 0  # time a plain step again
         if cfg.draft_min == 0 and gain <= 1.0:
@@ -558,7 +581,7 @@ class AdaptivePolicy:
         cfg = cfg or self.cfg
         if self.t_plain is None:
             return 0.0
-        return max(self.predicted_rate(source, k) for k in range(1, cfg.draft_max + 1)) * self.plain_seconds()
+        return max(self.predicted_rates(source, cfg.draft_max)) * self.plain_seconds()
 
     def probe(self, source: str, cfg: SpeculationConfig, best: int, lag: int, waiting: int = 1) -> int:
         """Where plain decoding wins over `source`: the k of a probe of it if one is due (a short round, to measure its

@@ -13,6 +13,7 @@ what no file's blocks bound.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -124,6 +125,7 @@ def weight_seconds(model, found: dict):
     per = found["seconds_per_weight"]
     (r0, r1) = ROWS
 
+    @functools.lru_cache(maxsize=512)  # (the policy asks for the same few row counts at every step)
     def seconds(rows: int) -> float:
         return sum(n * (per[kind][str(r0)] + (per[kind][str(r1)] - per[kind][str(r0)]) * (rows - r0) / (r1 - r0))
                    for kind, n in counts.items() if kind in per)
